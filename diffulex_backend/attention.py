@@ -1,0 +1,105 @@
+"""Attention over a paged KV cache for diffusion blocks, and its metadata.
+
+One forward holds a varlen batch of sequences. The query tokens of a sequence are whatever the step
+feeds for it (a prompt chunk, a block being committed, the blocks in flight). Each query token attends to
+  * the sequence's cached tokens `[0, context_len)`, read from its pages, all visible; and
+  * the in-forward tokens of its own sequence, under the block mask: query i sees key j iff
+    `block_ids[j] <= block_ids[i]`.
+The block mask expresses every pattern the strategies need with one integer per token:
+  * causal prompt:                 block_id = position
+  * bidirectional prompt (d2f):    block_id = the same value for every prompt token
+  * blocks in flight:              block_id = the block's first position (bidirectional inside a block,
+                                   causal across blocks)
+  * full attention (vanilla):      block_id = 0 everywhere
+Tokens with `slot_mapping >= 0` also have their K/V written to the cache at that slot. The context never
+includes the in-forward tokens of the same step, so the store may happen before or after the read.
+
+This module is the reference (torch) implementation and the CPU path. Kernels implement the same functions
+with the same metadata; `attention_backend` picks one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+
+@dataclass
+class AttentionMetadata:
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    context_lens: torch.Tensor  # [B] int32: cached tokens each sequence attends to
+    page_tables: torch.Tensor  # [B, max_pages] int32, -1 where unused
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each token's K/V, -1 to skip the store
+    block_ids: torch.Tensor  # [T] int32: the block mask, see the module docstring
+    max_seqlen_q: int
+    max_context_len: int
+    # Host copies of the two small per-sequence vectors, so the reference path never syncs a device.
+    cu_seqlens_q_host: tuple[int, ...] = ()
+    context_lens_host: tuple[int, ...] = ()
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.context_lens_host)
+
+
+def store_kv(
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T]
+) -> None:
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+
+
+def gather_context(
+    cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    page_table: torch.Tensor,  # [max_pages]
+    context_len: int,
+) -> torch.Tensor:  # [context_len, kv_heads, head_dim]
+    page_size = cache.shape[1]
+    pos = torch.arange(context_len, device=cache.device)
+    slots = page_table[pos // page_size].long() * page_size + pos % page_size
+    return cache.view(-1, *cache.shape[2:])[slots]
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [T, heads, head_dim]
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor | None,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Store, then attend. One loop over sequences; everything inside is batched over tokens and heads."""
+    if k_cache is not None:
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+    heads, kv_heads = query.shape[1], key.shape[1]
+    group = heads // kv_heads
+    out = torch.empty_like(query)
+    cu = meta.cu_seqlens_q_host
+    for b in range(meta.num_seqs):
+        rows = slice(cu[b], cu[b + 1])
+        q, k, v = query[rows], key[rows], value[rows]
+        n = q.shape[0]
+        if n == 0:
+            continue
+        ctx = meta.context_lens_host[b]
+        blk = meta.block_ids[rows]
+        visible = blk[None, :] <= blk[:, None]  # [n, n]
+        if ctx:
+            k = torch.cat([gather_context(k_cache, meta.page_tables[b], ctx).to(k.dtype), k])
+            v = torch.cat([gather_context(v_cache, meta.page_tables[b], ctx).to(v.dtype), v])
+            visible = torch.cat([visible.new_ones(n, ctx), visible], dim=1)
+        # [heads, n, d] x [heads, ctx + n, d], in float32 so that bf16 inputs keep a float32 reference.
+        q32 = q.transpose(0, 1).float()
+        k32 = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        v32 = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=visible, scale=scale)
+        out[rows] = o.transpose(0, 1).to(out.dtype)
+    return out
