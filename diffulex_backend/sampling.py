@@ -1,0 +1,175 @@
+"""Per-request sampling parameters, and the batched token sampler with its confidence measures.
+
+`sample_reference` is the CPU path and the reference of the fused GPU kernel. Randomness comes from a
+counter-based hash of (request seed, position, step), not from a stateful generator, so a seeded request
+samples the same tokens whatever else shares its batch, and the kernel reproduces the same noise.
+"""
+from __future__ import annotations
+
+import dataclasses
+import enum
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Confidence(enum.IntEnum):
+    PROB = 0  # probability of the chosen token
+    MARGIN = 1  # top-1 minus top-2 probability
+    NEG_ENTROPY = 2  # sum p log p: close to 0 when the distribution is peaked
+
+
+@dataclass
+class SamplingParams:
+    max_tokens: int = 128
+    temperature: float = 0.0
+    top_k: int = 0  # 0 keeps the whole vocabulary
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    ignore_eos: bool = False
+    confidence: str = "prob"
+    steps: int | None = None  # denoising steps per block for the top-k schedule; None means one token per step
+    accept_threshold: float | None = None  # None takes the engine's setting
+    remask_threshold: float | None = None
+
+    def __post_init__(self):
+        def fail(name, allowed):
+            raise ValueError(f"sampling parameter '{name}' must be {allowed}, got {getattr(self, name)!r}")
+
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            fail("max_tokens", "an integer >= 1")
+        if not _is_num(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
+            fail("temperature", "a number >= 0")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            fail("top_k", "an integer >= 0 (0 disables it)")
+        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+            fail("top_p", "a number in (0, 1]")
+        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
+            fail("seed", "a non-negative integer or null")
+        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
+            fail("stop", "a list of non-empty strings")
+        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
+            fail("stop_token_ids", "a list of non-negative integers")
+        if not isinstance(self.ignore_eos, bool):
+            fail("ignore_eos", "true or false")
+        if self.confidence not in CONFIDENCE_NAMES:
+            fail("confidence", f"one of {sorted(CONFIDENCE_NAMES)}")
+        if self.steps is not None and (not _is_int(self.steps) or self.steps < 1):
+            fail("steps", "an integer >= 1 or null")
+        for name in ("accept_threshold", "remask_threshold"):
+            value = getattr(self, name)
+            if value is not None and (not _is_num(value) or not 0 <= value <= 1):
+                fail(name, "a number in [0, 1] or null")
+
+    @property
+    def confidence_kind(self) -> Confidence:
+        return CONFIDENCE_NAMES[self.confidence]
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @classmethod
+    def from_dict(cls, values: dict) -> "SamplingParams":
+        if not isinstance(values, dict):
+            raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+        unknown = sorted(set(values) - set(cls.field_names()))
+        if unknown:
+            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {cls.field_names()}")
+        return cls(**values)
+
+
+CONFIDENCE_NAMES = {"prob": Confidence.PROB, "margin": Confidence.MARGIN, "neg_entropy": Confidence.NEG_ENTROPY}
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_num(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """murmur3's fmix32 on uint32 values held in int64 (products wrap; the low 32 bits are exact)."""
+    x = x & _MASK32
+    x = x ^ (x >> 16)
+    x = (x * 0x85EBCA6B) & _MASK32
+    x = x ^ (x >> 13)
+    x = (x * 0xC2B2AE35) & _MASK32
+    return x ^ (x >> 16)
+
+
+def row_keys(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
+    """One uint32 noise key per predicted position: a function of (request seed, position, request step)."""
+    return mix32(seeds ^ mix32(positions * 0x9E3779B1 + mix32(steps)))
+
+
+def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V] in (0, 1)
+    j = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
+    h = mix32(keys[:, None] ^ mix32(j)[None, :])
+    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+
+
+@dataclass
+class SampleResult:
+    tokens: torch.Tensor  # [N] int64: the sampled (or greedy) token
+    confidence: torch.Tensor  # [N] float32: the row's confidence measure
+    logsumexp: torch.Tensor  # [N] float32: to score other tokens of the row later: p(t) = exp(logit_t - lse)
+
+
+def sample_reference(
+    logits: torch.Tensor,  # [N, V]
+    temperature: torch.Tensor,  # [N] float32, 0 for greedy
+    keys: torch.Tensor,  # [N] int64 noise keys from row_keys
+    confidence_kind: torch.Tensor,  # [N] int64 Confidence values
+    top_k: torch.Tensor | None = None,  # [N] int64, 0 = off
+    top_p: torch.Tensor | None = None,  # [N] float32, 1 = off
+) -> SampleResult:
+    """Choose a token per row and score it. Confidence is measured on the untempered distribution."""
+    logits = logits.float()
+    lse = torch.logsumexp(logits, dim=-1)
+    probs = torch.exp(logits - lse[:, None])
+    tokens = logits.argmax(dim=-1)
+    sampled = temperature > 0
+    if bool(sampled.any()):
+        rows = sampled.nonzero().squeeze(1)
+        scaled = logits[rows] / temperature[rows, None]
+        scaled = _filter_top_k_top_p(scaled, None if top_k is None else top_k[rows], None if top_p is None else top_p[rows])
+        gumbel = -torch.log(-torch.log(uniform_noise(keys[rows], logits.shape[1])))
+        tokens[rows] = (scaled + gumbel).argmax(dim=-1)
+    top2 = probs.topk(2, dim=-1).values
+    chosen = probs.gather(1, tokens[:, None]).squeeze(1)
+    neg_entropy = (probs * (logits - lse[:, None])).sum(-1)
+    confidence = torch.where(
+        confidence_kind == Confidence.PROB, chosen,
+        torch.where(confidence_kind == Confidence.MARGIN, top2[:, 0] - top2[:, 1], neg_entropy),
+    )
+    return SampleResult(tokens=tokens, confidence=confidence, logsumexp=lse)
+
+
+def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
+    need_k = top_k is not None and bool((top_k > 0).any())
+    need_p = top_p is not None and bool((top_p < 1).any())
+    if not (need_k or need_p):
+        return scaled
+    sorted_logits, order = scaled.sort(dim=-1, descending=True)
+    drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    rank = torch.arange(scaled.shape[1], device=scaled.device)[None, :]
+    if need_k:
+        k = torch.where(top_k > 0, top_k, scaled.shape[1])
+        drop |= rank >= k[:, None]
+    if need_p:
+        probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(-1)
+        before = probs.cumsum(-1) - probs  # mass strictly ahead of each token; the top token always stays
+        drop |= before >= top_p[:, None]
+    sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+    return torch.empty_like(scaled).scatter_(1, order, sorted_logits)
