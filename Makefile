@@ -1,0 +1,64 @@
+# diffulex-triton: set-up, serving and tests.
+#
+#   make serve   set everything up, then run tritonserver on model_repository (ports 8000/8001/8002)
+#   make test    set everything up, then run the whole test suite
+#
+# Set-up is idempotent: each step leaves a stamp under .venv/.stamps and is redone only when its inputs
+# change, so a second `make test` goes straight to pytest.
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMPS := $(VENV)/.stamps
+RUNTIME := .runtime
+MODEL_REPOSITORY := model_repository
+DEMO_MODEL := $(MODEL_REPOSITORY)/diffulex/demo-llada
+PYTEST_ARGS ?=
+
+# torch==2.13.0 resolves to the CPU build kept on local disk; a bare `torch` would pull a CUDA build.
+# numpy must stay below 2: the Python backend stub crashes on every STRING input with numpy 2.
+PYTHON_PACKAGES := torch==2.13.0 "numpy<2" safetensors transformers tqdm triton \
+	"tritonclient[all]==2.51.0" nvidia-pytriton==0.7.0 pytest pytest-timeout
+# libb64-0d: the perf_analyzer binary inside tritonclient links against it.
+APT_PACKAGES := libb64-0d
+
+.PHONY: setup test-setup serve test
+
+setup: $(STAMPS)/project $(BIN)/tritonserver $(DEMO_MODEL)/config.json
+
+test-setup: setup
+
+serve: setup
+	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
+		--http-port 8000 --grpc-port 8001 --metrics-port 8002
+
+# pytest exits 5 when it collects nothing; make fails on it like on any other non-zero status.
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMPS)/apt:
+	@missing=$$(for p in $(APT_PACKAGES); do dpkg -s $$p >/dev/null 2>&1 || echo $$p; done); \
+	if [ -n "$$missing" ]; then \
+		apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends $$missing; \
+	fi
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/python-packages: Makefile | $(BIN)/python
+	$(BIN)/python -m pip install $(PYTHON_PACKAGES)
+	@mkdir -p $(STAMPS) && touch $@
+
+# Reinstalled when a renamed package folder gains its __init__.py, so the editable finder maps it.
+$(STAMPS)/project: pyproject.toml setup.py $(wildcard kernels/__init__.py client/__init__.py) \
+		$(STAMPS)/python-packages $(STAMPS)/apt
+	$(BIN)/python -m pip install -e .
+	@touch $@
+
+$(BIN)/tritonserver: tools/install_tritonserver.py $(STAMPS)/python-packages
+	$(BIN)/python tools/install_tritonserver.py $(RUNTIME)
+
+# A tiny random-weight LLaDA checkpoint stands in until the trained demo model is committed here.
+$(DEMO_MODEL)/config.json: | $(STAMPS)/project
+	$(BIN)/python -m diffulex_backend.checkpoint $(DEMO_MODEL) --model-name llada
