@@ -1,0 +1,265 @@
+"""Paged attention for diffusion blocks over a varlen batch: the kernel twin of
+`diffulex_backend.attention.paged_attention_reference`, with the same metadata and semantics.
+
+One program owns a tile of query rows of one sequence and one kv head. A row is a (token, head) pair of
+that kv head's GQA group, flattened token-major, so each K/V tile read from the cache serves every query head
+of the group. The program streams the sequence's cached context `[0, context_len)` through the page table,
+all visible, then the in-forward keys of the sequence under the block mask (`block_ids[key] <= block_ids[query]`),
+with an online softmax in float32 (base 2: the scale carries log2(e)).
+
+Split-KV: when (q tiles x sequences x kv heads) cannot fill the GPU and contexts are long, the cached context
+is cut into `num_splits` chunks, each program writes an unnormalised partial (acc, max, sum) per row, and a
+second kernel merges the partials. Split 0 also takes the in-forward keys. The number of splits and the chunk
+length depend only on host integers (`max_seqlen_q`, `max_context_len`, shapes), so a CUDA graph captured for
+a bucket stays valid: the kernels read the real lengths from device memory.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import triton
+import triton.language as tl
+
+from .dtypes import dot_dtype
+from .store_kv import store_kv
+
+if TYPE_CHECKING:
+    from diffulex_backend.attention import AttentionMetadata
+
+LOG2_E = 1.4426950408889634
+# Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
+MIN_SPLIT_CHUNK = 128
+KEY_TILE = 64  # keys per inner-loop step
+
+
+@triton.jit
+def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2):
+    """Fold one key tile into the running (acc, max, sum). k, v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N]."""
+    qk = tl.dot(q, tl.trans(k)) * scale_log2
+    qk = tl.where(visible, qk, float("-inf"))
+    # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
+    m_new = tl.maximum(m_i, tl.max(qk, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(qk - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return acc, m_new, l_i
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_cache_page, stride_cache_slot, stride_cache_head, stride_page_table,
+    num_kv_heads, num_tokens, num_heads, context_chunk, scale_log2,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
+    SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1) // num_kv_heads
+    kv_head = tl.program_id(1) % num_kv_heads
+    split = tl.program_id(2)
+
+    q_start = tl.load(cu_seqlens_q_ptr + seq)
+    q_len = tl.load(cu_seqlens_q_ptr + seq + 1) - q_start
+    if tile * BLOCK_M >= q_len * GROUP:
+        return
+
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    token = rows // GROUP  # [BLOCK_M] token index inside the sequence
+    head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
+    row_valid = token < q_len
+    dims = tl.arange(0, HEAD_DIM)
+    q = tl.load(
+        q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
+        mask=row_valid[:, None], other=0.0,
+    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    q_block = tl.load(block_ids_ptr + q_start + token, mask=row_valid, other=0)
+
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    keys = tl.arange(0, BLOCK_N)
+
+    if HAS_CACHE:
+        context_len = tl.load(context_lens_ptr + seq)
+        ctx_begin = split * context_chunk
+        ctx_end = tl.minimum(context_len, ctx_begin + context_chunk)
+        page_row = page_tables_ptr + seq.to(tl.int64) * stride_page_table
+        for start in range(ctx_begin, ctx_end, BLOCK_N):
+            pos = start + keys
+            key_valid = pos < ctx_end
+            page = tl.load(page_row + pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
+            slot_offset = page * stride_cache_page + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
+            cache_offset = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
+            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_valid[None, :], scale_log2)
+
+    # The in-forward keys of the sequence, block-masked; only split 0 takes them.
+    fwd_end = tl.where(split == 0, q_len, 0)
+    for start in range(0, fwd_end, BLOCK_N):
+        key_token = start + keys
+        key_valid = key_token < q_len
+        k = tl.load(
+            k_ptr + (q_start + key_token)[:, None] * stride_kt + kv_head * stride_kh + dims[None, :],
+            mask=key_valid[:, None], other=0.0,
+        ).to(DOT_DTYPE)
+        v = tl.load(
+            v_ptr + (q_start + key_token)[:, None] * stride_vt + kv_head * stride_vh + dims[None, :],
+            mask=key_valid[:, None], other=0.0,
+        ).to(DOT_DTYPE)
+        k_block = tl.load(block_ids_ptr + q_start + key_token, mask=key_valid, other=2147483647)
+        visible = k_block[None, :] <= q_block[:, None]
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2)
+
+    if SPLIT:
+        # Partials are [splits, tokens, heads(, head_dim)] in float32; the merge kernel reads them.
+        row_index = (split * num_tokens + q_start + token).to(tl.int64) * num_heads + head
+        tl.store(part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], acc, mask=row_valid[:, None])
+        tl.store(part_max_ptr + row_index, m_i, mask=row_valid)
+        tl.store(part_sum_ptr + row_index, l_i, mask=row_valid)
+    else:
+        # Every query row sees at least its own key, so l_i > 0 on valid rows.
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+            out.to(out_ptr.dtype.element_ty), mask=row_valid[:, None],
+        )
+
+
+@triton.jit
+def _merge_splits_kernel(
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    stride_ot, stride_oh, num_tokens, num_splits,
+    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    token = tl.program_id(0)
+    heads = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, HEAD_DIM)
+    head_valid = heads < NUM_HEADS
+    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
+    s = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
+    for split in range(0, num_splits):
+        row_index = (split * num_tokens + token).to(tl.int64) * NUM_HEADS + heads
+        m_split = tl.load(part_max_ptr + row_index, mask=head_valid, other=-1.0e30)
+        s_split = tl.load(part_sum_ptr + row_index, mask=head_valid, other=0.0)
+        acc_split = tl.load(part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], mask=head_valid[:, None], other=0.0)
+        m_new = tl.maximum(m, m_split)
+        alpha = tl.exp2(m - m_new)
+        beta = tl.exp2(m_split - m_new)
+        s = s * alpha + s_split * beta
+        acc = acc * alpha[:, None] + acc_split * beta[:, None]
+        m = m_new
+    out = acc / s[:, None]
+    tl.store(
+        out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+        out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None],
+    )
+
+
+def query_tile_rows(max_seqlen_q: int, group: int) -> int:
+    """Rows (token x head pairs) per program: enough for one sequence's block, within one MMA-friendly tile."""
+    return min(128, max(16, triton.next_power_of_2(max_seqlen_q * group)))
+
+
+def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int) -> int:
+    """How many chunks to cut the cached context into so that the launch fills `num_sms` multiprocessors.
+
+    `base_programs` is q tiles x sequences x kv heads. One split (no merge pass) when that already fills the
+    GPU or the context is too short for a chunk to pay for its partial round trip.
+    """
+    if base_programs >= num_sms:
+        return 1
+    return max(1, min(triton.cdiv(num_sms, base_programs), max_context_len // MIN_SPLIT_CHUNK))
+
+
+def multiprocessor_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one by one: splitting only adds work
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, heads, head_dim]
+    key: torch.Tensor,  # [T, kv_heads, head_dim]
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    k_cache: torch.Tensor | None,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor | None,
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,  # [T, heads, head_dim], e.g. a CUDA graph's static buffer
+) -> torch.Tensor:  # [T, heads, head_dim]
+    """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
+
+    Reads only device-side metadata; `max_seqlen_q` and `max_context_len` (upper bounds) size the grid.
+    `num_splits=None` picks split-KV by occupancy; pass an int to force it.
+    """
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key.shape[1]
+    if num_heads % num_kv_heads:
+        raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
+    if head_dim not in (64, 128):
+        raise ValueError(f"paged_attention: head_dim {head_dim} is not supported (64 or 128)")
+    if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
+        raise ValueError("paged_attention: query, key and value need a contiguous head_dim")
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(query) if out is None else out
+    if num_tokens == 0:
+        return out
+
+    has_cache = k_cache is not None
+    if has_cache:
+        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        page_size = k_cache.shape[1]
+        cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
+        max_context_len = meta.max_context_len
+    else:
+        k_cache = v_cache = key  # never read: HAS_CACHE=False compiles the context loop away
+        page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
+
+    num_seqs = meta.cu_seqlens_q.shape[0] - 1
+    block_m = query_tile_rows(meta.max_seqlen_q, group)
+    num_tiles = triton.cdiv(meta.max_seqlen_q * group, block_m)
+    base_programs = num_tiles * num_seqs * num_kv_heads
+    if num_splits is None:
+        num_splits = choose_num_splits(base_programs, max_context_len, multiprocessor_count(query.device))
+    num_splits = max(1, min(num_splits, triton.cdiv(max_context_len, KEY_TILE)))
+    # Chunks are whole key tiles, so only the last tile of a context is ragged.
+    context_chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), KEY_TILE) * KEY_TILE
+    num_splits = triton.cdiv(max(max_context_len, 1), context_chunk)
+    split = num_splits > 1
+
+    if split:
+        part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, device=query.device, dtype=torch.float32)
+        part_max = torch.empty(num_splits, num_tokens, num_heads, device=query.device, dtype=torch.float32)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched: SPLIT=False
+    num_warps = 8 if block_m >= 128 else 4
+    _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
+        query, key, value, k_cache, v_cache,
+        meta.cu_seqlens_q, meta.context_lens, meta.page_tables, meta.block_ids,
+        out, part_acc, part_max, part_sum,
+        query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+        out.stride(0), out.stride(1),
+        *cache_strides, meta.page_tables.stride(0),
+        num_kv_heads, num_tokens, num_heads, context_chunk, scale * LOG2_E,
+        GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
+        SPLIT=split, BLOCK_M=block_m, BLOCK_N=KEY_TILE, DOT_DTYPE=dot_dtype(query),
+        num_warps=num_warps, num_stages=2,
+    )
+    if split:
+        _merge_splits_kernel[(num_tokens,)](
+            part_acc, part_max, part_sum, out,
+            out.stride(0), out.stride(1), num_tokens, num_splits,
+            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
+            num_warps=4,
+        )
+    return out

@@ -1,0 +1,31 @@
+"""Inputs for the kernel tests: random data, poisoned outputs, and the size of the shapes."""
+from __future__ import annotations
+
+import os
+
+import torch
+
+FULL_SHAPES = os.environ.get("DIFFULEX_FULL_SHAPES") == "1"
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+# ‖out − ref‖ / ‖ref‖ allowed per input dtype: bf16/fp16 round the output and the softmax weights fed to
+# the second matmul; fp32 may run its matmuls in tf32 on the GPU.
+REL_TOL = {torch.bfloat16: 1.5e-2, torch.float16: 2e-3, torch.float32: 2e-3}
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    out, ref = out.double(), ref.double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+def poisoned_like(tensor: torch.Tensor) -> torch.Tensor:
+    """An output buffer full of NaN, so that any element the kernel forgets to write fails the comparison."""
+    return torch.full_like(tensor, float("nan"))
+
+
+def generator(seed: int) -> torch.Generator:
+    return torch.Generator(device=DEVICE).manual_seed(seed)
+
+
+def randn(*shape: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen, device=DEVICE, dtype=torch.float32).to(dtype)

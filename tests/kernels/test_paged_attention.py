@@ -1,0 +1,163 @@
+"""The paged attention kernel computes exactly what the engine's torch reference computes."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+import diffulex_kernels
+from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
+from diffulex_kernels.paged_attention import choose_num_splits
+from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
+
+# Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
+# empty or end mid-page, and the longest context gives the split-KV path several chunks.
+if FULL_SHAPES:
+    SEQUENCES = [(32, 2048), (0, 700), (64, 517), (7, 0), (32, 1000), (96, 33)]
+    HEAD_SHAPES = {1: (32, 32), 4: (32, 8), 7: (28, 4)}  # GQA group -> (heads, kv heads)
+    BLOCK_LEN = 32
+else:
+    SEQUENCES = [(5, 37), (0, 20), (19, 0), (9, 150)]
+    HEAD_SHAPES = {1: (2, 2), 4: (4, 1), 7: (7, 1)}
+    BLOCK_LEN = 4
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: AttentionMetadata
+
+
+def block_ids_for(pattern: str, context_len: int, query_len: int) -> list[int]:
+    positions = range(context_len, context_len + query_len)
+    if pattern == "causal":
+        return list(positions)
+    if pattern == "one_block":
+        return [context_len] * query_len
+    if pattern == "blocks":  # blocks in flight: bidirectional inside, causal across
+        return [p // BLOCK_LEN * BLOCK_LEN for p in positions]
+    if pattern == "zeros":
+        return [0] * query_len
+    raise ValueError(pattern)
+
+
+def make_batch(
+    *, heads: int, kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype, pattern: str, seed: int,
+    sequences: list[tuple[int, int]] = SEQUENCES,
+) -> Batch:
+    gen = generator(seed)
+    cpu_gen = torch.Generator().manual_seed(seed)
+    pages_per_seq = [-(-(q + c) // page_size) for q, c in sequences]
+    num_pages = sum(pages_per_seq) + 3
+    # Pages are handed out in a shuffled order, so page tables are not contiguous ranges.
+    free_pages = torch.randperm(num_pages, generator=cpu_gen).tolist()
+    max_pages = max(pages_per_seq)
+    page_tables = torch.full((len(sequences), max_pages), -1, dtype=torch.int32)
+    slots, block_ids = [], []
+    for b, ((query_len, context_len), n_pages) in enumerate(zip(sequences, pages_per_seq)):
+        page_tables[b, :n_pages] = torch.tensor([free_pages.pop() for _ in range(n_pages)], dtype=torch.int32)
+        for pos in range(context_len, context_len + query_len):
+            slots.append(int(page_tables[b, pos // page_size]) * page_size + pos % page_size)
+        block_ids += block_ids_for(pattern, context_len, query_len)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    # Some tokens are not stored (blocks still in flight): every third one.
+    slot_mapping[1::3] = -1
+    cu = [0]
+    for query_len, _ in sequences:
+        cu.append(cu[-1] + query_len)
+    num_tokens = cu[-1]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor([c for _, c in sequences], dtype=torch.int32, device=DEVICE),
+        page_tables=page_tables.to(DEVICE),
+        slot_mapping=slot_mapping.to(DEVICE),
+        block_ids=torch.tensor(block_ids, dtype=torch.int32, device=DEVICE),
+        max_seqlen_q=max(q for q, _ in sequences),
+        max_context_len=max(c for _, c in sequences),
+        cu_seqlens_q_host=tuple(cu),
+        context_lens_host=tuple(c for _, c in sequences),
+    )
+    return Batch(
+        query=randn(num_tokens, heads, head_dim, dtype=dtype, gen=gen),
+        key=randn(num_tokens, kv_heads, head_dim, dtype=dtype, gen=gen),
+        value=randn(num_tokens, kv_heads, head_dim, dtype=dtype, gen=gen),
+        k_cache=randn(num_pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen),
+        v_cache=randn(num_pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen),
+        meta=meta,
+    )
+
+
+def assert_matches_reference(batch: Batch, num_splits: int | None) -> None:
+    head_dim = batch.query.shape[-1]
+    scale = head_dim**-0.5
+    k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
+    out = diffulex_kernels.paged_attention(
+        batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
+        num_splits=num_splits, out=poisoned_like(batch.query),
+    )
+    assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
+    assert relative_error(out, ref) < REL_TOL[batch.query.dtype]
+    # The in-forward K/V went to exactly the slots the reference wrote, and nowhere else.
+    assert torch.equal(batch.k_cache, k_cache_ref)
+    assert torch.equal(batch.v_cache, v_cache_ref)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("group", [1, 4, 7])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("page_size", [16, 32, 64])
+def test_matches_reference_across_shapes(page_size, head_dim, group, num_splits):
+    heads, kv_heads = HEAD_SHAPES[group]
+    batch = make_batch(
+        heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=page_size, dtype=torch.bfloat16,
+        pattern="blocks", seed=page_size * 1000 + head_dim * 10 + group,
+    )
+    assert_matches_reference(batch, num_splits)
+
+
+@pytest.mark.parametrize("pattern", ["causal", "one_block", "blocks", "zeros"])
+def test_block_mask_patterns_match_reference(pattern):
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16, pattern=pattern, seed=7)
+    assert_matches_reference(batch, num_splits=1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+def test_input_dtypes_match_reference(dtype):
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=32, dtype=dtype, pattern="causal", seed=11)
+    assert_matches_reference(batch, num_splits=2)
+
+
+def test_automatic_split_choice_matches_reference():
+    heads, kv_heads = HEAD_SHAPES[1]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=32, dtype=torch.bfloat16, pattern="blocks", seed=5)
+    assert_matches_reference(batch, num_splits=None)
+
+
+def test_without_cache_attends_in_forward_only():
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(
+        heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16, pattern="causal", seed=3,
+        sequences=[(q, 0) for q, _ in SEQUENCES],
+    )
+    scale = 0.125
+    ref = paged_attention_reference(batch.query, batch.key, batch.value, None, None, batch.meta, scale)
+    out = diffulex_kernels.paged_attention(
+        batch.query, batch.key, batch.value, None, None, batch.meta, scale, out=poisoned_like(batch.query)
+    )
+    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
+
+
+def test_split_kv_is_chosen_for_long_context_at_small_batch_only():
+    # LLaDA-8B at batch 1: one 32-token tile per kv head, 32 programs for 132 multiprocessors.
+    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132) == 5
+    # Batch 8 already launches 256 programs; short contexts are not worth a merge pass.
+    assert choose_num_splits(base_programs=256, max_context_len=2048, num_sms=132) == 1
+    assert choose_num_splits(base_programs=32, max_context_len=100, num_sms=132) == 1
