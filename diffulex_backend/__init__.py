@@ -1,0 +1,13 @@
+"""diffulex_backend: a serving engine for diffusion language models (LLaDA, Dream, SDAR)."""
+from .config import Config, SamplingMode
+from .engine import DiffulexEngine, EngineMetrics
+from .output import RequestOutput, StepOutput
+from .request import BlockState, FinishReason, RequestStatus
+from .sampling import Confidence, SamplingParams
+
+Diffulex = DiffulexEngine
+
+__all__ = [
+    "BlockState", "Confidence", "Config", "Diffulex", "DiffulexEngine", "EngineMetrics", "FinishReason",
+    "RequestOutput", "RequestStatus", "SamplingMode", "SamplingParams", "StepOutput",
+]

@@ -1,0 +1,68 @@
+"""Which predicted tokens a step keeps: batched over every predicted position of every request.
+
+Positions are grouped into segments, one per LogitBlock. Under SamplingMode.THRESHOLD a masked position is
+accepted when its confidence clears the request's accept threshold; the first block in flight accepts at least
+its most confident position, so every step makes progress. Under SamplingMode.TOPK each segment accepts its
+`num_transfer` most confident masked positions (LLaDA's low-confidence remasking). Filled positions of later
+blocks whose token has fallen under the remask threshold go back to mask; the first block is never remasked,
+which is what guarantees that decoding ends.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .config import Config, SamplingMode
+
+
+@dataclass
+class AcceptanceBatch:
+    current: torch.Tensor  # [A] int64: tokens before this step (mask where undecided)
+    predicted: torch.Tensor  # [A] int64: the sampler's choice
+    confidence: torch.Tensor  # [A] float32: the sampler's confidence in it
+    current_prob: torch.Tensor  # [A] float32: the model's probability of the current token
+    segment: torch.Tensor  # [A] int64: segment (block) of each position
+    seg_first: torch.Tensor  # [S] bool: the request's first block in flight
+    seg_enabled: torch.Tensor  # [S] bool: may accept this step
+    seg_accept_threshold: torch.Tensor  # [S] float32
+    seg_remask_threshold: torch.Tensor  # [S] float32
+    seg_num_transfer: torch.Tensor  # [S] int64 (TOPK mode)
+
+
+class AcceptanceSampler:
+    def __init__(self, config: Config, mask_token_id: int):
+        self.mode = config.mode
+        self.mask_token_id = mask_token_id
+
+    def __call__(self, batch: AcceptanceBatch) -> torch.Tensor:  # [A] int64: the tokens after this step
+        masked = batch.current == self.mask_token_id
+        seg = batch.segment
+        num_segs = batch.seg_first.numel()
+        eligible = masked & batch.seg_enabled[seg]
+        if self.mode == SamplingMode.THRESHOLD:
+            accept = eligible & (batch.confidence >= batch.seg_accept_threshold[seg])
+            accepted = torch.zeros(num_segs, dtype=torch.int64, device=seg.device).index_add_(0, seg, accept.long())
+            need_one = batch.seg_first & (accepted == 0)
+            accept |= need_one[seg] & (_segment_rank(batch.confidence, eligible, seg, num_segs) == 0)
+        else:
+            rank = _segment_rank(batch.confidence, eligible, seg, num_segs)
+            accept = eligible & (rank < batch.seg_num_transfer[seg])
+        remask = ~masked & ~batch.seg_first[seg] & (batch.current_prob < batch.seg_remask_threshold[seg])
+        out = torch.where(accept, batch.predicted, batch.current)
+        return torch.where(remask, torch.full_like(out, self.mask_token_id), out)
+
+
+def _segment_rank(score: torch.Tensor, eligible: torch.Tensor, seg: torch.Tensor, num_segs: int) -> torch.Tensor:
+    """Rank of each eligible position by descending score within its segment (ties: lower index first);
+    ineligible positions get a rank past every eligible one."""
+    n = score.numel()
+    masked_score = torch.where(eligible, score.float(), torch.full_like(score, float("-inf"), dtype=torch.float32))
+    by_score = torch.sort(masked_score, descending=True, stable=True).indices
+    order = by_score[torch.sort(seg[by_score], stable=True).indices]  # grouped by segment, best first
+    seg_sorted = seg[order]
+    seg_start = torch.zeros(num_segs + 1, dtype=torch.int64, device=seg.device)
+    seg_start[1:] = torch.bincount(seg, minlength=num_segs).cumsum(0)
+    rank = torch.empty(n, dtype=torch.int64, device=seg.device)
+    rank[order] = torch.arange(n, device=seg.device) - seg_start[seg_sorted]
+    return torch.where(eligible, rank, torch.full_like(rank, n))

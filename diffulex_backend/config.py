@@ -1,0 +1,145 @@
+"""Engine configuration: one validated dataclass. Every field is read by some part of the engine."""
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass
+
+
+class SamplingMode(enum.Enum):
+    THRESHOLD = "threshold"  # accept every masked position whose confidence clears accept_threshold
+    TOPK = "topk"  # LLaDA's schedule: a fixed number of the most confident positions per step
+
+
+DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
+DTYPES = ("auto", "float32", "bfloat16", "float16")
+ATTENTION_BACKENDS = ("auto", "torch", "triton")
+KV_CACHE_LAYOUTS = ("unified",)  # "distinct" is not implemented, so it is refused rather than ignored
+
+
+@dataclass
+class Config:
+    model: str
+    model_name: str | None = None  # detected from config.json when None
+    decoding_strategy: str = "multi_bd"
+    sampling_mode: str | None = None  # None: "topk" for vanilla, "threshold" otherwise
+    block_size: int = 32
+    buffer_size: int = 1  # blocks in flight per request (multi_bd, d2f)
+    page_size: int = 32
+    max_model_len: int = 2048
+    max_num_batched_tokens: int = 4096
+    max_num_reqs: int = 64
+    num_kv_pages: int | None = None  # None: sized from gpu_memory_utilization on GPU, from the limits on CPU
+    gpu_memory_utilization: float = 0.9
+    kv_cache_layout: str = "unified"
+    enable_prefix_caching: bool | None = None  # None: on where the strategy allows it (multi_bd)
+    enforce_eager: bool = False
+    attention_backend: str = "auto"  # "auto": triton kernels on GPU, torch on CPU
+    device: str = "auto"
+    dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
+    accept_threshold: float = 0.9
+    remask_threshold: float = 0.0  # 0 never remasks
+    add_block_threshold: float = 0.1
+    semi_complete_threshold: float = 0.9
+    mask_token_id: int | None = None  # from config.json, then the tokenizer, when None
+    dual_cache: bool = False  # fast_dllm: also cache the suffix after the current block
+    cache_refresh_interval: int = 0  # fast_dllm: recompute the cache every N steps inside a block; 0 = at block starts only
+    tensor_parallel_size: int = 1
+    seed: int = 0  # noise seed of requests that bring none
+
+    def __post_init__(self):
+        self._validate()
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        return [f.name for f in dataclasses.fields(cls)]
+
+    @property
+    def mode(self) -> SamplingMode:
+        return SamplingMode(self.sampling_mode)
+
+    def _validate(self):
+        def fail(name, allowed):
+            raise ValueError(f"config field '{name}' must be {allowed}, got {getattr(self, name)!r}")
+
+        def check_int(name, low):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                fail(name, f"an integer >= {low}")
+
+        def check_fraction(name):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 <= value <= 1:
+                fail(name, "a number in [0, 1]")
+
+        def check_bool(name, optional=False):
+            value = getattr(self, name)
+            if not (isinstance(value, bool) or (optional and value is None)):
+                fail(name, "true or false")
+
+        if not isinstance(self.model, str) or not self.model:
+            fail("model", "a path to a checkpoint directory")
+        from .strategies import AutoReq  # importing the package registers every strategy
+
+        if not isinstance(self.decoding_strategy, str) or self.decoding_strategy not in AutoReq:
+            fail("decoding_strategy", f"one of {AutoReq.keys()}")
+        self.decoding_strategy = AutoReq.canonical(self.decoding_strategy)
+        req_cls = AutoReq.get(self.decoding_strategy)
+        if self.sampling_mode is None:
+            self.sampling_mode = req_cls.default_sampling_mode.value
+        if self.sampling_mode not in [m.value for m in SamplingMode]:
+            fail("sampling_mode", f"one of {[m.value for m in SamplingMode]}")
+        for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_model_len", 2),
+                          ("max_num_batched_tokens", 1), ("max_num_reqs", 1), ("cache_refresh_interval", 0),
+                          ("tensor_parallel_size", 1), ("seed", 0)):
+            check_int(name, low)
+        if self.num_kv_pages is not None:
+            check_int("num_kv_pages", 1)
+        if self.mask_token_id is not None:
+            check_int("mask_token_id", 0)
+        for name in ("accept_threshold", "remask_threshold", "add_block_threshold", "semi_complete_threshold"):
+            check_fraction(name)
+        if not isinstance(self.gpu_memory_utilization, float) or not 0 < self.gpu_memory_utilization <= 1:
+            fail("gpu_memory_utilization", "a float in (0, 1]")
+        check_bool("enforce_eager")
+        check_bool("dual_cache")
+        check_bool("enable_prefix_caching", optional=True)
+        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
+            fail("kv_cache_layout", f"one of {list(KV_CACHE_LAYOUTS)}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            fail("attention_backend", f"one of {list(ATTENTION_BACKENDS)}")
+        if self.dtype not in DTYPES:
+            fail("dtype", f"one of {list(DTYPES)}")
+        if not _valid_device(self.device):
+            fail("device", DEVICES_HELP)
+        if self.tensor_parallel_size != 1:
+            fail("tensor_parallel_size", "1 (tensor parallelism is not supported)")
+        if self.model_name is not None and not isinstance(self.model_name, str):
+            fail("model_name", "a registered model name or null")
+
+        strategy = self.decoding_strategy
+        if self.enable_prefix_caching is None:
+            self.enable_prefix_caching = req_cls.supports_prefix_caching
+        elif self.enable_prefix_caching and not req_cls.supports_prefix_caching:
+            # A bidirectional prompt (d2f) or full attention makes a prompt page's K/V depend on tokens after
+            # it, so a cached page could not be reused.
+            raise ValueError(f"config field 'enable_prefix_caching' must be false for decoding_strategy "
+                             f"'{strategy}': its prompt K/V depend on later tokens")
+        if self.buffer_size > req_cls.max_buffer_size:
+            raise ValueError(f"config field 'buffer_size' must be <= {req_cls.max_buffer_size} for "
+                             f"decoding_strategy '{strategy}', got {self.buffer_size}")
+        if (self.dual_cache or self.cache_refresh_interval) and not req_cls.has_cache_options:
+            raise ValueError("config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy "
+                             f"'fast_dllm' only, not '{strategy}'")
+        need = req_cls.min_batched_tokens(self)
+        if self.max_num_batched_tokens < need:
+            raise ValueError(f"config field 'max_num_batched_tokens' must be >= {need} for decoding_strategy "
+                             f"'{strategy}' ({req_cls.min_batched_tokens.__doc__}), got {self.max_num_batched_tokens}")
+
+
+def _valid_device(device) -> bool:
+    if not isinstance(device, str):
+        return False
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    return device.startswith("cuda:") and device[5:].isdigit()

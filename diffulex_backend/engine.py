@@ -1,0 +1,262 @@
+"""DiffulexEngine: requests in, committed tokens out, one scheduler step at a time."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import strategies  # noqa: F401  (registers every strategy)
+from .attention import paged_attention_reference
+from .config import Config
+from .kv_cache import KVCacheManager
+from .loader import load_model
+from .output import Detokenizer, RequestOutput, StepOutput
+from .registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from .request import FinishReason, Request, RequestStatus
+from .runner import kv_cache_shape
+from .sampling import SamplingParams
+from .scheduler import SchedulerOutput
+from .tokenizer import load_tokenizer, resolve_eos_token_ids, resolve_mask_token_id
+
+
+@dataclass
+class EngineMetrics:
+    num_running: int
+    num_waiting: int
+    num_preempted: int  # waiting requests that were preempted and await recompute
+    num_preemptions: int  # since start
+    kv_pages_total: int
+    kv_pages_used: int
+    kv_pages_free: int
+    prefix_cache_queried_tokens: int
+    prefix_cache_hit_tokens: int
+    num_forward_passes: int
+    num_forward_tokens: int
+    model_flops: float
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"config field 'device' is {name!r}, but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_attention(name: str, device: torch.device):
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return paged_attention_reference
+    if device.type != "cuda":
+        raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
+    from diffulex_kernels import paged_attention
+
+    return paged_attention
+
+
+class DiffulexEngine:
+    def __init__(self, model: str, **kwargs):
+        self.config = config = Config(model=model, **kwargs)
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        self.model = load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device,
+                                attention_fn=resolve_attention(config.attention_backend, self.device))
+        arch = self.model.arch
+        config.model_name = arch.model_name
+        if config.max_model_len > arch.max_position_embeddings:
+            raise ValueError(f"config field 'max_model_len' must be <= the model's max_position_embeddings "
+                             f"({arch.max_position_embeddings}), got {config.max_model_len}")
+        self.tokenizer = load_tokenizer(config.model)
+        if config.mask_token_id is None:
+            config.mask_token_id = resolve_mask_token_id(arch, self.tokenizer)
+        if config.mask_token_id >= arch.vocab_size:
+            raise ValueError(f"config field 'mask_token_id' must be < vocab_size ({arch.vocab_size}), "
+                             f"got {config.mask_token_id}")
+        self.eos_token_ids = list(resolve_eos_token_ids(arch, self.tokenizer))
+
+        strategy = config.decoding_strategy
+        self.req_cls: type[Request] = AutoReq.get(strategy)
+        kv_cls: type[KVCacheManager] = AutoKVCacheManager.get(strategy)
+        self.kv_cache = kv_cls(self._num_kv_pages(), config.page_size, config.enable_prefix_caching)
+        sampler = AutoSampler.get(strategy)(config, config.mask_token_id)
+        self.runner = AutoModelRunner.get(strategy)(config, self.model, self.kv_cache, sampler, self.device, self.dtype)
+        self.scheduler = AutoScheduler.get(strategy)(config, self.kv_cache)
+
+        self.requests: dict[str, Request] = {}
+        self.detokenizers: dict[str, Detokenizer] = {}
+        self.last_schedule = SchedulerOutput()
+        self._ids = itertools.count()
+        self._seeds = random.Random(config.seed)
+        self.num_forward_passes = 0
+        self.num_forward_tokens = 0
+        self.model_flops = 0.0
+
+    def _num_kv_pages(self) -> int:
+        config = self.config
+        if config.num_kv_pages is not None:
+            return config.num_kv_pages
+        per_request = -(-config.max_model_len // config.page_size)
+        if self.device.type != "cuda":
+            return config.max_num_reqs * per_request
+        # Whatever gpu_memory_utilization leaves after the weights and the largest forward's activations.
+        free, total = torch.cuda.mem_get_info(self.device)
+        page_bytes = torch.empty(kv_cache_shape(self.model, 1, config.page_size), dtype=self.dtype).nbytes
+        activation_bytes = 24 * config.max_num_batched_tokens * self.model.arch.hidden_size * self.dtype.itemsize
+        budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
+        if budget < page_bytes * per_request:
+            raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
+                             f"for one max_model_len sequence of KV cache after the weights")
+        return int(budget // page_bytes)
+
+    # ---- requests -----------------------------------------------------------------------------------------
+    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        params = params or SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        if isinstance(prompt, str):
+            prompt_ids = self.tokenizer.encode(prompt)
+        else:
+            prompt_ids = [int(t) for t in prompt]
+            vocab = self.model.arch.vocab_size
+            bad = [t for t in prompt_ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+        if not prompt_ids:
+            raise ValueError("prompt is empty")
+        n, m, limit = len(prompt_ids), params.max_tokens, self.config.max_model_len
+        if n + m > limit:
+            raise ValueError(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
+                             f"max_model_len ({limit})")
+        self.req_cls.check_prompt(n, self.config)
+        pages = -(-(n + m) // self.config.page_size)
+        if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
+            raise ValueError(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}")
+        request_id = str(next(self._ids)) if request_id is None else str(request_id)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        req = self.req_cls(request_id, prompt_ids, params, self.config, self.config.mask_token_id, seed,
+                           self.model.arch.shifted)
+        self.requests[request_id] = req
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.scheduler.add(req)
+        return request_id
+
+    def abort(self, request_id: str) -> None:
+        """Drop the request and free its pages now. Unknown or finished ids are ignored."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return
+        self.scheduler.finish(req)
+        self.detokenizers.pop(request_id)
+        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, FinishReason.ABORT, time.monotonic()
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    # ---- the loop -----------------------------------------------------------------------------------------
+    def step(self) -> list[StepOutput]:
+        sched = self.last_schedule = self.scheduler.schedule()
+        if not sched.plans:
+            return []
+        result = self.runner.execute(sched)
+        self.num_forward_passes += 1
+        self.num_forward_tokens += result.num_tokens
+        self.model_flops += result.flops
+        for plan in sched.plans:
+            plan.req.after_forward(plan)
+            self.kv_cache.register_prefix(plan.req)
+        for plan, block, at in result.blocks:
+            plan.req.tokens[block.start:block.end] = result.tokens[at:at + block.end - block.start]
+        outputs = []
+        for plan in sched.plans:
+            if not plan.blocks:
+                continue
+            req = plan.req
+            old_end = req.committed_end
+            if req.commit_ready_blocks():
+                outputs.append(self._emit(req, old_end))
+        return outputs
+
+    def _emit(self, req: Request, old_end: int) -> StepOutput:
+        new = req.tokens[old_end:req.committed_end]
+        stop_ids = req.params.stop_token_ids + ([] if req.params.ignore_eos else self.eos_token_ids)
+        reason = None
+        if stop_ids:
+            hits = torch.isin(new, torch.tensor(stop_ids)).nonzero()
+            if hits.numel():
+                new, reason = new[: int(hits[0])], FinishReason.STOP
+        ids = new.tolist()
+        req.num_output_tokens += len(ids)
+        if reason is None and req.num_committed >= req.params.max_tokens:
+            reason = FinishReason.LENGTH
+        text, stopped = self.detokenizers[req.request_id].add(ids, final=reason is not None)
+        if stopped:
+            reason = FinishReason.STOP
+        now = time.monotonic()
+        if req.first_token_time is None:
+            req.first_token_time = now
+        if reason is not None:
+            req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
+            self.scheduler.finish(req)
+            del self.requests[req.request_id], self.detokenizers[req.request_id]
+        return StepOutput(request_id=req.request_id, token_ids=ids, text=text, finished=reason is not None,
+                          finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
+                          num_output_tokens=req.num_output_tokens, nfe=req.nfe)
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        single = isinstance(prompts, str) or (prompts and isinstance(prompts[0], int))
+        prompts = [prompts] if single else list(prompts)
+        params_list = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = []
+        for prompt, p in zip(prompts, params_list):
+            reqs.append(self.requests[self.add_request(prompt, p)])
+        outs = {r.request_id: RequestOutput(r.request_id, r.tokens[: r.num_prompt_tokens].tolist(),
+                                            arrival_time=r.arrival_time) for r in reqs}
+        bar = None
+        if use_tqdm:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        while any(not r.is_finished for r in reqs):
+            deltas = self.step()
+            if not self.last_schedule.plans:
+                raise RuntimeError("no request could be scheduled: the KV cache or token budget is too small")
+            for delta in deltas:
+                out = outs[delta.request_id]
+                out.token_ids += delta.token_ids
+                out.text += delta.text
+                if delta.finished and bar is not None:
+                    bar.update(1)
+        for r in reqs:
+            out = outs[r.request_id]
+            out.finish_reason, out.nfe = r.finish_reason, r.nfe
+            out.first_token_time, out.finish_time = r.first_token_time, r.finish_time
+        if bar is not None:
+            bar.close()
+        return [outs[r.request_id] for r in reqs]
+
+    def metrics(self) -> EngineMetrics:
+        kv = self.kv_cache
+        return EngineMetrics(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            num_preempted=sum(1 for r in self.scheduler.waiting if r.nfe > 0),
+            num_preemptions=self.scheduler.num_preemptions,
+            kv_pages_total=kv.num_pages, kv_pages_used=kv.num_used_pages, kv_pages_free=kv.num_free_pages,
+            prefix_cache_queried_tokens=kv.prefix_queried_tokens, prefix_cache_hit_tokens=kv.prefix_hit_tokens,
+            num_forward_passes=self.num_forward_passes, num_forward_tokens=self.num_forward_tokens,
+            model_flops=self.model_flops,
+        )

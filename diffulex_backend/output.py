@@ -1,0 +1,69 @@
+"""What the engine hands back: per-step deltas, whole-request results, and the incremental detokenizer."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .request import FinishReason
+
+
+@dataclass
+class StepOutput:
+    """Newly committed output of one request in one step."""
+
+    request_id: str
+    token_ids: list[int]  # newly committed
+    text: str  # append-only text delta
+    finished: bool
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    nfe: int  # forward passes so far
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: FinishReason | None = None
+    nfe: int = 0
+    arrival_time: float = 0.0
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def time_to_first_token(self) -> float | None:
+        return None if self.first_token_time is None else self.first_token_time - self.arrival_time
+
+    @property
+    def latency(self) -> float | None:
+        return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class Detokenizer:
+    """Turns committed tokens into append-only text. A multi-byte character split across blocks decodes to
+    U+FFFD until its last byte arrives, so trailing replacement characters are held back until then. Stop
+    strings end the text at their first match."""
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.tokenizer = tokenizer
+        self.stop = stop
+        self.ids: list[int] = []
+        self.sent = 0  # characters already handed out
+
+    def add(self, ids: list[int], final: bool) -> tuple[str, bool]:
+        """Returns the text delta and whether a stop string matched."""
+        self.ids.extend(ids)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        stopped = False
+        if self.stop:
+            # A match may straddle the previous delta; it cannot start before what was already sent.
+            hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
+            if hits:
+                text, stopped = text[: min(hits)], True
+        if not (final or stopped):
+            text = text.rstrip("\ufffd")
+        delta = text[self.sent:]
+        self.sent = max(self.sent, len(text))
+        return delta, stopped

@@ -1,0 +1,176 @@
+"""Request state shared by every decoding strategy, and the per-step plan a request hands the runner.
+
+A request's sequence is its prompt followed by a generation area of `max_tokens` positions that start as the
+mask token. The area is cut into blocks of `block_size` (the last one may be shorter). Committed tokens are
+final and streamed; tokens whose K/V sit in the paged cache are counted by `num_cached`.
+"""
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+from .config import SamplingMode
+from .sampling import SamplingParams
+
+if TYPE_CHECKING:
+    from .config import Config
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"
+    LENGTH = "length"
+    ABORT = "abort"
+
+
+class BlockState(enum.Enum):
+    DUMMY = enum.auto()  # not yet joined: all mask, not fed
+    ACTIVE = enum.auto()  # in flight: fed every step, accepting tokens
+    TO_CACHE = enum.auto()  # committed: fed once more so that its final K/V reach the cache
+    IN_CACHE = enum.auto()  # committed and cached
+
+
+@dataclass
+class LogitBlock:
+    """A span of positions whose predictions the acceptance rule decides on this step."""
+
+    start: int
+    end: int
+    is_first: bool  # the first block in flight: it must make progress
+    enabled: bool  # may accept tokens (its predecessor is semi-complete)
+    num_transfer: int  # tokens to unmask this step under the top-k schedule
+
+
+@dataclass
+class SeqPlan:
+    """One request's part of one forward: which positions are fed, stored, and predicted."""
+
+    req: "Request"
+    start: int  # feed positions [start, end)
+    end: int
+    context_len: int  # cached tokens this sequence attends to
+    cache_index: torch.Tensor  # [end - start] int64: logical cache slot of each fed token, -1 = not stored
+    block_ids: torch.Tensor  # [end - start] int32: the block mask (see attention.py)
+    blocks: list[LogitBlock]  # predicted spans, in position order; empty for a prefill-only chunk
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @property
+    def cache_need(self) -> int:
+        """Logical cache slots the plan touches, i.e. how far the page table must reach."""
+        stored = int(self.cache_index.max()) + 1 if self.num_tokens else 0
+        return max(self.context_len, stored)
+
+
+class Request:
+    """Base request: token buffer, bookkeeping, and the block layout. Strategies subclass it."""
+
+    default_sampling_mode = SamplingMode.THRESHOLD
+    supports_prefix_caching = False
+    max_buffer_size = 1
+    has_cache_options = False
+
+    @staticmethod
+    def min_batched_tokens(config: "Config") -> int:
+        """tokens of one request's largest forward"""
+        return config.max_model_len
+
+    @classmethod
+    def check_prompt(cls, num_prompt_tokens: int, config: "Config") -> None:
+        """Raise ValueError if a prompt of this length could never be scheduled."""
+
+    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
+                 mask_token_id: int, seed: int, shifted: bool):
+        self.request_id = request_id
+        self.shift = 1 if shifted else 0  # shifted models predict position i from the hidden state at i - 1
+        self.params = params
+        self.config = config
+        self.mask_token_id = mask_token_id
+        self.seed = seed
+        self.num_prompt_tokens = len(prompt_ids)
+        self.tokens = torch.full((len(prompt_ids) + params.max_tokens,), mask_token_id, dtype=torch.int64)
+        self.tokens[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.int64)
+        self.accept_threshold = config.accept_threshold if params.accept_threshold is None else params.accept_threshold
+        self.remask_threshold = config.remask_threshold if params.remask_threshold is None else params.remask_threshold
+        self.status = RequestStatus.WAITING
+        self.finish_reason: FinishReason | None = None
+        self.num_committed = 0  # generated tokens that are final
+        self.num_output_tokens = 0  # committed tokens returned to the user (stops at EOS, stop token, max_tokens)
+        self.num_cached = 0  # positions [0, num_cached) have K/V in the cache
+        self.num_prefix_hit = 0  # of them, tokens that came from the prefix cache at admission
+        self.page_table: list[int] = []
+        self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager
+        self.num_registered_pages = 0
+        self.nfe = 0
+        self.steps_in_block = 0  # steps taken on the current first block (top-k schedule, refresh interval)
+        self.carry_hidden: torch.Tensor | None = None  # shifted models: hidden of the last committed position
+        self.arrival_time = time.monotonic()
+        self.first_token_time: float | None = None
+        self.finish_time: float | None = None
+
+    # ---- layout -------------------------------------------------------------------------------------------
+    @property
+    def gen_start(self) -> int:
+        return self.num_prompt_tokens
+
+    @property
+    def num_blocks(self) -> int:
+        return -(-self.params.max_tokens // self.config.block_size)
+
+    def block_span(self, k: int) -> tuple[int, int]:
+        start = self.gen_start + k * self.config.block_size
+        return start, min(start + self.config.block_size, self.gen_start + self.params.max_tokens)
+
+    @property
+    def committed_end(self) -> int:
+        """Positions [0, committed_end) are final: the prompt and the committed blocks."""
+        return self.gen_start + self.num_committed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def num_transfer_schedule(self, block_len: int) -> list[int]:
+        """LLaDA's schedule: spread a block's masked tokens evenly over `steps`, the remainder first."""
+        steps = min(self.params.steps or block_len, block_len)
+        base, extra = divmod(block_len, steps)
+        return [base + (1 if i < extra else 0) for i in range(steps)]
+
+    def transfer_count(self, block_len: int) -> int:
+        if self.config.mode != SamplingMode.TOPK:
+            return 0
+        schedule = self.num_transfer_schedule(block_len)
+        return schedule[min(self.steps_in_block, len(schedule) - 1)]
+
+    # ---- the strategy's part -----------------------------------------------------------------------------
+    def plan(self, token_budget: int) -> SeqPlan | None:
+        """What to feed this step within `token_budget` tokens, or None if nothing fits."""
+        raise NotImplementedError
+
+    def after_forward(self, plan: SeqPlan) -> None:
+        """Bookkeeping once the forward ran: K/V stored, predictions not yet applied."""
+        raise NotImplementedError
+
+    def commit_ready_blocks(self) -> int:
+        """Commit what the last acceptance completed; returns how many generated tokens became final."""
+        raise NotImplementedError
+
+    def reset_for_recompute(self) -> None:
+        """After preemption: the cache is gone; committed and in-flight tokens stay and are recomputed."""
+        self.num_cached = 0
+        self.num_prefix_hit = 0
+        self.page_table = []
+        self.num_registered_pages = 0
+        self.carry_hidden = None
+        self.status = RequestStatus.WAITING

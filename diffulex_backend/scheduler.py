@@ -1,0 +1,93 @@
+"""Continuous batching: which requests join each forward, within the token, request and page budgets."""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from .config import Config
+from .kv_cache import KVCacheManager
+from .request import Request, RequestStatus, SeqPlan
+
+
+@dataclass
+class SchedulerOutput:
+    """The one hand-off from scheduler to runner: a plan per request in this forward."""
+
+    plans: list[SeqPlan] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.plans)
+
+
+class Scheduler:
+    def __init__(self, config: Config, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # admission order: the last one is preempted first
+        self.num_preemptions = 0
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        i = 0
+        while i < len(self.running):
+            req = self.running[i]
+            plan = req.plan(budget)
+            if plan is None:
+                i += 1
+                continue
+            while not self.kv_cache.can_allocate(req, plan.cache_need):
+                victim = self.running[-1]
+                self.preempt(victim)
+                out.preempted.append(victim)
+                if victim is req:
+                    break
+            if req.status != RequestStatus.RUNNING:
+                break
+            self.kv_cache.allocate(req, plan.cache_need)
+            out.plans.append(plan)
+            budget -= plan.num_tokens
+            i += 1
+        if out.preempted:
+            return out  # pages are short: admitting now would only preempt again
+        while self.waiting and len(self.running) < self.config.max_num_reqs and budget > 0:
+            req = self.waiting[0]
+            hit = self.kv_cache.allocate_prefix(req)
+            req.num_cached = req.num_prefix_hit = hit
+            plan = req.plan(budget)
+            if plan is None or not self.kv_cache.can_allocate(req, plan.cache_need):
+                self.kv_cache.free(req)
+                req.reset_for_recompute()
+                break
+            self.kv_cache.record_prefix_lookup(req)
+            self.kv_cache.allocate(req, plan.cache_need)
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            out.plans.append(plan)
+            budget -= plan.num_tokens
+        return out
+
+    def preempt(self, req: Request) -> None:
+        """Free the request's pages; it goes first in line and recomputes its cache when readmitted."""
+        self.running.remove(req)
+        self.kv_cache.free(req)
+        req.reset_for_recompute()
+        self.waiting.appendleft(req)
+        self.num_preemptions += 1
+
+    def finish(self, req: Request) -> None:
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        self.kv_cache.free(req)

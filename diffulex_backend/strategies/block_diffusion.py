@@ -1,0 +1,134 @@
+"""Block diffusion with several blocks in flight (`multi_bd`), and D2F (`d2f`): the same with a prompt that
+attends bidirectionally within itself.
+
+Blocks of a request are, in order: IN_CACHE, TO_CACHE, ACTIVE, DUMMY. Three counters mark the borders, so
+block state is a pair of integer comparisons, never a per-block object:
+  [0, num_cached_blocks) IN_CACHE | [.., num_committed_blocks) TO_CACHE | [.., num_joined_blocks) ACTIVE | DUMMY
+One forward feeds, contiguously from the first uncached position: the rest of the prompt, the TO_CACHE blocks
+(their K/V are stored now; no extra forward per block), and the ACTIVE blocks (predicted, not stored).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..config import Config
+from ..kv_cache import KVCacheManager
+from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..request import BlockState, LogitBlock, Request, SeqPlan
+from ..runner import ModelRunner
+from ..acceptance import AcceptanceSampler
+from ..scheduler import Scheduler
+
+
+class BlockDiffusionRequest(Request):
+    supports_prefix_caching = True
+    max_buffer_size = 64
+    causal_prompt = True
+
+    @staticmethod
+    def min_batched_tokens(config: Config) -> int:
+        """the blocks in flight plus the block being committed"""
+        return (config.buffer_size + 1) * config.block_size
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_committed_blocks = 0
+        self.num_joined_blocks = 1
+        self._join_blocks()
+
+    def block_state(self, k: int) -> BlockState:
+        if k >= self.num_joined_blocks:
+            return BlockState.DUMMY
+        if k >= self.num_committed_blocks:
+            return BlockState.ACTIVE
+        return BlockState.IN_CACHE if self.block_span(k)[1] <= self.num_cached else BlockState.TO_CACHE
+
+    def block_ids(self, positions: torch.Tensor) -> torch.Tensor:
+        gen = positions - self.gen_start
+        prompt_ids = positions if self.causal_prompt else torch.zeros_like(positions)
+        block_start = self.gen_start + gen.div(self.config.block_size, rounding_mode="floor") * self.config.block_size
+        return torch.where(gen < 0, prompt_ids, block_start).to(torch.int32)
+
+    def _chunk_end(self, start: int, limit: int) -> int:
+        """The furthest legal end of a prefill chunk: never inside a block, nor inside a d2f prompt."""
+        if limit >= self.committed_end:
+            return self.committed_end
+        if limit < self.gen_start:
+            return limit if self.causal_prompt else start
+        bs = self.config.block_size
+        end = self.gen_start + (limit - self.gen_start) // bs * bs
+        return end if end > start else start
+
+    def fill_ratio(self, k: int) -> float:
+        start, end = self.block_span(k)
+        return float((self.tokens[start:end] != self.mask_token_id).sum()) / (end - start)
+
+    def plan(self, token_budget: int) -> SeqPlan | None:
+        start = self.num_cached
+        active_end = self.block_span(self.num_joined_blocks - 1)[1]
+        end = active_end if active_end - start <= token_budget else self._chunk_end(start, start + token_budget)
+        if end <= start:
+            return None
+        positions = torch.arange(start, end)
+        write_end = min(end, self.committed_end)
+        blocks = []
+        if end == active_end:
+            for k in range(self.num_committed_blocks, self.num_joined_blocks):
+                b0, b1 = self.block_span(k)
+                first = k == self.num_committed_blocks
+                enabled = first or self.fill_ratio(k - 1) >= self.config.semi_complete_threshold
+                blocks.append(LogitBlock(b0, b1, first, enabled, self.transfer_count(b1 - b0)))
+        return SeqPlan(
+            req=self, start=start, end=end, context_len=self.num_cached,
+            cache_index=torch.where(positions < write_end, positions, -1),
+            block_ids=self.block_ids(positions), blocks=blocks,
+        )
+
+    def after_forward(self, plan: SeqPlan) -> None:
+        self.num_cached = max(self.num_cached, min(plan.end, self.committed_end))
+        self.nfe += 1
+        if plan.blocks:
+            self.steps_in_block += 1
+
+    def commit_ready_blocks(self) -> int:
+        before = self.num_committed
+        while self.num_committed_blocks < self.num_joined_blocks:
+            b0, b1 = self.block_span(self.num_committed_blocks)
+            if bool((self.tokens[b0:b1] == self.mask_token_id).any()):
+                break
+            self.num_committed_blocks += 1
+            self.num_committed = b1 - self.gen_start
+            self.steps_in_block = 0
+        self._join_blocks()
+        return self.num_committed - before
+
+    def _join_blocks(self) -> None:
+        while (self.num_joined_blocks < self.num_blocks
+               and self.num_joined_blocks - self.num_committed_blocks < self.config.buffer_size):
+            in_flight = self.num_joined_blocks > self.num_committed_blocks
+            if in_flight and self.fill_ratio(self.num_joined_blocks - 1) < self.config.add_block_threshold:
+                break
+            self.num_joined_blocks += 1
+
+
+class D2FRequest(BlockDiffusionRequest):
+    supports_prefix_caching = False
+    causal_prompt = False
+
+    @classmethod
+    def check_prompt(cls, num_prompt_tokens: int, config: Config) -> None:
+        # The prompt attends bidirectionally within itself, so it cannot be split into chunks.
+        if num_prompt_tokens > config.max_num_batched_tokens:
+            raise ValueError(f"prompt has {num_prompt_tokens} tokens; decoding_strategy 'd2f' prefills a prompt in "
+                             f"one forward, so it must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
+
+
+for _name, _req, _aliases, _default in (
+    ("multi_bd", BlockDiffusionRequest, ("block_diffusion", "bd"), True),
+    ("d2f", D2FRequest, ("diffusion_forcing",), False),
+):
+    AutoReq.register(_name, aliases=_aliases, default=_default)(_req)
+    AutoScheduler.register(_name, aliases=_aliases, default=_default)(Scheduler)
+    AutoKVCacheManager.register(_name, aliases=_aliases, default=_default)(KVCacheManager)
+    AutoModelRunner.register(_name, aliases=_aliases, default=_default)(ModelRunner)
+    AutoSampler.register(_name, aliases=_aliases, default=_default)(AcceptanceSampler)

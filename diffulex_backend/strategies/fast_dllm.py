@@ -1,0 +1,69 @@
+"""`fast_dllm`: Fast-dLLM's approximate cache for full-attention models.
+
+At a block's first step (and every `cache_refresh_interval` steps, when set) the whole sequence is recomputed
+and the K/V of the prefix before the current block are stored. The other steps feed only the current block and
+the suffix after it, attending to the stored prefix. With `dual_cache` the suffix's K/V are stored too and a
+step feeds the current block alone. Shifted models also feed the position before the block, whose hidden state
+predicts the block's first token and changes as the block fills.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..acceptance import AcceptanceSampler
+from ..kv_cache import KVCacheManager
+from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..request import SeqPlan
+from ..runner import ModelRunner
+from ..scheduler import Scheduler
+from .vanilla import FullAttentionRequest
+
+
+class FastDLLMRequest(FullAttentionRequest):
+    has_cache_options = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.cache_block = -1  # the block the stored K/V were computed for
+        self.refreshing = False
+
+    def _needs_refresh(self) -> bool:
+        interval = self.config.cache_refresh_interval
+        return (self.cache_block != self.num_committed_blocks
+                or (interval > 0 and self.steps_in_block % interval == 0))
+
+    def plan(self, token_budget: int) -> SeqPlan | None:
+        start, end = self.block_span(self.num_committed_blocks)
+        first_fed = start - self.shift
+        dual = self.config.dual_cache
+        self.refreshing = self._needs_refresh()
+        if self.refreshing:
+            if self.seq_len > token_budget:
+                return None
+            pos = torch.arange(self.seq_len)
+            suffix = torch.where(pos >= end, pos - (end - first_fed), -1) if dual else torch.full_like(pos, -1)
+            return self.full_plan(torch.where(pos < first_fed, pos, suffix))
+        fed_end = end if dual else self.seq_len
+        if fed_end - first_fed > token_budget:
+            return None
+        context = first_fed + (self.seq_len - end if dual else 0)
+        n = fed_end - first_fed
+        return SeqPlan(req=self, start=first_fed, end=fed_end, context_len=context,
+                       cache_index=torch.full((n,), -1, dtype=torch.int64),
+                       block_ids=torch.zeros(n, dtype=torch.int32), blocks=[self.current_block()])
+
+    def after_forward(self, plan: SeqPlan) -> None:
+        if self.refreshing:
+            self.cache_block = self.num_committed_blocks
+        super().after_forward(plan)
+
+    def reset_for_recompute(self) -> None:
+        super().reset_for_recompute()
+        self.cache_block = -1
+
+
+AutoReq.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(FastDLLMRequest)
+AutoScheduler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(Scheduler)
+AutoKVCacheManager.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(KVCacheManager)
+AutoModelRunner.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(ModelRunner)
+AutoSampler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(AcceptanceSampler)

@@ -1,0 +1,74 @@
+"""`vanilla`: LLaDA's reference sampler. Every step recomputes the whole sequence with full attention and no
+cache, and unmasks positions of the current block only (by default the `steps`-per-block top-k schedule of
+low-confidence remasking). Slow by design: it is the oracle for full-attention models.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..acceptance import AcceptanceSampler
+from ..config import SamplingMode
+from ..kv_cache import KVCacheManager
+from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..request import LogitBlock, Request, SeqPlan
+from ..runner import ModelRunner
+from ..scheduler import Scheduler
+
+
+class FullAttentionRequest(Request):
+    """One block decodes at a time; the rest of the generation area is fed as mask tokens."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.num_committed_blocks = 0
+
+    @property
+    def seq_len(self) -> int:
+        return self.gen_start + self.params.max_tokens
+
+    def current_block(self) -> LogitBlock:
+        start, end = self.block_span(self.num_committed_blocks)
+        return LogitBlock(start, end, is_first=True, enabled=True, num_transfer=self.transfer_count(end - start))
+
+    def full_plan(self, cache_index: torch.Tensor) -> SeqPlan:
+        positions = torch.arange(self.seq_len)
+        return SeqPlan(req=self, start=0, end=self.seq_len, context_len=0, cache_index=cache_index,
+                       block_ids=torch.zeros_like(positions, dtype=torch.int32), blocks=[self.current_block()])
+
+    def after_forward(self, plan: SeqPlan) -> None:
+        self.nfe += 1
+        self.steps_in_block += 1
+
+    def commit_ready_blocks(self) -> int:
+        before = self.num_committed
+        while self.num_committed_blocks < self.num_blocks:
+            start, end = self.block_span(self.num_committed_blocks)
+            if bool((self.tokens[start:end] == self.mask_token_id).any()):
+                break
+            self.num_committed_blocks += 1
+            self.num_committed = end - self.gen_start
+            self.steps_in_block = 0
+        return self.num_committed - before
+
+
+class VanillaRequest(FullAttentionRequest):
+    default_sampling_mode = SamplingMode.TOPK
+
+    def plan(self, token_budget: int) -> SeqPlan | None:
+        if self.seq_len > token_budget:
+            return None
+        return self.full_plan(torch.full((self.seq_len,), -1, dtype=torch.int64))
+
+
+class NoKVCacheManager(KVCacheManager):
+    """vanilla keeps no cache: a pool of zero pages."""
+
+    def __init__(self, num_pages: int, page_size: int, enable_prefix_caching: bool):
+        super().__init__(0, page_size, False)
+
+
+AutoReq.register("vanilla", aliases=("llada",))(VanillaRequest)
+AutoScheduler.register("vanilla", aliases=("llada",))(Scheduler)
+AutoKVCacheManager.register("vanilla", aliases=("llada",))(NoKVCacheManager)
+AutoModelRunner.register("vanilla", aliases=("llada",))(ModelRunner)
+AutoSampler.register("vanilla", aliases=("llada",))(AcceptanceSampler)
