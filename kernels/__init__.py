@@ -4,6 +4,8 @@ Imported as `diffulex_kernels`. Under `TRITON_INTERPRET=1` they also run on CPU 
 how CI checks them.
 """
 from .paged_attention import paged_attention
+from .rmsnorm import fused_add_rmsnorm, rmsnorm
+from .sampling import sample_and_confidence
 from .store_kv import store_kv
 
-__all__ = ["paged_attention", "store_kv"]
+__all__ = ["fused_add_rmsnorm", "paged_attention", "rmsnorm", "sample_and_confidence", "store_kv"]

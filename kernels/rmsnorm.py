@@ -1,0 +1,66 @@
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer.
+
+One program per token row; the whole hidden vector (up to 8192 wide) sits in registers, so each input is
+read once and each output written once. The statistics and the scaling run in float32.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    stride_x, stride_residual, stride_out, stride_residual_out,
+    hidden_size, eps,
+    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if ADD_RESIDUAL:
+        # The sum is rounded to the activation dtype first, as the unfused `x + residual` would be,
+        # and the norm is taken of that rounded residual.
+        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32))
+        x = x.to(residual_out_ptr.dtype.element_ty)
+        tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
+    x = x.to(tl.float32)
+    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
+    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _launch(x, residual, weight, eps, out, residual_out):
+    num_rows, hidden_size = x.shape
+    if x.stride(-1) != 1:
+        raise ValueError("rmsnorm: the hidden dimension must be contiguous")
+    if num_rows == 0:
+        return
+    block = triton.next_power_of_2(hidden_size)
+    add = residual is not None
+    _rmsnorm_kernel[(num_rows,)](
+        x, residual if add else x, weight, out, residual_out if add else out,
+        x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
+        hidden_size, eps,
+        ADD_RESIDUAL=add, BLOCK=block, num_warps=min(16, max(4, block // 512)),
+    )
+
+
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: [T, hidden]; returns x / rms(x) * weight, computed in float32, in x's dtype."""
+    out = torch.empty_like(x)
+    _launch(x, None, weight, eps, out, None)
+    return out
+
+
+def fused_add_rmsnorm(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x, residual: [T, hidden]. Returns (rmsnorm(x + residual), x + residual) in one pass."""
+    out = torch.empty_like(x)
+    residual_out = torch.empty_like(residual)
+    _launch(x, residual, weight, eps, out, residual_out)
+    return out, residual_out

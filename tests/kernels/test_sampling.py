@@ -1,0 +1,84 @@
+"""The fused sampler picks the reference's tokens and reports the reference's confidences."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import diffulex_kernels
+from diffulex_backend.sampling import Confidence, SampleResult, row_keys, sample_reference
+from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
+
+# Vocabularies that are not a multiple of the kernel's tile, so the last tile is ragged.
+VOCABS = [126464, 152064] if FULL_SHAPES else [5000, 1000]
+NUM_ROWS = 64 if FULL_SHAPES else 12
+
+
+def poisoned_result(num_rows: int) -> SampleResult:
+    return SampleResult(
+        tokens=torch.full((num_rows,), -7, dtype=torch.int64, device=DEVICE),
+        confidence=torch.full((num_rows,), float("nan"), device=DEVICE),
+        logsumexp=torch.full((num_rows,), float("nan"), device=DEVICE),
+    )
+
+
+def cycled(values: list, num_rows: int) -> torch.Tensor:
+    return torch.tensor(values, device=DEVICE).repeat(num_rows // len(values) + 1)[:num_rows]
+
+
+def make_rows(num_rows: int, vocab: int, dtype: torch.dtype, seed: int):
+    gen = generator(seed)
+    logits = (randn(num_rows, vocab, dtype=torch.float32, gen=gen) * 3).to(dtype)
+    # Every other row samples, at a few temperatures; the rest are greedy.
+    temperature = cycled([0.0, 0.7, 0.0, 1.0, 0.0, 1.6], num_rows)
+    steps = torch.arange(num_rows, device=DEVICE)
+    keys = row_keys(torch.full((num_rows,), seed, device=DEVICE), steps * 3 + 1, steps)
+    kinds = cycled([int(k) for k in Confidence], num_rows)
+    return logits, temperature, keys, kinds
+
+
+def run_kernel(*args, **kwargs) -> SampleResult:
+    return diffulex_kernels.sample_and_confidence(*args, **kwargs, out=poisoned_result(args[0].shape[0]))
+
+
+def assert_same_result(out: SampleResult, ref: SampleResult) -> None:
+    assert torch.equal(out.tokens, ref.tokens)
+    torch.testing.assert_close(out.confidence, ref.confidence, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(out.logsumexp, ref.logsumexp, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("vocab", VOCABS)
+def test_tokens_and_confidences_match_reference(vocab, dtype):
+    logits, temperature, keys, kinds = make_rows(NUM_ROWS, vocab, dtype, seed=vocab)
+    out = run_kernel(logits, temperature, keys, kinds)
+    assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
+
+
+def test_sampled_rows_draw_different_tokens_than_greedy():
+    # Guards the Gumbel path itself: at a high temperature the draws must not collapse onto the argmax.
+    logits, _, keys, kinds = make_rows(NUM_ROWS, VOCABS[0], torch.float32, seed=3)
+    temperature = torch.full((NUM_ROWS,), 5.0, device=DEVICE)
+    out = run_kernel(logits, temperature, keys, kinds)
+    assert torch.equal(out.tokens, sample_reference(logits, temperature, keys, kinds).tokens)
+    assert (out.tokens != logits.argmax(-1)).sum() > NUM_ROWS // 2
+
+
+def test_ties_take_the_first_index_and_give_zero_margin():
+    vocab = VOCABS[0]
+    logits, _, keys, _ = make_rows(2, vocab, torch.float32, seed=9)
+    # The maximum appears twice, in different vocabulary tiles.
+    logits[:, [17, vocab - 3]] = logits.max() + 1.0
+    temperature = torch.zeros(2, device=DEVICE)
+    kinds = torch.tensor([int(Confidence.PROB), int(Confidence.MARGIN)], device=DEVICE)
+    out = run_kernel(logits, temperature, keys, kinds)
+    assert out.tokens.tolist() == [17, 17]
+    assert out.confidence[1].item() == 0.0
+    assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
+
+
+def test_top_k_and_top_p_rows_follow_the_reference():
+    logits, temperature, keys, kinds = make_rows(NUM_ROWS, VOCABS[1], torch.float32, seed=4)
+    top_k = cycled([0, 5], NUM_ROWS)
+    top_p = cycled([0.8, 1.0, 1.0], NUM_ROWS)
+    out = run_kernel(logits, temperature, keys, kinds, top_k, top_p)
+    assert_same_result(out, sample_reference(logits, temperature, keys, kinds, top_k, top_p))
