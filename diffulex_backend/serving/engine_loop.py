@@ -1,0 +1,341 @@
+"""The engine on a decoding thread of its own, and the responses on a second thread.
+
+The engine is not thread-safe, so exactly one thread touches it: the decoding thread takes commands
+(submit, abort, stop) from a queue between steps and runs `engine.step()` while any request is
+unfinished. Everything it learns goes onto an event queue, in order. The response thread turns events into
+responses, so a slow send never stalls decoding; it also polls every open request for cancellation and
+updates the metrics, because each of those is a round trip to the server process.
+
+A request whose response cannot be built or sent ends with an INTERNAL error and is aborted in the engine;
+the others carry on. An exception from `engine.step()` cannot be pinned on one request: it fails the loop,
+every open request ends with an INTERNAL error, and new requests are refused with UNAVAILABLE.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol
+
+from .metrics import ServingMetrics
+
+if TYPE_CHECKING:
+    from .. import Diffulex, EngineMetrics, SamplingParams, StepOutput
+
+logger = logging.getLogger(__name__)
+
+
+class ErrorKind(enum.Enum):
+    INVALID_ARG = enum.auto()
+    CANCELLED = enum.auto()
+    INTERNAL = enum.auto()
+    UNAVAILABLE = enum.auto()
+
+
+class ResponseStream(Protocol):
+    """Where one request's responses go (a Triton response sender inside the server)."""
+
+    def is_cancelled(self) -> bool: ...
+
+    def send_output(self, output: StepOutput) -> None:
+        """Send what this engine output is due; the output's `finished` flag makes it the final response."""
+
+    def send_error(self, kind: ErrorKind, message: str) -> None:
+        """Send an error as the final response."""
+
+
+class LoopState(enum.Enum):
+    RUNNING = enum.auto()
+    FAILED = enum.auto()  # engine.step() raised; nothing more is decoded
+    STOPPED = enum.auto()
+
+
+# Commands, to the decoding thread.
+@dataclass(frozen=True)
+class Submit:
+    request_id: str
+    prompt: str | list[int]
+    params: SamplingParams
+    stream: ResponseStream
+    arrival_time: float
+
+
+@dataclass(frozen=True)
+class Abort:
+    request_id: str
+
+
+class Stop:
+    pass
+
+
+# Events, to the response thread, in the order the decoding thread saw things happen.
+@dataclass(frozen=True)
+class Opened:
+    request_id: str
+    stream: ResponseStream
+    arrival_time: float
+    snapshot: EngineMetrics
+
+
+@dataclass(frozen=True)
+class Rejected:
+    stream: ResponseStream
+    kind: ErrorKind
+    message: str
+
+
+@dataclass(frozen=True)
+class Stepped:
+    outputs: list[StepOutput]
+    snapshot: EngineMetrics
+    time: float
+
+
+@dataclass(frozen=True)
+class Aborted:
+    request_id: str
+    snapshot: EngineMetrics
+
+
+@dataclass(frozen=True)
+class Failed:
+    message: str
+
+
+class Stopped:
+    pass
+
+
+@dataclass
+class OpenRequest:
+    """The response thread's record of a request the engine holds."""
+
+    stream: ResponseStream
+    arrival_time: float
+    cancelling: bool = False  # the client cancelled; an abort is on its way to the engine
+    counted_prompt: bool = False
+    got_first_token: bool = False
+
+
+class EngineLoop:
+    def __init__(self, engine: Diffulex, metrics: ServingMetrics, *, cancel_poll_interval_s: float = 0.02,
+                 on_failure: Callable[[str], None] = lambda message: None):
+        self._engine = engine
+        self._metrics = metrics
+        self._cancel_poll_interval_s = cancel_poll_interval_s
+        self._on_failure = on_failure
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._events: queue.SimpleQueue = queue.SimpleQueue()
+        # Guards the state against submits racing a failure or a stop, so no Submit is left unanswered in
+        # a queue that nobody reads any more.
+        self._lock = threading.Lock()
+        self._state = LoopState.RUNNING
+        self._failure = ""
+        self._request_ids = itertools.count()
+        self._decoding_thread = threading.Thread(target=self._decode, name="diffulex-decoding", daemon=True)
+        self._response_thread = threading.Thread(target=self._respond, name="diffulex-responses", daemon=True)
+        self._decoding_thread.start()
+        self._response_thread.start()
+
+    @property
+    def state(self) -> LoopState:
+        return self._state
+
+    @property
+    def failure(self) -> str:
+        """Why the engine failed, or "" while it has not."""
+        return self._failure
+
+    def submit(self, prompt: str | list[int], params: SamplingParams, stream: ResponseStream) -> None:
+        with self._lock:
+            if self._state is LoopState.RUNNING:
+                request_id = f"diffulex-{next(self._request_ids)}"
+                self._commands.put(Submit(request_id, prompt, params, stream, time.monotonic()))
+                return
+            message = self._refusal()
+        _send_error(stream, ErrorKind.UNAVAILABLE, message)
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """End both threads; requests still open end with UNAVAILABLE."""
+        with self._lock:
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.STOPPED
+                self._commands.put(Stop())  # the decoding thread answers with Stopped
+            else:
+                self._events.put(Stopped())  # the decoding thread has already ended
+        self._decoding_thread.join(timeout_s)
+        self._response_thread.join(timeout_s)
+
+    def _refusal(self) -> str:
+        if self._state is LoopState.FAILED:
+            return f"the engine failed and this model can no longer serve: {self._failure}"
+        return "the model is being unloaded"
+
+    # ---- decoding thread ----------------------------------------------------------------------------------
+    def _decode(self) -> None:
+        live: set[str] = set()
+        try:
+            while True:
+                for command in self._next_commands(block=not self._engine.has_unfinished_requests()):
+                    if isinstance(command, Stop):
+                        self._events.put(Stopped())
+                        return
+                    self._apply(command, live)
+                if self._engine.has_unfinished_requests():
+                    outputs = self._engine.step()
+                    live.difference_update(out.request_id for out in outputs if out.finished)
+                    self._events.put(Stepped(outputs, self._engine.metrics(), time.monotonic()))
+        except Exception as err:  # the engine's state is unknown now: stop decoding rather than guess
+            logger.exception("the engine failed")
+            self._fail(f"{type(err).__name__}: {err}")
+
+    def _next_commands(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command, live: set[str]) -> None:
+        if isinstance(command, Submit):
+            try:
+                self._engine.add_request(command.prompt, command.params, request_id=command.request_id)
+            except ValueError as err:  # the request itself is bad: too long, token out of range, ...
+                self._events.put(Rejected(command.stream, ErrorKind.INVALID_ARG, str(err)))
+                return
+            except Exception as err:
+                logger.exception("add_request failed")
+                self._events.put(Rejected(command.stream, ErrorKind.INTERNAL, f"{type(err).__name__}: {err}"))
+                return
+            live.add(command.request_id)
+            self._events.put(Opened(command.request_id, command.stream, command.arrival_time, self._engine.metrics()))
+        elif isinstance(command, Abort) and command.request_id in live:
+            self._engine.abort(command.request_id)
+            live.discard(command.request_id)
+            self._events.put(Aborted(command.request_id, self._engine.metrics()))
+
+    def _fail(self, message: str) -> None:
+        with self._lock:
+            self._failure = message
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.FAILED
+            refusal = self._refusal()
+            pending = self._next_commands(block=False)
+        self._events.put(Failed(message))
+        for command in pending:
+            if isinstance(command, Submit):
+                self._events.put(Rejected(command.stream, ErrorKind.UNAVAILABLE, refusal))
+            elif isinstance(command, Stop):
+                self._events.put(Stopped())
+
+    # ---- response thread ----------------------------------------------------------------------------------
+    def _respond(self) -> None:
+        open_requests: dict[str, OpenRequest] = {}
+        next_poll = time.monotonic() + self._cancel_poll_interval_s
+        while True:
+            try:
+                event = self._events.get(timeout=max(0.0, next_poll - time.monotonic()))
+            except queue.Empty:
+                event = None
+            if isinstance(event, Stopped):
+                for request in open_requests.values():
+                    _send_error(request.stream, ErrorKind.UNAVAILABLE, "the model is being unloaded")
+                return
+            try:  # whatever goes wrong with one event, this thread must live on to answer the others
+                if event is not None:
+                    self._handle(event, open_requests)
+                if time.monotonic() >= next_poll:
+                    self._poll_cancellations(open_requests)
+            except Exception:
+                logger.exception("handling %r failed", event)
+                next_poll = time.monotonic() + self._cancel_poll_interval_s
+
+    def _handle(self, event, open_requests: dict[str, OpenRequest]) -> None:
+        if isinstance(event, Stepped):
+            self._metrics.update_engine(event.snapshot)
+            for output in event.outputs:
+                self._deliver(output, event.time, open_requests)
+        elif isinstance(event, Opened):
+            open_requests[event.request_id] = OpenRequest(event.stream, event.arrival_time)
+            self._metrics.update_engine(event.snapshot)
+        elif isinstance(event, Aborted):
+            self._metrics.update_engine(event.snapshot)
+            request = open_requests.pop(event.request_id, None)
+            if request is not None:
+                _send_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+        elif isinstance(event, Rejected):
+            _send_error(event.stream, event.kind, event.message)
+        elif isinstance(event, Failed):
+            message = f"the engine failed and this model can no longer serve: {event.message}"
+            for request in open_requests.values():
+                _send_error(request.stream, ErrorKind.INTERNAL, message)
+            open_requests.clear()
+            self._on_failure(event.message)
+
+    def _deliver(self, output: StepOutput, now: float, open_requests: dict[str, OpenRequest]) -> None:
+        request = open_requests.get(output.request_id)
+        if request is None:
+            return
+        if request.cancelling:
+            if output.finished:  # it finished before the abort arrived, so no Aborted event will come
+                del open_requests[output.request_id]
+                _send_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+            return
+        try:
+            self._observe(request, output, now)
+        except Exception:
+            logger.exception("updating metrics failed")
+        try:
+            request.stream.send_output(output)
+        except Exception as err:
+            logger.exception("sending a response failed")
+            del open_requests[output.request_id]
+            self._commands.put(Abort(output.request_id))  # free its pages
+            _send_error(request.stream, ErrorKind.INTERNAL, f"building the response failed: {type(err).__name__}: {err}")
+            return
+        if output.finished:
+            del open_requests[output.request_id]
+
+    def _observe(self, request: OpenRequest, output: StepOutput, now: float) -> None:
+        metrics = self._metrics
+        if not request.counted_prompt:
+            request.counted_prompt = True
+            metrics.prompt_tokens.increment(output.num_prompt_tokens)
+        if output.token_ids:
+            metrics.generation_tokens.increment(len(output.token_ids))
+            if not request.got_first_token:
+                request.got_first_token = True
+                metrics.time_to_first_token.observe(now - request.arrival_time)
+        if output.finished:
+            metrics.request_latency.observe(now - request.arrival_time)
+            if output.nfe:
+                metrics.tokens_per_forward.observe(output.num_output_tokens / output.nfe)
+
+    def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:
+        for request_id, request in open_requests.items():
+            if not request.cancelling and _is_cancelled(request.stream):
+                request.cancelling = True
+                self._commands.put(Abort(request_id))
+
+
+def _is_cancelled(stream: ResponseStream) -> bool:
+    try:
+        return stream.is_cancelled()
+    except Exception:
+        logger.exception("polling for cancellation failed")
+        return False
+
+
+def _send_error(stream: ResponseStream, kind: ErrorKind, message: str) -> None:
+    try:
+        stream.send_error(kind, message)
+    except Exception:  # the client may be gone; nothing else is owed to it
+        logger.exception("sending an error response failed")

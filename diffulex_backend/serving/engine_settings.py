@@ -1,0 +1,70 @@
+"""Read the engine settings from a Triton model config's `parameters`.
+
+Triton hands every parameter over as a string (`{"block_size": {"string_value": "32"}}`). Each name must
+be a field of `Config`, and each value is converted to that field's type here so that a typo fails the
+model load with a message naming the parameter, instead of reaching the engine as a string. An empty
+value leaves an optional field unset (the engine detects or derives it). A relative `model` path is
+resolved against the model's directory in the repository.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from collections.abc import Mapping
+from pathlib import Path
+
+from ..config import Config
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str | Path) -> dict:
+    """Config keyword arguments from a model config's `parameters` section."""
+    types_by_field = typing.get_type_hints(Config)
+    settings = {}
+    for name, holder in parameters.items():
+        if name not in types_by_field:
+            raise ValueError(f"unknown parameter '{name}' in config.pbtxt; known parameters: {Config.field_names()}")
+        value = _convert(name, holder.get("string_value", ""), types_by_field[name])
+        if value is not None:
+            settings[name] = value
+    if "model" not in settings:
+        raise ValueError("parameter 'model' in config.pbtxt must name a checkpoint directory")
+    model = Path(settings["model"]).expanduser()
+    settings["model"] = str(model if model.is_absolute() else Path(model_dir) / model)
+    return settings
+
+
+def _convert(name: str, text: str, annotation) -> object:
+    text = text.strip()
+    optional = _is_optional(annotation)
+    if text == "":
+        if optional:
+            return None
+        raise ValueError(f"parameter '{name}' in config.pbtxt needs a value")
+    base = _base_type(annotation)
+    if base is bool:
+        word = text.lower()
+        if word not in TRUE_WORDS + FALSE_WORDS:
+            raise ValueError(f"parameter '{name}' in config.pbtxt must be true or false, got {text!r}")
+        return word in TRUE_WORDS
+    if base in (int, float):
+        try:
+            return base(text)
+        except ValueError:
+            kind = "an integer" if base is int else "a number"
+            raise ValueError(f"parameter '{name}' in config.pbtxt must be {kind}, got {text!r}") from None
+    return text
+
+
+def _is_optional(annotation) -> bool:
+    return type(None) in typing.get_args(annotation)
+
+
+def _base_type(annotation) -> type:
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        (base,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return base
+    return annotation

@@ -1,0 +1,59 @@
+"""The served model's custom metrics, exported by Triton on its metrics port next to its own.
+
+`metric_family` is `triton_python_backend_utils.MetricFamily` inside the server: a class built as
+`MetricFamily(name=..., description=..., kind=MetricFamily.COUNTER)` whose `Metric(labels=..., buckets=...)`
+gives a metric with `increment`, `set` and `observe`. Every update comes from the response thread, never
+from the decoding thread, because each one is a round trip to the server process.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .. import EngineMetrics
+
+TIME_TO_FIRST_TOKEN_BUCKETS_S = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0]
+REQUEST_LATENCY_BUCKETS_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0]
+# Committed tokens per forward pass a request took part in: 1 is autoregressive speed, more is the gain of
+# parallel decoding.
+TOKENS_PER_FORWARD_BUCKETS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0]
+
+
+class ServingMetrics:
+    def __init__(self, metric_family, labels: dict[str, str]):
+        def metric(name, description, kind, buckets=None):
+            family = metric_family(name=name, description=description, kind=kind)
+            self._families.append(family)  # a family unregisters when it is garbage collected
+            return family.Metric(labels=labels) if buckets is None else family.Metric(labels=labels, buckets=buckets)
+
+        self._families = []
+        counter, gauge, histogram = metric_family.COUNTER, metric_family.GAUGE, metric_family.HISTOGRAM
+        self.prompt_tokens = metric("diffulex_prompt_tokens_total", "Prompt tokens of served requests", counter)
+        self.generation_tokens = metric("diffulex_generation_tokens_total", "Generated tokens sent", counter)
+        self.time_to_first_token = metric(
+            "diffulex_time_to_first_token_seconds", "From arrival to the first committed token", histogram,
+            TIME_TO_FIRST_TOKEN_BUCKETS_S)
+        self.request_latency = metric(
+            "diffulex_e2e_request_latency_seconds", "From arrival to the last response", histogram,
+            REQUEST_LATENCY_BUCKETS_S)
+        self.tokens_per_forward = metric(
+            "diffulex_tokens_per_forward", "Output tokens per forward pass, per finished request", histogram,
+            TOKENS_PER_FORWARD_BUCKETS)
+        self.running = metric("diffulex_num_requests_running", "Requests in the running batch", gauge)
+        self.waiting = metric("diffulex_num_requests_waiting", "Requests waiting to be scheduled", gauge)
+        self.preempted = metric("diffulex_num_requests_preempted", "Requests preempted, waiting to resume", gauge)
+        self.kv_pages_used = metric("diffulex_kv_pages_used", "KV cache pages held by requests", gauge)
+        self.kv_pages_free = metric("diffulex_kv_pages_free", "KV cache pages free for new requests", gauge)
+        self.prefix_cache_hit_ratio = metric(
+            "diffulex_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
+            gauge)
+
+    def update_engine(self, snapshot: EngineMetrics) -> None:
+        self.running.set(snapshot.num_running)
+        self.waiting.set(snapshot.num_waiting)
+        self.preempted.set(snapshot.num_preempted)
+        self.kv_pages_used.set(snapshot.kv_pages_used)
+        self.kv_pages_free.set(snapshot.kv_pages_free)
+        queried = snapshot.prefix_cache_queried_tokens
+        self.prefix_cache_hit_ratio.set(snapshot.prefix_cache_hit_tokens / queried if queried else 0.0)
