@@ -57,7 +57,7 @@ def _segment_rank(score: torch.Tensor, eligible: torch.Tensor, seg: torch.Tensor
     """Rank of each eligible position by descending score within its segment (ties: lower index first);
     ineligible positions get a rank past every eligible one."""
     n = score.numel()
-    masked_score = torch.where(eligible, score.float(), torch.full_like(score, float("-inf"), dtype=torch.float32))
+    masked_score = torch.where(eligible, score, torch.full_like(score, float("-inf")))
     by_score = torch.sort(masked_score, descending=True, stable=True).indices
     order = by_score[torch.sort(seg[by_score], stable=True).indices]  # grouped by segment, best first
     seg_sorted = seg[order]

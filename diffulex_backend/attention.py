@@ -96,10 +96,11 @@ def paged_attention_reference(
             k = torch.cat([gather_context(k_cache, meta.page_tables[b], ctx).to(k.dtype), k])
             v = torch.cat([gather_context(v_cache, meta.page_tables[b], ctx).to(v.dtype), v])
             visible = torch.cat([visible.new_ones(n, ctx), visible], dim=1)
-        # [heads, n, d] x [heads, ctx + n, d], in float32 so that bf16 inputs keep a float32 reference.
-        q32 = q.transpose(0, 1).float()
-        k32 = k.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        v32 = v.transpose(0, 1).float().repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(q32, k32, v32, attn_mask=visible, scale=scale)
+        # [heads, n, d] x [heads, ctx + n, d], in at least float32 so that bf16 inputs keep a float32 reference.
+        acc = torch.promote_types(q.dtype, torch.float32)
+        qa = q.transpose(0, 1).to(acc)
+        ka = k.transpose(0, 1).to(acc).repeat_interleave(group, dim=0)
+        va = v.transpose(0, 1).to(acc).repeat_interleave(group, dim=0)
+        o = F.scaled_dot_product_attention(qa, ka, va, attn_mask=visible, scale=scale)
         out[rows] = o.transpose(0, 1).to(out.dtype)
     return out

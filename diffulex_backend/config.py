@@ -12,7 +12,7 @@ class SamplingMode(enum.Enum):
 
 
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-DTYPES = ("auto", "float32", "bfloat16", "float16")
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_LAYOUTS = ("unified",)  # "distinct" is not implemented, so it is refused rather than ignored
 

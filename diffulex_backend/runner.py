@@ -165,7 +165,7 @@ class ModelRunner:
             top_p=_repeat([q.top_p for q in params], lengths, torch.float32).to(dev),
         )
         current_dev = current.to(dev)
-        current_prob = torch.exp(logits.float().gather(1, current_dev[:, None]).squeeze(1) - result.logsumexp)
+        current_prob = torch.exp(logits.to(result.logsumexp.dtype).gather(1, current_dev[:, None]).squeeze(1) - result.logsumexp)
         batch = AcceptanceBatch(
             current=current_dev,
             predicted=result.tokens,

@@ -135,7 +135,7 @@ def sample_reference(
     top_p: torch.Tensor | None = None,  # [N] float32, 1 = off
 ) -> SampleResult:
     """Choose a token per row and score it. Confidence is measured on the untempered distribution."""
-    logits = logits.float()
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))  # float64 stays float64
     lse = torch.logsumexp(logits, dim=-1)
     probs = torch.exp(logits - lse[:, None])
     tokens = logits.argmax(dim=-1)
