@@ -1,0 +1,6 @@
+"""Model families. Importing this package registers each one in `AutoModelForDiffusionLM`."""
+from diffulex_backend.models import dream, llada, sdar  # noqa: F401  (registration by import)
+from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.models.decoder_lm import DecoderLM
+
+__all__ = ["DecoderLM", "ModelArch"]

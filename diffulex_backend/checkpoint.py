@@ -1,0 +1,295 @@
+"""Random-weight models in each family's real Hugging Face layout.
+
+`write_random_checkpoint` writes a tiny checkpoint directory that the loader reads like a released one:
+config.json with the family's full key set, safetensors under the released weight names (sharded with an
+index when asked), and a byte-level tokenizer with an EOS and a mask token. `random_model` builds the same
+model in memory, on any device and dtype, for benchmarks at the released shapes (`RELEASED_SHAPES`).
+Both go through `random_config`, so a written checkpoint and an in-memory model of the same arguments and
+seed on the same device hold the same weights.
+
+CLI: python -m diffulex_backend.checkpoint OUT_DIR --model-name llada [--hidden-size 64 ...]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+import diffulex_backend.models  # noqa: F401  (registers the families)
+from diffulex_backend.attention import paged_attention_reference
+from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.models.decoder_lm import DecoderLM
+from diffulex_backend.registry import AutoModelForDiffusionLM
+
+# The tokenizer: 256 byte tokens (id = byte value), then the special tokens.
+EOS_TOKEN = "<|endoftext|>"
+MASK_TOKEN = "<|mdm_mask|>"
+EOS_TOKEN_ID = 256
+MASK_TOKEN_ID = 257
+TOKENIZER_VOCAB_SIZE = 258
+
+# Random weights that decode like a model rather than like noise: masked positions should disagree with each
+# other, and their greedy confidence should spread from well under to well over the usual thresholds.
+# - LOGIT_SCALE: the std of the logits, so softmax is peaky rather than ~1/V.
+# - ATTENTION_SHARPNESS: the std of q and k entries, so attention scores have std ~ its square and each
+#   position attends to a few others; positions then see different contexts and predict differently.
+# - EMBEDDING_STD: small next to the attention output, so a run of identical mask tokens does not collapse
+#   into one hidden state.
+LOGIT_SCALE = 6.0
+ATTENTION_SHARPNESS = 2.0
+EMBEDDING_STD = 0.3
+
+RELEASED_SHAPES = {
+    "llada-8b": dict(model_name="llada", hidden_size=4096, num_layers=32, num_heads=32, num_kv_heads=32,
+                     intermediate_size=12288, vocab_size=126464, max_position_embeddings=4096),
+    "dream-7b": dict(model_name="dream", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                     intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072),
+    "sdar-8b": dict(model_name="sdar", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
+                    head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768),
+}
+
+
+def random_config(
+    model_name: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 512,
+    **extra_config,
+) -> dict:
+    """The family's config.json for this shape; `extra_config` overrides or adds config.json keys."""
+    family = AutoModelForDiffusionLM.get(model_name)
+    arch = ModelArch(
+        model_name=model_name,
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        head_dim=head_dim or hidden_size // num_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size or TOKENIZER_VOCAB_SIZE,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-5,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        mask_token_id=MASK_TOKEN_ID,
+        eos_token_ids=(EOS_TOKEN_ID,),
+        shifted=False,
+        block_size=None,
+    )
+    return {**family.config_dict(arch), **extra_config}
+
+
+def init_random_(model: DecoderLM, seed: int) -> DecoderLM:
+    """Fill every parameter from one seeded generator, in parameter order.
+
+    Linear weights have std 1/sqrt(fan_in) (times ATTENTION_SHARPNESS for q and k), so activations keep
+    their scale through the layers. Norm weights sit near 1 (near ATTENTION_SHARPNESS for q/k norms) and
+    biases near 0, but not at them, so a test notices one that is dropped.
+    """
+    arch = model.arch
+    qk_rows = arch.q_size + arch.kv_size  # the q and k rows of the fused qkv projection
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            generator = generators.get(param.device)
+            if generator is None:
+                generator = generators[param.device] = torch.Generator(param.device).manual_seed(seed)
+            if name.endswith(("q_norm.weight", "k_norm.weight")):
+                param.normal_(ATTENTION_SHARPNESS, 0.1, generator=generator)
+            elif name.endswith("norm.weight"):
+                param.normal_(1.0, 0.1, generator=generator)
+            elif name.endswith(".bias"):
+                param.normal_(0.0, 0.1, generator=generator)
+            elif name == "lm_head.weight" or (name == "embed_tokens.weight" and model.lm_head is None):
+                param.normal_(0.0, LOGIT_SCALE / math.sqrt(arch.hidden_size), generator=generator)
+            elif name == "embed_tokens.weight":
+                param.normal_(0.0, EMBEDDING_STD, generator=generator)
+            else:
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
+                if name.endswith("qkv_proj.weight") and not arch.qk_norm:
+                    param[:qk_rows] *= ATTENTION_SHARPNESS
+    return model
+
+
+def build_random_model(
+    model_name: str,
+    config: dict,
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+    attention_fn=paged_attention_reference,
+) -> DecoderLM:
+    family = AutoModelForDiffusionLM.get(model_name)
+    arch = family.parse_config(config, f"<random {model_name} config>")
+    return init_random_(family.empty(arch, attention_fn, dtype=dtype, device=device), seed)
+
+
+def random_model(
+    model_name: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    seed: int = 0,
+    attention_fn=paged_attention_reference,
+    **shape_and_config,
+) -> DecoderLM:
+    """A random-weight model built directly on `device` in `dtype`, e.g.
+    `random_model(**RELEASED_SHAPES["llada-8b"], dtype=torch.bfloat16, device="cuda")`."""
+    config = random_config(model_name, **shape_and_config)
+    return build_random_model(model_name, config, dtype=dtype, device=device, seed=seed, attention_fn=attention_fn)
+
+
+def write_random_checkpoint(
+    path: str | Path,
+    model_name: str,
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    head_dim: int | None = None,
+    vocab_size: int | None = None,
+    max_position_embeddings: int = 512,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    num_shards: int = 1,
+    tokenizer: bool = True,
+    **extra_config,
+) -> Path:
+    directory = Path(path)
+    config = random_config(
+        model_name, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
+        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, head_dim=head_dim,
+        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **extra_config,
+    )
+    config["torch_dtype"] = str(dtype).removeprefix("torch.")
+    model = build_random_model(model_name, config, dtype=dtype, device="cpu", seed=seed)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_weights(model, directory, num_shards)
+    if tokenizer:
+        write_byte_tokenizer(directory, max_position_embeddings)
+    return directory
+
+
+def write_weights(model: DecoderLM, directory: Path, num_shards: int) -> None:
+    """Safetensors under the checkpoint names: model.safetensors, or num_shards files and an index."""
+    params = dict(model.named_parameters())
+    # Clone: fused parameters are split into views of one storage, which safetensors refuses to save.
+    tensors = {name: params[w.param][w.rows].detach().clone() for name, w in model.checkpoint_layout().items()}
+    if num_shards == 1:
+        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        return
+    names = list(tensors)
+    if not 1 <= num_shards <= len(names):
+        raise ValueError(f"num_shards must be in [1, {len(names)}] for this model, got {num_shards}")
+    weight_map = {}
+    for shard in range(num_shards):
+        file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
+        chunk = names[shard * len(names) // num_shards:(shard + 1) * len(names) // num_shards]
+        save_file({name: tensors[name] for name in chunk}, directory / file, metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(chunk, file))
+    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def byte_alphabet() -> list[str]:
+    """The printable character that byte-level pre-tokenization maps each byte value to (index = byte).
+
+    Bytes that print as themselves keep their character; the others are moved, in order, to code points
+    from 256 up, so that every byte has a visible, non-whitespace stand-in.
+    """
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    stand_ins = {}
+    moved = 0
+    for byte in range(256):
+        if byte in printable:
+            stand_ins[byte] = chr(byte)
+        else:
+            stand_ins[byte] = chr(256 + moved)
+            moved += 1
+    return [stand_ins[byte] for byte in range(256)]
+
+
+def write_byte_tokenizer(directory: Path, model_max_length: int) -> None:
+    """tokenizer.json + tokenizer_config.json + special_tokens_map.json: one token per UTF-8 byte (no merges,
+    so a multi-byte character is several tokens and any text round-trips), plus EOS and mask."""
+    vocab = {char: byte for byte, char in enumerate(byte_alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken(EOS_TOKEN, special=True, normalized=False),
+                            AddedToken(MASK_TOKEN, special=True, normalized=False)])
+    assert tok.token_to_id(EOS_TOKEN) == EOS_TOKEN_ID and tok.token_to_id(MASK_TOKEN) == MASK_TOKEN_ID
+    tok.save(str(directory / "tokenizer.json"))
+    special = {"eos_token": EOS_TOKEN, "mask_token": MASK_TOKEN, "pad_token": EOS_TOKEN}
+    added = {
+        str(token_id): {"content": content, "lstrip": False, "normalized": False, "rstrip": False,
+                        "single_word": False, "special": True}
+        for content, token_id in ((EOS_TOKEN, EOS_TOKEN_ID), (MASK_TOKEN, MASK_TOKEN_ID))
+    }
+    tokenizer_config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "added_tokens_decoder": added,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": model_max_length,
+        **special,
+    }
+    (directory / "tokenizer_config.json").write_text(json.dumps(tokenizer_config, indent=2) + "\n")
+    (directory / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight checkpoint in a family's HF layout.")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--model-name", required=True, choices=AutoModelForDiffusionLM.keys())
+    parser.add_argument("--hidden-size", type=int, default=64)
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--num-heads", type=int, default=4)
+    parser.add_argument("--num-kv-heads", type=int, default=2)
+    parser.add_argument("--intermediate-size", type=int, default=128)
+    parser.add_argument("--head-dim", type=int, default=None)
+    parser.add_argument("--vocab-size", type=int, default=None)
+    parser.add_argument("--max-position-embeddings", type=int, default=512)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="set a config.json key, e.g. --set block_size=8 --set tie_word_embeddings=true")
+    args = parser.parse_args(argv)
+    extra = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=JSON, got {item!r}")
+        try:
+            extra[key] = json.loads(value)
+        except json.JSONDecodeError:
+            parser.error(f"--set {key}: {value!r} is not JSON (quote strings: {key}='\"text\"')")
+    out = write_random_checkpoint(
+        args.out_dir, args.model_name, hidden_size=args.hidden_size, num_layers=args.num_layers,
+        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
+        head_dim=args.head_dim, vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings,
+        seed=args.seed, dtype=getattr(torch, args.dtype), num_shards=args.num_shards,
+        tokenizer=not args.no_tokenizer, **extra,
+    )
+    print(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,33 @@
+"""One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)). LLaDA's llama block and the
+Qwen2/Qwen3 decoder layer are this block under different weight names."""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.mlp import GatedMLP
+from diffulex_backend.layers.norm import RMSNorm
+from diffulex_backend.layers.self_attention import AttentionFn, SelfAttention
+from diffulex_backend.models.arch import ModelArch
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
+        super().__init__()
+        self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.attn = SelfAttention(arch, attention_fn)
+        self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+
+    def forward(
+        self,
+        x: torch.Tensor,  # [T, hidden]
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        meta: AttentionMetadata,
+        k_cache: torch.Tensor | None,
+        v_cache: torch.Tensor | None,
+    ) -> torch.Tensor:
+        h = x + self.attn(self.attn_norm(x), cos, sin, meta, k_cache, v_cache)
+        return h + self.mlp(self.mlp_norm(h))

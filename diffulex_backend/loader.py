@@ -1,0 +1,145 @@
+"""Load a local Hugging Face checkpoint directory: config.json, then safetensors weights (one file, or shards
+listed by model.safetensors.index.json), into the family's model, on the device, in the dtype.
+
+Every failure is a `CheckpointError` that names the file and the key at fault.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError, safe_open
+
+import diffulex_backend.models  # noqa: F401  (registers the families)
+from diffulex_backend.attention import paged_attention_reference
+from diffulex_backend.models.decoder_lm import DecoderLM
+from diffulex_backend.registry import AutoModelForDiffusionLM
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint directory that cannot be loaded; the message names the file and the key."""
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise CheckpointError(f"{path}: file not found")
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise CheckpointError(f"{path}: not valid JSON: {e}") from e
+
+
+def read_config(path: str | Path) -> dict:
+    directory = Path(path)
+    if not directory.is_dir():
+        raise CheckpointError(f"{directory}: checkpoint directory not found")
+    return read_json(directory / CONFIG_FILE)
+
+
+def detect_model_name(config: dict, path: str | Path) -> str:
+    """The registered family named by config.json's "model_type", else by its "architectures"."""
+    families = {name: AutoModelForDiffusionLM.get(name) for name in AutoModelForDiffusionLM.keys()}
+    model_type = config.get("model_type")
+    for name, family in families.items():
+        if model_type in family.MODEL_TYPES:
+            return name
+    architectures = config.get("architectures") or []
+    for name, family in families.items():
+        if any(a in family.ARCHITECTURES for a in architectures):
+            return name
+    raise CheckpointError(
+        f"{path}: config key 'model_type' is {model_type!r} (architectures {architectures!r}), which names no"
+        f" registered model; registered: {sorted(families)}; pass model_name to choose one"
+    )
+
+
+def weight_files(directory: Path) -> dict[str, Path]:
+    """Checkpoint tensor name -> the safetensors file that holds it."""
+    single, index_path = directory / WEIGHTS_FILE, directory / WEIGHTS_INDEX_FILE
+    if single.is_file():
+        return {name: single for name in _tensor_names(single)}
+    if not index_path.is_file():
+        raise CheckpointError(f"{directory}: no weights: neither {WEIGHTS_FILE} nor {WEIGHTS_INDEX_FILE} exists")
+    weight_map = read_json(index_path).get("weight_map")
+    if not isinstance(weight_map, dict) or not weight_map:
+        raise CheckpointError(f"{index_path}: key 'weight_map' is missing or empty")
+    files = {}
+    for name, shard in weight_map.items():
+        shard_path = directory / str(shard)
+        if not shard_path.is_file():
+            raise CheckpointError(f"{index_path}: weight {name!r} points at shard {shard!r}, which does not exist")
+        files[name] = shard_path
+    for shard_path in sorted(set(files.values())):
+        held = set(_tensor_names(shard_path))
+        listed = {name for name, p in files.items() if p == shard_path}
+        if listed - held:
+            missing = sorted(listed - held)[0]
+            raise CheckpointError(f"{shard_path}: missing weight {missing!r} that {index_path.name} lists in it")
+    return files
+
+
+def _tensor_names(file: Path) -> list[str]:
+    try:
+        with safe_open(file, framework="pt") as f:
+            return list(f.keys())
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+
+
+def load_weights(model: DecoderLM, directory: Path) -> None:
+    layout = model.checkpoint_layout()
+    files = weight_files(directory)
+    source = directory / (WEIGHTS_FILE if (directory / WEIGHTS_FILE).is_file() else WEIGHTS_INDEX_FILE)
+    unexpected = sorted(set(files) - set(layout))
+    if unexpected:
+        raise CheckpointError(f"{files[unexpected[0]]}: unexpected weight {unexpected[0]!r} for model {model.arch.model_name!r}")
+    missing = sorted(set(layout) - set(files))
+    if missing:
+        raise CheckpointError(f"{source}: missing weight {missing[0]!r}")
+    params = dict(model.named_parameters())
+    by_file: dict[Path, list[str]] = {}
+    for name, file in files.items():
+        by_file.setdefault(file, []).append(name)
+    with torch.no_grad():
+        for file, names in sorted(by_file.items()):
+            try:
+                with safe_open(file, framework="pt") as f:
+                    for name in names:
+                        expected = layout[name]
+                        shape = tuple(f.get_slice(name).get_shape())
+                        if shape != expected.shape:
+                            raise CheckpointError(
+                                f"{file}: weight {name!r} has shape {shape}, expected {expected.shape}"
+                            )
+                        params[expected.param][expected.rows].copy_(f.get_tensor(name))
+            except (SafetensorError, OSError) as e:
+                raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+
+
+def load_model(
+    path: str | Path,
+    *,
+    model_name: str | None = None,
+    dtype: torch.dtype = torch.float32,
+    device: str | torch.device = "cpu",
+    attention_fn=paged_attention_reference,
+) -> DecoderLM:
+    directory = Path(path)
+    config = read_config(directory)
+    config_path = directory / CONFIG_FILE
+    name = model_name or detect_model_name(config, config_path)
+    try:
+        family = AutoModelForDiffusionLM.get(name)
+        arch = family.parse_config(config, config_path)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    model = family.empty(arch, attention_fn, dtype=dtype, device=device)
+    load_weights(model, directory)
+    return model.eval()

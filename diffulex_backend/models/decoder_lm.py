@@ -1,0 +1,127 @@
+"""The decoder-only transformer that every family is, and the map from its parameters to checkpoint names.
+
+A family subclass says three things: how its config.json becomes a `ModelArch` (`parse_config`), how a
+`ModelArch` becomes its config.json (`config_dict`, for the random-checkpoint writer), and the names its
+weights have in the released safetensors (`TOP_WEIGHTS`, `LAYER_PREFIX`, `LAYER_WEIGHTS`). The loader and
+the writer both go through `checkpoint_layout()`, so the two can never disagree.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.decoder_layer import DecoderLayer
+from diffulex_backend.layers.norm import RMSNorm
+from diffulex_backend.layers.rotary import rotary_angles
+from diffulex_backend.layers.self_attention import AttentionFn
+from diffulex_backend.models.arch import ModelArch
+
+
+class FusedPart(enum.Enum):
+    """Which rows of a fused parameter a separate checkpoint tensor fills."""
+    Q = "q"
+    K = "k"
+    V = "v"
+    GATE = "gate"
+    UP = "up"
+
+
+@dataclass(frozen=True)
+class CheckpointWeight:
+    param: str  # name in this module's state dict
+    rows: slice  # rows of `param` this checkpoint tensor fills; all rows when the parameter is not fused
+    shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+
+
+class DecoderLM(nn.Module):
+    # Set by each family.
+    MODEL_TYPES: tuple[str, ...] = ()  # config.json "model_type" values that name this family
+    ARCHITECTURES: tuple[str, ...] = ()  # config.json "architectures" entries that name this family
+    TOP_WEIGHTS: dict[str, str] = {}  # checkpoint name -> parameter name, outside the layers
+    LAYER_PREFIX: str = ""  # checkpoint prefix of layer N, with {} for N
+    LAYER_WEIGHTS: dict[str, tuple[str, FusedPart | None]] = {}  # suffix -> (parameter suffix, part)
+
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
+        super().__init__()
+        self.arch = arch
+        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, attention_fn) for _ in range(arch.num_layers))
+        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+
+    # --- what a family provides ---------------------------------------------------------------------------
+
+    @classmethod
+    def parse_config(cls, config: dict, path: str | Path) -> ModelArch:
+        """config.json -> ModelArch. Raises ValueError naming `path` and the key on any problem."""
+        raise NotImplementedError
+
+    @classmethod
+    def config_dict(cls, arch: ModelArch) -> dict:
+        """ModelArch -> config.json with the family's full released key set."""
+        raise NotImplementedError
+
+    # --- construction -------------------------------------------------------------------------------------
+
+    @classmethod
+    def empty(cls, arch: ModelArch, attention_fn: AttentionFn, *, dtype: torch.dtype, device) -> "DecoderLM":
+        """The model with uninitialized parameters, allocated once, directly on `device` in `dtype`."""
+        with torch.device("meta"):
+            model = cls(arch, attention_fn)
+        # Inference only: no parameter takes part in autograd.
+        return model.to(dtype).to_empty(device=device).requires_grad_(False)
+
+    def checkpoint_layout(self) -> dict[str, CheckpointWeight]:
+        """Every checkpoint tensor name of this architecture and the parameter rows it fills."""
+        arch = self.arch
+        params = dict(self.named_parameters())
+        fused_rows = {
+            FusedPart.Q: slice(0, arch.q_size),
+            FusedPart.K: slice(arch.q_size, arch.q_size + arch.kv_size),
+            FusedPart.V: slice(arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size),
+            FusedPart.GATE: slice(0, arch.intermediate_size),
+            FusedPart.UP: slice(arch.intermediate_size, 2 * arch.intermediate_size),
+        }
+        names: dict[str, tuple[str, FusedPart | None]] = {k: (v, None) for k, v in self.TOP_WEIGHTS.items()}
+        for layer in range(arch.num_layers):
+            prefix = self.LAYER_PREFIX.format(layer)
+            for suffix, (param, part) in self.LAYER_WEIGHTS.items():
+                names[prefix + suffix] = (f"layers.{layer}.{param}", part)
+        layout = {}
+        for name, (param, part) in names.items():
+            if param not in params:  # e.g. lm_head when tied, q_norm without qk_norm, biases without qkv_bias
+                continue
+            rows = fused_rows[part] if part is not None else slice(0, params[param].shape[0])
+            shape = (rows.stop - rows.start, *params[param].shape[1:])
+            layout[name] = CheckpointWeight(param, rows, shape)
+        covered = {w.param for w in layout.values()}
+        assert covered == set(params), f"parameters without a checkpoint name: {sorted(set(params) - covered)}"
+        return layout
+
+    # --- the interface the runner calls -------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] long
+        positions: torch.Tensor,  # [T] long
+        meta: AttentionMetadata,
+        kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
+    ) -> torch.Tensor:  # [T, hidden], after the final norm
+        cos, sin = rotary_angles(positions, self.arch.head_dim, self.arch.rope_theta)
+        hidden = self.embed_tokens(input_ids)
+        for index, layer in enumerate(self.layers):
+            k_cache = v_cache = None
+            if kv_cache is not None:
+                k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
+            hidden = layer(hidden, cos, sin, meta, k_cache, v_cache)
+        return self.norm(hidden)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(hidden, head)

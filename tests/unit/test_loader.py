@@ -1,0 +1,179 @@
+"""Loading checkpoint directories: sharded or not, in a dtype, and every way a checkpoint can be broken."""
+import json
+import re
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffulex_backend.checkpoint import write_random_checkpoint
+from diffulex_backend.loader import CheckpointError, detect_model_name, load_model
+
+
+@pytest.fixture(scope="module")
+def llada_dir(tmp_path_factory):
+    return write_random_checkpoint(tmp_path_factory.mktemp("llada"), "llada", num_layers=1, seed=7)
+
+
+@pytest.fixture
+def broken(tmp_path, llada_dir):
+    """A fresh copy of a good checkpoint to break."""
+    return shutil.copytree(llada_dir, tmp_path / "ckpt")
+
+
+def edit_config(directory, **changes):
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    for key, value in changes.items():
+        if value is None:
+            config.pop(key)
+        else:
+            config[key] = value
+    path.write_text(json.dumps(config))
+
+
+def edit_weights(directory, edit):
+    path = directory / "model.safetensors"
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path)
+
+
+def raises(message):
+    return pytest.raises(CheckpointError, match=re.escape(message))
+
+
+def test_sharded_checkpoint_loads_the_same_weights_as_unsharded(tmp_path):
+    single = load_model(write_random_checkpoint(tmp_path / "one", "dream", seed=11))
+    sharded_dir = write_random_checkpoint(tmp_path / "three", "dream", seed=11, num_shards=3)
+    assert not (sharded_dir / "model.safetensors").exists()
+    index = json.loads((sharded_dir / "model.safetensors.index.json").read_text())
+    assert sorted(set(index["weight_map"].values())) == [f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
+    sharded = load_model(sharded_dir)
+    single_state, sharded_state = single.state_dict(), sharded.state_dict()
+    assert single_state.keys() == sharded_state.keys()
+    for name, tensor in single_state.items():
+        assert torch.equal(tensor, sharded_state[name]), name
+
+
+def test_loads_in_the_requested_dtype(llada_dir):
+    fp32, bf16 = load_model(llada_dir), load_model(llada_dir, dtype=torch.bfloat16)
+    for (name, a), b in zip(fp32.state_dict().items(), bf16.state_dict().values()):
+        assert b.dtype == torch.bfloat16 and torch.equal(a.to(torch.bfloat16), b), name
+
+
+def test_model_name_is_detected_from_model_type_then_architectures():
+    assert detect_model_name({"model_type": "Dream"}, "config.json") == "dream"
+    assert detect_model_name({"model_type": "sdar"}, "config.json") == "sdar"
+    assert detect_model_name({"architectures": ["LLaDAModelLM"]}, "config.json") == "llada"
+    with raises("config.json: config key 'model_type' is 'gpt2' (architectures ['GPT2LMHeadModel']), which names"
+                " no registered model; registered: ['dream', 'llada', 'sdar']"):
+        detect_model_name({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "config.json")
+
+
+def test_explicit_model_name_is_used_over_detection(broken):
+    edit_config(broken, model_type="something-else", architectures=["Unknown"])
+    assert load_model(broken, model_name="llada").arch.model_name == "llada"
+
+
+def test_missing_directory(tmp_path):
+    with raises(f"{tmp_path / 'nope'}: checkpoint directory not found"):
+        load_model(tmp_path / "nope")
+
+
+def test_missing_config(broken):
+    (broken / "config.json").unlink()
+    with raises(f"{broken / 'config.json'}: file not found"):
+        load_model(broken)
+
+
+def test_corrupt_config_json(broken):
+    (broken / "config.json").write_text('{"d_model": 64,')
+    with raises(f"{broken / 'config.json'}: not valid JSON"):
+        load_model(broken)
+
+
+def test_unknown_config_key(broken):
+    edit_config(broken, use_flux_capacitor=True)
+    with raises(f"{broken / 'config.json'}: unknown config key 'use_flux_capacitor' for model 'llada'"):
+        load_model(broken)
+
+
+def test_missing_config_key(broken):
+    edit_config(broken, n_layers=None)
+    with raises(f"{broken / 'config.json'}: missing required config key 'n_layers'"):
+        load_model(broken)
+
+
+def test_config_value_this_engine_does_not_implement(broken):
+    edit_config(broken, block_type="sequential")
+    with raises(f"{broken / 'config.json'}: config key 'block_type' is 'sequential'; only 'llama' is supported"):
+        load_model(broken)
+
+
+def test_bad_config_value_type(broken):
+    edit_config(broken, n_heads="4")
+    with raises(f"{broken / 'config.json'}: config key 'n_heads' must be a positive integer, got '4'"):
+        load_model(broken)
+
+
+def test_missing_weights_file(broken):
+    (broken / "model.safetensors").unlink()
+    with raises(f"{broken}: no weights: neither model.safetensors nor model.safetensors.index.json exists"):
+        load_model(broken)
+
+
+def test_missing_weight(broken):
+    edit_weights(broken, lambda t: t.pop("model.transformer.blocks.0.up_proj.weight"))
+    with raises(f"{broken / 'model.safetensors'}: missing weight 'model.transformer.blocks.0.up_proj.weight'"):
+        load_model(broken)
+
+
+def test_unexpected_weight(broken):
+    edit_weights(broken, lambda t: t.update({"model.transformer.blocks.0.q_proj.bias": torch.zeros(64)}))
+    with raises(f"{broken / 'model.safetensors'}: unexpected weight 'model.transformer.blocks.0.q_proj.bias'"
+                " for model 'llada'"):
+        load_model(broken)
+
+
+def test_weight_shape_mismatch(broken):
+    edit_weights(broken, lambda t: t.update({"model.transformer.blocks.0.k_proj.weight": torch.zeros(64, 64)}))
+    with raises(f"{broken / 'model.safetensors'}: weight 'model.transformer.blocks.0.k_proj.weight' has shape"
+                " (64, 64), expected (32, 64)"):
+        load_model(broken)
+
+
+def test_truncated_safetensors(broken):
+    path = broken / "model.safetensors"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with raises(f"{path}: not a readable safetensors file"):
+        load_model(broken)
+
+
+def test_safetensors_with_a_garbage_header(broken):
+    (broken / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with raises(f"{broken / 'model.safetensors'}: not a readable safetensors file"):
+        load_model(broken)
+
+
+def test_index_that_points_at_a_missing_shard(tmp_path):
+    directory = write_random_checkpoint(tmp_path / "ckpt", "sdar", num_layers=1, num_shards=2)
+    (directory / "model-00002-of-00002.safetensors").unlink()
+    index = json.loads((directory / "model.safetensors.index.json").read_text())
+    first_missing = next(n for n, f in index["weight_map"].items() if f == "model-00002-of-00002.safetensors")
+    with raises(f"{directory / 'model.safetensors.index.json'}: weight {first_missing!r} points at shard"
+                " 'model-00002-of-00002.safetensors', which does not exist"):
+        load_model(directory)
+
+
+def test_index_that_lists_a_weight_its_shard_lacks(tmp_path):
+    directory = write_random_checkpoint(tmp_path / "ckpt", "sdar", num_layers=1, num_shards=2)
+    index_path = directory / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    moved = next(n for n, f in index["weight_map"].items() if f == "model-00002-of-00002.safetensors")
+    index["weight_map"][moved] = "model-00001-of-00002.safetensors"
+    index_path.write_text(json.dumps(index))
+    with raises(f"{directory / 'model-00001-of-00002.safetensors'}: missing weight {moved!r}"
+                " that model.safetensors.index.json lists in it"):
+        load_model(directory)
