@@ -17,8 +17,8 @@ import triton.language as tl
 
 from diffulex_backend.sampling import Confidence, SampleResult, sample_reference
 
-LOG2_E = 1.4426950408889634
-LN_2 = 0.6931471805599453
+LOG2_E = tl.constexpr(1.4426950408889634)
+LN_2 = tl.constexpr(0.6931471805599453)
 VOCAB_TILE = 4096
 PROB = tl.constexpr(int(Confidence.PROB))
 MARGIN = tl.constexpr(int(Confidence.MARGIN))

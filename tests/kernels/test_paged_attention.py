@@ -8,7 +8,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_kernels.paged_attention import choose_num_splits
+from diffulex_kernels.attention import choose_num_splits, plan_launch
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
 
 # Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
@@ -97,9 +97,10 @@ def assert_matches_reference(batch: Batch, num_splits: int | None) -> None:
     scale = head_dim**-0.5
     k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
     ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
+    launch = plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits)
     out = diffulex_kernels.paged_attention(
         batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
-        num_splits=num_splits, out=poisoned_like(batch.query),
+        out=poisoned_like(batch.query), launch=launch,
     )
     assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
     assert relative_error(out, ref) < REL_TOL[batch.query.dtype]

@@ -82,3 +82,13 @@ def test_top_k_and_top_p_rows_follow_the_reference():
     top_p = cycled([0.8, 1.0, 1.0], NUM_ROWS)
     out = run_kernel(logits, temperature, keys, kinds, top_k, top_p)
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds, top_k, top_p))
+
+
+def test_confidences_match_when_the_peak_is_in_the_last_tile():
+    # The running statistics are rescaled whenever a later vocabulary tile raises the maximum.
+    vocab = VOCABS[0]
+    logits, temperature, keys, _ = make_rows(3, vocab, torch.float32, seed=6)
+    logits[:, vocab - 5] = logits.max() + 2.0
+    kinds = torch.tensor([int(k) for k in Confidence], device=DEVICE)
+    out = run_kernel(logits, temperature, keys, kinds)
+    assert_same_result(out, sample_reference(logits, temperature, keys, kinds))

@@ -15,6 +15,7 @@ a bucket stays valid: the kernels read the real lengths from device memory.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .dtypes import dot_dtype
-from .store_kv import store_kv
+from .kv_store import store_kv
 
 if TYPE_CHECKING:
     from diffulex_backend.attention import AttentionMetadata
@@ -30,7 +31,6 @@ if TYPE_CHECKING:
 LOG2_E = 1.4426950408889634
 # Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
 MIN_SPLIT_CHUNK = 128
-KEY_TILE = 64  # keys per inner-loop step
 
 
 @triton.jit
@@ -162,9 +162,15 @@ def _merge_splits_kernel(
     )
 
 
-def query_tile_rows(max_seqlen_q: int, group: int) -> int:
-    """Rows (token x head pairs) per program: enough for one sequence's block, within one MMA-friendly tile."""
-    return min(128, max(16, triton.next_power_of_2(max_seqlen_q * group)))
+@dataclass(frozen=True)
+class AttentionLaunch:
+    """Tile sizes and grid of one launch. A function of host integers only, so a CUDA graph bucket keeps it."""
+
+    block_m: int  # query rows (token x head pairs) per program
+    block_n: int  # keys per inner-loop step
+    num_splits: int  # context chunks; 1 means no partials and no merge pass
+    num_warps: int
+    num_stages: int
 
 
 def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int) -> int:
@@ -184,6 +190,22 @@ def multiprocessor_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
+def plan_launch(
+    query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata, *, num_splits: int | None = None
+) -> AttentionLaunch:
+    """The launch `paged_attention` uses by default; `num_splits` forces split-KV on (> 1) or off (1)."""
+    group = query.shape[1] // key.shape[1]
+    rows = meta.max_seqlen_q * group
+    # One sequence's block in one tile where it fits, within an MMA-friendly tile.
+    block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    if num_splits is None:
+        base_programs = triton.cdiv(rows, block_m) * (meta.cu_seqlens_q.shape[0] - 1) * key.shape[1]
+        num_splits = choose_num_splits(base_programs, meta.max_context_len, multiprocessor_count(query.device))
+    return AttentionLaunch(
+        block_m=block_m, block_n=64, num_splits=num_splits, num_warps=8 if block_m >= 128 else 4, num_stages=2
+    )
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, heads, head_dim]
     key: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -193,13 +215,12 @@ def paged_attention(
     meta: AttentionMetadata,
     scale: float,
     *,
-    num_splits: int | None = None,
     out: torch.Tensor | None = None,  # [T, heads, head_dim], e.g. a CUDA graph's static buffer
+    launch: AttentionLaunch | None = None,  # default: plan_launch(query, key, meta)
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
     Reads only device-side metadata; `max_seqlen_q` and `max_context_len` (upper bounds) size the grid.
-    `num_splits=None` picks split-KV by occupancy; pass an int to force it.
     """
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key.shape[1]
@@ -209,10 +230,10 @@ def paged_attention(
         raise ValueError(f"paged_attention: head_dim {head_dim} is not supported (64 or 128)")
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("paged_attention: query, key and value need a contiguous head_dim")
-    group = num_heads // num_kv_heads
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
+    launch = plan_launch(query, key, meta) if launch is None else launch
 
     has_cache = k_cache is not None
     if has_cache:
@@ -224,25 +245,21 @@ def paged_attention(
         k_cache = v_cache = key  # never read: HAS_CACHE=False compiles the context loop away
         page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
 
-    num_seqs = meta.cu_seqlens_q.shape[0] - 1
-    block_m = query_tile_rows(meta.max_seqlen_q, group)
-    num_tiles = triton.cdiv(meta.max_seqlen_q * group, block_m)
-    base_programs = num_tiles * num_seqs * num_kv_heads
-    if num_splits is None:
-        num_splits = choose_num_splits(base_programs, max_context_len, multiprocessor_count(query.device))
-    num_splits = max(1, min(num_splits, triton.cdiv(max_context_len, KEY_TILE)))
-    # Chunks are whole key tiles, so only the last tile of a context is ragged.
-    context_chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), KEY_TILE) * KEY_TILE
+    # Chunks are whole key tiles, so only the last tile of each context is ragged.
+    num_splits = max(1, min(launch.num_splits, triton.cdiv(max_context_len, launch.block_n)))
+    context_chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), launch.block_n) * launch.block_n
     num_splits = triton.cdiv(max(max_context_len, 1), context_chunk)
     split = num_splits > 1
-
     if split:
         part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, device=query.device, dtype=torch.float32)
         part_max = torch.empty(num_splits, num_tokens, num_heads, device=query.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
     else:
         part_acc = part_max = part_sum = out  # never touched: SPLIT=False
-    num_warps = 8 if block_m >= 128 else 4
+
+    group = num_heads // num_kv_heads
+    num_seqs = meta.cu_seqlens_q.shape[0] - 1
+    num_tiles = triton.cdiv(meta.max_seqlen_q * group, launch.block_m)
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache,
         meta.cu_seqlens_q, meta.context_lens, meta.page_tables, meta.block_ids,
@@ -252,8 +269,8 @@ def paged_attention(
         *cache_strides, meta.page_tables.stride(0),
         num_kv_heads, num_tokens, num_heads, context_chunk, scale * LOG2_E,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
-        SPLIT=split, BLOCK_M=block_m, BLOCK_N=KEY_TILE, DOT_DTYPE=dot_dtype(query),
-        num_warps=num_warps, num_stages=2,
+        SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
+        num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:
         _merge_splits_kernel[(num_tokens,)](

@@ -1,0 +1,319 @@
+"""Kernel microbenchmarks: each kernel against its torch reference and against its floor.
+
+The floors come from two ceilings measured in the same run: HBM bandwidth (a large device-to-device copy,
+bytes read plus bytes written) and the bf16 matmul rate (8192^3). A kernel's floor is the larger of
+(bytes it must move / bandwidth) and (flops / matmul rate). Times are medians of `triton.testing.do_bench`,
+which clears the L2 cache before every call, so each call reads its inputs from HBM as a forward's layers do.
+
+    python benchmarks/kernels.py [--out DIR]   # on a GPU: LLaDA-8B and Dream-7B shapes
+    python benchmarks/kernels.py --smoke       # anywhere: tiny shapes, one call each (CPU: interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import math
+import os
+import pathlib
+import time
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+import triton  # noqa: E402
+
+import diffulex_kernels  # noqa: E402
+from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
+from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
+from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
+from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    heads: int
+    kv_heads: int
+    head_dim: int
+    hidden: int
+    vocab: int
+
+
+FULL_MODELS = [
+    ModelShape("LLaDA-8B", heads=32, kv_heads=32, head_dim=128, hidden=4096, vocab=126464),
+    ModelShape("Dream-7B", heads=28, kv_heads=4, head_dim=128, hidden=3584, vocab=152064),
+]
+SMOKE_MODELS = [ModelShape("tiny", heads=4, kv_heads=2, head_dim=64, hidden=96, vocab=1000)]
+BLOCK_LEN = 32  # query tokens per request: one diffusion block
+PAGE_SIZE = 32
+
+
+@dataclass
+class Row:
+    kernel: str
+    case: str
+    kernel_ms: float
+    reference_ms: float
+    bytes_moved: float
+    flops: float
+    floor_ms: float = math.nan
+    note: str = ""
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s
+    matmul_rate: float  # flop/s
+
+    def floor_ms(self, bytes_moved: float, flops: float) -> float:
+        return 1e3 * max(bytes_moved / self.bandwidth, flops / self.matmul_rate)
+
+
+def time_ms(fn) -> float:
+    if torch.cuda.is_available():
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def measure_ceilings(device: torch.device, smoke: bool) -> Ceilings:
+    n = 1 << (16 if smoke else 30)  # 2 GiB of bf16 on the GPU
+    src = torch.randn(n, device=device, dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = time_ms(lambda: dst.copy_(src))
+    m = 256 if smoke else 8192
+    a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
+    matmul_ms = time_ms(lambda: a @ b)
+    return Ceilings(bandwidth=2 * src.numel() * 2 / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
+
+
+def randn(*shape: int, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:
+    return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
+
+
+def attention_inputs(model: ModelShape, batch: int, context: int, device: torch.device):
+    """`batch` requests, each feeding one block of BLOCK_LEN tokens over `context` cached tokens; the
+    block's K/V are stored (the committed-block case, the most bytes)."""
+    pages_per_seq = triton.cdiv(context + BLOCK_LEN, PAGE_SIZE)
+    num_pages = batch * pages_per_seq
+    page_tables = torch.randperm(num_pages).view(batch, pages_per_seq).to(torch.int32)
+    positions = context + torch.arange(BLOCK_LEN)
+    slots = page_tables[:, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
+    num_tokens = batch * BLOCK_LEN
+    cu = tuple(range(0, num_tokens + 1, BLOCK_LEN))
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
+        page_tables=page_tables.to(device),
+        slot_mapping=slots.reshape(-1).to(device),
+        block_ids=torch.full((num_tokens,), context, dtype=torch.int32, device=device),
+        max_seqlen_q=BLOCK_LEN,
+        max_context_len=context,
+        cu_seqlens_q_host=cu,
+        context_lens_host=(context,) * batch,
+    )
+    d = model.head_dim
+    tensors = dict(
+        query=randn(num_tokens, model.heads, d, device=device),
+        key=randn(num_tokens, model.kv_heads, d, device=device),
+        value=randn(num_tokens, model.kv_heads, d, device=device),
+        k_cache=randn(num_pages, PAGE_SIZE, model.kv_heads, d, device=device),
+        v_cache=randn(num_pages, PAGE_SIZE, model.kv_heads, d, device=device),
+    )
+    element = 2  # bf16
+    token_bytes = num_tokens * d * element
+    bytes_moved = (
+        2 * token_bytes * model.heads  # read q, write out
+        + 4 * token_bytes * model.kv_heads  # read in-forward k, v; store them into the cache
+        + 2 * batch * context * model.kv_heads * d * element  # read the cached context
+    )
+    flops = 4 * model.heads * d * num_tokens * (context + BLOCK_LEN)
+    return tensors, meta, bytes_moved, flops
+
+
+def bench_attention(models, batches, contexts, device) -> list[Row]:
+    rows = []
+    for model in models:
+        scale = model.head_dim**-0.5
+        for context in contexts:
+            for batch in batches:
+                t, meta, bytes_moved, flops = attention_inputs(model, batch, context, device)
+                args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
+                launch = plan_launch(t["query"], t["key"], meta)
+                one_split = dataclasses.replace(launch, num_splits=1)
+                kernel_ms = time_ms(lambda: diffulex_kernels.paged_attention(*args))
+                no_split_ms = kernel_ms if launch.num_splits == 1 else time_ms(
+                    lambda: diffulex_kernels.paged_attention(*args, launch=one_split)
+                )
+                reference_ms = time_ms(lambda: paged_attention_reference(*args))
+                rows.append(Row(
+                    "paged_attention", f"{model.name} b{batch} ctx{context}", kernel_ms, reference_ms, bytes_moved,
+                    flops, note=f"splits {launch.num_splits}; 1 split {no_split_ms:.4f} ms",
+                ))
+                del t
+    return rows
+
+
+def sweep_attention_launches(models, batches, context, device, grid: dict[str, tuple[int, ...]]) -> list[Row]:
+    """Tile/warp/stage/split variants around the default plan, to check the defaults on this GPU."""
+    rows = []
+    for model in models:
+        scale = model.head_dim**-0.5
+        for batch in batches:
+            t, meta, bytes_moved, flops = attention_inputs(model, batch, context, device)
+            args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
+            base = plan_launch(t["query"], t["key"], meta)
+            variants = [base] + [
+                dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+                for block_n in grid["block_n"]
+                for warps in grid["num_warps"]
+                for stages in grid["num_stages"]
+                for splits in sorted({base.num_splits, max(1, 2 * base.num_splits)})
+            ]
+            for launch in dict.fromkeys(variants):  # unique, default first
+                try:
+                    ms = time_ms(lambda: diffulex_kernels.paged_attention(*args, launch=launch))
+                except triton.runtime.errors.OutOfResources:
+                    continue
+                rows.append(Row(
+                    "paged_attention sweep", f"{model.name} b{batch} ctx{context}", ms, math.nan, bytes_moved, flops,
+                    note=("default " if launch == base else "") + launch_label(launch),
+                ))
+            del t
+    return rows
+
+
+def launch_label(launch: AttentionLaunch) -> str:
+    return (f"m{launch.block_m} n{launch.block_n} w{launch.num_warps} s{launch.num_stages} "
+            f"splits{launch.num_splits}")
+
+
+def bench_store_kv(models, batches, device) -> list[Row]:
+    rows = []
+    for model in models:
+        for batch in batches:
+            t, meta, _, _ = attention_inputs(model, batch, 0, device)
+            args = (t["key"], t["value"], t["k_cache"], t["v_cache"], meta.slot_mapping)
+            bytes_moved = 4 * t["key"].numel() * 2
+            rows.append(Row(
+                "store_kv", f"{model.name} b{batch}", time_ms(lambda: diffulex_kernels.store_kv(*args)),
+                time_ms(lambda: store_kv_reference(*args)), bytes_moved, 0.0,
+            ))
+    return rows
+
+
+def bench_sampler(models, batches, device) -> list[Row]:
+    rows = []
+    for model in models:
+        for batch in batches:
+            n = BLOCK_LEN * batch
+            logits = randn(n, model.vocab, device=device) * 3
+            steps = torch.arange(n, device=device)
+            keys = row_keys(torch.full((n,), 1234, device=device), steps, steps)
+            kinds = steps % 3
+            for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
+                temperature = torch.full((n,), temp, device=device)
+                args = (logits, temperature, keys, kinds)
+                rows.append(Row(
+                    "sample_and_confidence", f"{model.name} {mode} N={n} V={model.vocab}",
+                    time_ms(lambda: diffulex_kernels.sample_and_confidence(*args)),
+                    time_ms(lambda: sample_reference(*args)), logits.numel() * 2, 0.0,
+                ))
+            del logits
+    return rows
+
+
+def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+def fused_add_rmsnorm_reference(x, residual, weight, eps):
+    residual = x + residual
+    return rmsnorm_reference(residual, weight, eps), residual
+
+
+def bench_rmsnorm(models, batches, device) -> list[Row]:
+    rows = []
+    for model in models:
+        for batch in batches:
+            n = BLOCK_LEN * batch
+            x = randn(n, model.hidden, device=device)
+            residual = randn(n, model.hidden, device=device)
+            weight = randn(model.hidden, device=device)
+            case = f"{model.name} T={n}"
+            rows.append(Row(
+                "rmsnorm", case, time_ms(lambda: diffulex_kernels.rmsnorm(x, weight, 1e-5)),
+                time_ms(lambda: rmsnorm_reference(x, weight, 1e-5)), 2 * x.numel() * 2 + model.hidden * 2, 0.0,
+            ))
+            rows.append(Row(
+                "fused_add_rmsnorm", case, time_ms(lambda: diffulex_kernels.fused_add_rmsnorm(x, residual, weight, 1e-5)),
+                time_ms(lambda: fused_add_rmsnorm_reference(x, residual, weight, 1e-5)),
+                4 * x.numel() * 2 + model.hidden * 2, 0.0,
+            ))
+    return rows
+
+
+def format_table(rows: list[Row]) -> str:
+    lines = [
+        "| kernel | case | kernel ms | floor ms | kernel / floor | reference ms | speedup vs reference | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r.kernel} | {r.case} | {r.kernel_ms:.4f} | {r.floor_ms:.4f} | {r.kernel_ms / r.floor_ms:.2f} | "
+            f"{r.reference_ms:.4f} | {r.reference_ms / r.kernel_ms:.1f} | {r.note} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each")
+    parser.add_argument("--out", type=pathlib.Path, help="folder for kernels.md and kernels.csv")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    if args.smoke:
+        models, batches, contexts, sweep_batches = SMOKE_MODELS, [1], [40], [1]
+        sweep_grid = {"block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
+    else:
+        models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
+        sweep_grid = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+
+    ceilings = measure_ceilings(device, args.smoke)
+    header = (
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}; "
+        f"torch {torch.__version__}, triton {triton.__version__}\n"
+        f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
+    )
+    print(header, flush=True)
+    rows = (
+        bench_attention(models, batches, contexts, device)
+        + bench_store_kv(models, batches, device)
+        + bench_sampler(models, batches, device)
+        + bench_rmsnorm(models, batches, device)
+        + sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid)
+    )
+    for row in rows:
+        row.floor_ms = ceilings.floor_ms(row.bytes_moved, row.flops)
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "kernels.md").write_text(f"{header}\n\n{table}\n")
+        with open(args.out / "kernels.csv", "w", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow([field.name for field in dataclasses.fields(Row)])
+            writer.writerows(dataclasses.astuple(r) for r in rows)
+
+
+if __name__ == "__main__":
+    main()
