@@ -1,0 +1,63 @@
+"""Is the server up, is the model loaded, and with which engine settings.
+
+The engine settings are the `parameters` of the model's config.pbtxt as the server loaded them, read
+from the model configuration endpoint; every value is a string, as Triton holds it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import tritonclient.grpc as grpcclient
+import tritonclient.http as httpclient
+from tritonclient.utils import InferenceServerException
+
+from .errors import from_os_error, from_triton_exception
+from .protocol import Protocol
+
+
+@dataclass(frozen=True)
+class ServerHealth:
+    server_live: bool
+    server_ready: bool
+    model_ready: bool
+    engine_settings: dict[str, str] = field(default_factory=dict)  # empty while the model is not ready
+
+    @property
+    def ok(self) -> bool:
+        return self.server_live and self.server_ready and self.model_ready
+
+    def to_dict(self) -> dict:
+        return asdict(self) | {"ok": self.ok}
+
+
+def check_health(url: str, protocol: Protocol, model: str, timeout: float | None) -> ServerHealth:
+    try:
+        if protocol is Protocol.GRPC:
+            return _grpc_health(url, model, timeout)
+        return _http_health(url, model, timeout)
+    except InferenceServerException as err:
+        raise from_triton_exception(err) from None
+    except OSError as err:
+        raise from_os_error(err, url) from None
+
+
+def _grpc_health(url: str, model: str, timeout: float | None) -> ServerHealth:
+    with grpcclient.InferenceServerClient(url) as client:
+        live = client.is_server_live(client_timeout=timeout)
+        ready = client.is_server_ready(client_timeout=timeout)
+        model_ready = client.is_model_ready(model, client_timeout=timeout)
+        config = client.get_model_config(model, as_json=True, client_timeout=timeout)["config"] if model_ready else {}
+        return ServerHealth(live, ready, model_ready, _settings(config))
+
+
+def _http_health(url: str, model: str, timeout: float | None) -> ServerHealth:
+    seconds = 60.0 if timeout is None else timeout  # tritonclient's own default
+    with httpclient.InferenceServerClient(url, connection_timeout=seconds, network_timeout=seconds) as client:
+        live, ready, model_ready = client.is_server_live(), client.is_server_ready(), client.is_model_ready(model)
+        config = client.get_model_config(model) if model_ready else {}
+        return ServerHealth(live, ready, model_ready, _settings(config))
+
+
+def _settings(config: dict) -> dict[str, str]:
+    return {name: holder.get("string_value", "") for name, holder in config.get("parameters", {}).items()}
