@@ -2,8 +2,10 @@
 
 The floors come from two ceilings measured in the same run: HBM bandwidth (a large device-to-device copy,
 bytes read plus bytes written) and the bf16 matmul rate (8192^3). A kernel's floor is the larger of
-(bytes it must move / bandwidth) and (flops / matmul rate). Times are medians of `triton.testing.do_bench`,
-which clears the L2 cache before every call, so each call reads its inputs from HBM as a forward's layers do.
+(bytes it must move / bandwidth) and (flops / matmul rate). Times are medians,
+with the L2 cache cleared before every call, so each call reads its inputs from HBM as a forward's layers do.
+Kernels are timed twice: replayed from a CUDA graph (device time, as the engine's graphs run them) and
+launched from Python (what an eager forward pays); the torch references are timed eagerly.
 
     python benchmarks/kernels.py [--out DIR]   # on a GPU: LLaDA-8B and Dream-7B shapes
     python benchmarks/kernels.py --smoke       # anywhere: tiny shapes, one call each (CPU: interpreter)
@@ -56,8 +58,9 @@ PAGE_SIZE = 32
 class Row:
     kernel: str
     case: str
-    kernel_ms: float
-    reference_ms: float
+    kernel_ms: float  # in a CUDA graph
+    eager_ms: float  # launched from Python
+    reference_ms: float  # the torch reference, eager
     bytes_moved: float
     flops: float
     floor_ms: float = math.nan
@@ -73,7 +76,8 @@ class Ceilings:
         return 1e3 * max(bytes_moved / self.bandwidth, flops / self.matmul_rate)
 
 
-def time_ms(fn) -> float:
+def time_eager_ms(fn) -> float:
+    """Median time of one call launched from Python, L2 cleared before each (what an eager forward sees)."""
     if torch.cuda.is_available():
         return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median")
     start = time.perf_counter()
@@ -81,15 +85,44 @@ def time_ms(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
+def time_graph_ms(fn, calls: int = 10, replays: int = 10) -> float:
+    """Median device time of one call replayed from a CUDA graph (as the engine's graphs run it), with the
+    L2 cache cleared before each call: graph(clear + call) minus graph(clear), per call."""
+    if not torch.cuda.is_available():
+        return time_eager_ms(fn)
+    l2_clear = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    fn()  # compile outside the capture
+    torch.cuda.synchronize()
+
+    def replay_ms(body) -> float:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                l2_clear.zero_()
+                body()
+        graph.replay()  # warm
+        times = []
+        for _ in range(replays):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return sorted(times)[len(times) // 2]
+
+    return (replay_ms(fn) - replay_ms(lambda: None)) / calls
+
+
 def measure_ceilings(device: torch.device, smoke: bool) -> Ceilings:
     n = 1 << (16 if smoke else 30)  # 2 GiB of bf16 on the GPU
     src = torch.randn(n, device=device, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = time_ms(lambda: dst.copy_(src))
+    copy_ms = time_eager_ms(lambda: dst.copy_(src))
     m = 256 if smoke else 8192
     a = torch.randn(m, m, device=device, dtype=torch.bfloat16)
     b = torch.randn(m, m, device=device, dtype=torch.bfloat16)
-    matmul_ms = time_ms(lambda: a @ b)
+    matmul_ms = time_eager_ms(lambda: a @ b)
     return Ceilings(bandwidth=2 * src.numel() * 2 / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
 
 
@@ -147,14 +180,15 @@ def bench_attention(models, batches, contexts, device) -> list[Row]:
                 args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
                 launch = plan_launch(t["query"], t["key"], meta)
                 one_split = dataclasses.replace(launch, num_splits=1)
-                kernel_ms = time_ms(lambda: diffulex_kernels.paged_attention(*args))
-                no_split_ms = kernel_ms if launch.num_splits == 1 else time_ms(
+                kernel = lambda: diffulex_kernels.paged_attention(*args)  # noqa: E731
+                kernel_ms = time_graph_ms(kernel)
+                no_split_ms = kernel_ms if launch.num_splits == 1 else time_graph_ms(
                     lambda: diffulex_kernels.paged_attention(*args, launch=one_split)
                 )
-                reference_ms = time_ms(lambda: paged_attention_reference(*args))
                 rows.append(Row(
-                    "paged_attention", f"{model.name} b{batch} ctx{context}", kernel_ms, reference_ms, bytes_moved,
-                    flops, note=f"splits {launch.num_splits}; 1 split {no_split_ms:.4f} ms",
+                    "paged_attention", f"{model.name} b{batch} ctx{context}", kernel_ms, time_eager_ms(kernel),
+                    time_eager_ms(lambda: paged_attention_reference(*args)), bytes_moved, flops,
+                    note=f"splits {launch.num_splits}; 1 split {no_split_ms:.4f} ms",
                 ))
                 del t
     return rows
@@ -178,11 +212,12 @@ def sweep_attention_launches(models, batches, context, device, grid: dict[str, t
             ]
             for launch in dict.fromkeys(variants):  # unique, default first
                 try:
-                    ms = time_ms(lambda: diffulex_kernels.paged_attention(*args, launch=launch))
+                    ms = time_graph_ms(lambda: diffulex_kernels.paged_attention(*args, launch=launch))
                 except triton.runtime.errors.OutOfResources:
-                    continue
+                    continue  # the tile does not fit in shared memory
                 rows.append(Row(
-                    "paged_attention sweep", f"{model.name} b{batch} ctx{context}", ms, math.nan, bytes_moved, flops,
+                    "paged_attention sweep", f"{model.name} b{batch} ctx{context}", ms, math.nan, math.nan,
+                    bytes_moved, flops,
                     note=("default " if launch == base else "") + launch_label(launch),
                 ))
             del t
@@ -194,6 +229,13 @@ def launch_label(launch: AttentionLaunch) -> str:
             f"splits{launch.num_splits}")
 
 
+def kernel_row(kernel: str, case: str, run_kernel, run_reference, bytes_moved: float) -> Row:
+    return Row(
+        kernel, case, time_graph_ms(run_kernel), time_eager_ms(run_kernel), time_eager_ms(run_reference),
+        bytes_moved, 0.0,
+    )
+
+
 def bench_store_kv(models, batches, device) -> list[Row]:
     rows = []
     for model in models:
@@ -201,9 +243,9 @@ def bench_store_kv(models, batches, device) -> list[Row]:
             t, meta, _, _ = attention_inputs(model, batch, 0, device)
             args = (t["key"], t["value"], t["k_cache"], t["v_cache"], meta.slot_mapping)
             bytes_moved = 4 * t["key"].numel() * 2
-            rows.append(Row(
-                "store_kv", f"{model.name} b{batch}", time_ms(lambda: diffulex_kernels.store_kv(*args)),
-                time_ms(lambda: store_kv_reference(*args)), bytes_moved, 0.0,
+            rows.append(kernel_row(
+                "store_kv", f"{model.name} b{batch}", lambda: diffulex_kernels.store_kv(*args),
+                lambda: store_kv_reference(*args), bytes_moved,
             ))
     return rows
 
@@ -220,10 +262,10 @@ def bench_sampler(models, batches, device) -> list[Row]:
             for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
                 temperature = torch.full((n,), temp, device=device)
                 args = (logits, temperature, keys, kinds)
-                rows.append(Row(
+                rows.append(kernel_row(
                     "sample_and_confidence", f"{model.name} {mode} N={n} V={model.vocab}",
-                    time_ms(lambda: diffulex_kernels.sample_and_confidence(*args)),
-                    time_ms(lambda: sample_reference(*args)), logits.numel() * 2, 0.0,
+                    lambda: diffulex_kernels.sample_and_confidence(*args), lambda: sample_reference(*args),
+                    logits.numel() * 2,
                 ))
             del logits
     return rows
@@ -248,27 +290,26 @@ def bench_rmsnorm(models, batches, device) -> list[Row]:
             residual = randn(n, model.hidden, device=device)
             weight = randn(model.hidden, device=device)
             case = f"{model.name} T={n}"
-            rows.append(Row(
-                "rmsnorm", case, time_ms(lambda: diffulex_kernels.rmsnorm(x, weight, 1e-5)),
-                time_ms(lambda: rmsnorm_reference(x, weight, 1e-5)), 2 * x.numel() * 2 + model.hidden * 2, 0.0,
+            rows.append(kernel_row(
+                "rmsnorm", case, lambda: diffulex_kernels.rmsnorm(x, weight, 1e-5),
+                lambda: rmsnorm_reference(x, weight, 1e-5), 2 * x.numel() * 2 + model.hidden * 2,
             ))
-            rows.append(Row(
-                "fused_add_rmsnorm", case, time_ms(lambda: diffulex_kernels.fused_add_rmsnorm(x, residual, weight, 1e-5)),
-                time_ms(lambda: fused_add_rmsnorm_reference(x, residual, weight, 1e-5)),
-                4 * x.numel() * 2 + model.hidden * 2, 0.0,
+            rows.append(kernel_row(
+                "fused_add_rmsnorm", case, lambda: diffulex_kernels.fused_add_rmsnorm(x, residual, weight, 1e-5),
+                lambda: fused_add_rmsnorm_reference(x, residual, weight, 1e-5), 4 * x.numel() * 2 + model.hidden * 2,
             ))
     return rows
 
 
 def format_table(rows: list[Row]) -> str:
     lines = [
-        "| kernel | case | kernel ms | floor ms | kernel / floor | reference ms | speedup vs reference | note |",
-        "|---|---|---|---|---|---|---|---|",
+        "| kernel | case | graph ms | floor ms | graph / floor | eager ms | reference ms | reference / eager | note |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         lines.append(
             f"| {r.kernel} | {r.case} | {r.kernel_ms:.4f} | {r.floor_ms:.4f} | {r.kernel_ms / r.floor_ms:.2f} | "
-            f"{r.reference_ms:.4f} | {r.reference_ms / r.kernel_ms:.1f} | {r.note} |"
+            f"{r.eager_ms:.4f} | {r.reference_ms:.4f} | {r.reference_ms / r.eager_ms:.1f} | {r.note} |"
         )
     return "\n".join(lines)
 
@@ -295,17 +336,21 @@ def main() -> None:
         f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
     )
     print(header, flush=True)
-    rows = (
-        bench_attention(models, batches, contexts, device)
-        + bench_store_kv(models, batches, device)
-        + bench_sampler(models, batches, device)
-        + bench_rmsnorm(models, batches, device)
-        + sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid)
-    )
-    for row in rows:
-        row.floor_ms = ceilings.floor_ms(row.bytes_moved, row.flops)
+    sections = [
+        lambda: bench_attention(models, batches, contexts, device),
+        lambda: bench_store_kv(models, batches, device),
+        lambda: bench_sampler(models, batches, device),
+        lambda: bench_rmsnorm(models, batches, device),
+        lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
+    ]
+    rows = []
+    for section in sections:
+        section_rows = section()
+        for row in section_rows:
+            row.floor_ms = ceilings.floor_ms(row.bytes_moved, row.flops)
+        print(format_table(section_rows), flush=True)  # as it goes, so a later failure keeps the earlier tables
+        rows += section_rows
     table = format_table(rows)
-    print(table)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "kernels.md").write_text(f"{header}\n\n{table}\n")
