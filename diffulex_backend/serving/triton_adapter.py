@@ -1,0 +1,109 @@
+"""The diffulex model's Triton side: engine construction, request hand-off, and Triton response senders.
+
+model.py delegates here. `pb_utils` is the `triton_python_backend_utils` module, passed in because it
+exists only inside the Python backend's stub process.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import torch
+
+from .. import Diffulex, StepOutput
+from .engine_loop import EngineLoop, ErrorKind, LoopState
+from .engine_settings import engine_settings
+from .metrics import ServingMetrics
+from .request_parsing import INPUT_NAMES, BadRequest, ParsedRequest, parse_request
+from .response_building import ResponseAssembler
+
+
+class TritonResponseStream:
+    """One request's response sender, as the engine loop's ResponseStream."""
+
+    def __init__(self, pb_utils, sender, assembler: ResponseAssembler):
+        self._pb_utils = pb_utils
+        self._sender = sender
+        self._assembler = assembler
+
+    def is_cancelled(self) -> bool:
+        return self._sender.is_cancelled()
+
+    def send_output(self, output: StepOutput) -> None:
+        arrays = self._assembler.add(output)
+        if arrays is not None:
+            pb_utils = self._pb_utils
+            tensors = [pb_utils.Tensor(name, array) for name, array in arrays.items()]
+            flags = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL if output.finished else 0
+            self._sender.send(pb_utils.InferenceResponse(output_tensors=tensors), flags=flags)
+
+    def send_error(self, kind: ErrorKind, message: str) -> None:
+        send_error(self._pb_utils, self._sender, kind, message)
+
+
+def send_error(pb_utils, sender, kind: ErrorKind, message: str) -> None:
+    error = pb_utils.TritonError(message, getattr(pb_utils.TritonError, kind.name))
+    sender.send(pb_utils.InferenceResponse(output_tensors=[], error=error),
+                flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+
+
+class TritonAdapter:
+    def __init__(self, pb_utils, args: dict):
+        """`args` is what Triton passes to `initialize`. A bad setting or checkpoint raises, which fails the
+        load with the engine's message."""
+        self._pb_utils = pb_utils
+        self._model_name = args["model_name"]
+        parameters = json.loads(args["model_config"]).get("parameters", {})
+        settings = engine_settings(parameters, model_dir=args["model_repository"])
+        self._engine = Diffulex(settings.pop("model"), **settings)
+        metrics = ServingMetrics(pb_utils.MetricFamily, {"model": self._model_name, "version": args["model_version"]})
+        self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service)
+        pb_utils.Logger.log_info(f"{self._model_name}: engine ready with {self._engine.config}")
+
+    def execute(self, requests) -> None:
+        pb_utils = self._pb_utils
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                inputs = {}
+                for name in INPUT_NAMES:
+                    tensor = pb_utils.get_input_tensor_by_name(request, name)
+                    if tensor is not None:
+                        inputs[name] = tensor.as_numpy()
+                parsed = parse_request(inputs, request.parameters())
+            except BadRequest as err:
+                send_error(pb_utils, sender, ErrorKind.INVALID_ARG, str(err))
+                continue
+            stream = TritonResponseStream(pb_utils, sender, ResponseAssembler(parsed, self._prompt_text(parsed)))
+            self._loop.submit(parsed.prompt, parsed.params, stream)
+
+    def is_ready(self) -> bool:
+        return self._loop.state is LoopState.RUNNING
+
+    def finalize(self) -> None:
+        self._loop.stop()
+        del self._loop, self._engine
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def _prompt_text(self, parsed: ParsedRequest):
+        prompt = parsed.prompt
+        if isinstance(prompt, str):
+            return lambda: prompt
+        return lambda: self._engine.tokenizer.decode(prompt)
+
+    def _take_out_of_service(self, message: str) -> None:
+        """After an engine failure: unloading the model is what makes Triton report it not ready, and the
+        server allows that only under `--model-control-mode=explicit`. Otherwise the engine loop refuses
+        every request with the engine's error, so no client waits on a dead engine."""
+        pb_utils = self._pb_utils
+        pb_utils.Logger.log_error(f"{self._model_name}: the engine failed: {message}")
+
+        def unload():  # its own thread: unloading calls finalize, which joins the thread that called us
+            try:
+                pb_utils.unload_model(self._model_name)
+            except Exception as err:
+                pb_utils.Logger.log_warn(f"{self._model_name}: could not unload after the engine failed: {err}")
+
+        threading.Thread(target=unload, name="diffulex-unload", daemon=True).start()

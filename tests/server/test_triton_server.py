@@ -1,0 +1,315 @@
+"""The diffulex model in a real tritonserver, driven over HTTP (generate, SSE, metrics) and gRPC."""
+
+import json
+import queue
+import re
+import socket
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from triton_server import TEST_SETTINGS
+from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.serving.engine_settings import engine_settings
+
+PROMPTS = ["12+34=", "the quick brown fox", "hello", "diffusion models decode in parallel"]
+GREEDY = {"max_tokens": 12, "temperature": 0}  # three blocks of 4
+ALL_COUNTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
+              "return_nfe": True}
+
+
+# ---- HTTP helpers -----------------------------------------------------------------------------------------
+def post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def generate(server, body: dict, model: str = "diffulex") -> dict:
+    status, payload = post(f"{server.http_url}/v2/models/{model}/generate", body)
+    assert status == 200, payload
+    return json.loads(payload)
+
+
+def generate_stream(server, body: dict) -> list[dict]:
+    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate_stream", body)
+    assert status == 200, payload
+    return [json.loads(line[len("data: "):]) for line in payload.decode().splitlines() if line.startswith("data: ")]
+
+
+def ids(value) -> list[int]:  # the generate extension writes a one-element tensor as a scalar
+    return value if isinstance(value, list) else [value]
+
+
+def metrics(server, model: str = "diffulex") -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for name, labels, value in re.findall(r"^(\w+)\{([^}]*)\} (\S+)$", text, flags=re.M):
+        if f'model="{model}"' in labels and "le=" not in labels:
+            values[name] = float(value)
+    return values
+
+
+def wait_for(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def reference(engine: Diffulex, prompts, **params):
+    return engine.generate(prompts, SamplingParams(**params))
+
+
+# ---- gRPC helpers -----------------------------------------------------------------------------------------
+def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    item.set_data_from_numpy(array)
+    return item
+
+
+def grpc_inputs(prompt, params: dict, **flags) -> list[grpcclient.InferInput]:
+    if isinstance(prompt, str):
+        inputs = [tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_))]
+    else:
+        inputs = [tensor("input_ids", np.array([prompt], dtype=np.int32))]
+    inputs.append(tensor("sampling_parameters", np.array([[json.dumps(params).encode()]], dtype=np.object_)))
+    inputs += [tensor(name, np.array([[value]], dtype=np.bool_)) for name, value in flags.items()]
+    return inputs
+
+
+def is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def grpc_stream(server, inputs, model: str = "diffulex") -> list:
+    """Every response of one request sent over a gRPC stream, up to the final one."""
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, inputs)
+        results = []
+        while not results or not is_final(results[-1]):
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                raise error
+            results.append(result)
+        client.stop_stream()
+    return results
+
+
+def decoded(result, name: str) -> str:
+    return result.as_numpy(name).reshape(-1)[0].decode()
+
+
+# ---- generate and streaming -------------------------------------------------------------------------------
+def test_http_generate_sends_one_response_equal_to_the_engine(server, engine):
+    for prompt, expected in zip(PROMPTS, reference(engine, PROMPTS, **GREEDY)):
+        output = generate(server, {"text_input": prompt, "parameters": GREEDY, "exclude_input_in_output": True,
+                                   **ALL_COUNTS})
+        assert output["text_output"] == expected.text
+        assert ids(output["output_ids"]) == expected.token_ids
+        assert output["finish_reason"] == expected.finish_reason.value
+        assert output["num_input_tokens"] == len(expected.prompt_token_ids)
+        assert output["num_output_tokens"] == len(expected.token_ids)
+        assert output["nfe"] == expected.nfe
+
+
+def test_http_generate_includes_the_prompt_unless_excluded(server, engine):
+    (expected,) = reference(engine, ["hello"], **GREEDY)
+    assert generate(server, {"text_input": "hello", "parameters": GREEDY})["text_output"] == "hello" + expected.text
+
+
+def test_sse_events_concatenate_to_the_generate_text(server):
+    body = {"text_input": PROMPTS[1], "parameters": GREEDY, "exclude_input_in_output": True}
+    whole = generate(server, body)
+    events = generate_stream(server, {**body, "stream": True, "return_finish_reason": True})
+    assert len(events) >= 2
+    assert "".join(event["text_output"] for event in events) == whole["text_output"]
+    assert sum((ids(event["output_ids"]) for event in events), []) == ids(whole["output_ids"])
+    assert [event.get("finish_reason") for event in events] == [None] * (len(events) - 1) + ["length"]
+
+
+def test_grpc_stream_sends_a_response_per_committed_block_and_ends_final(server, engine):
+    prompt_ids = engine.tokenizer.encode(PROMPTS[0])
+    (expected,) = reference(engine, [prompt_ids], **GREEDY)
+    results = grpc_stream(server, grpc_inputs(prompt_ids, GREEDY, stream=True, **ALL_COUNTS))
+    assert len(results) >= 2
+    assert [is_final(result) for result in results] == [False] * (len(results) - 1) + [True]
+    assert all(0 < result.as_numpy("output_ids").size <= TEST_SETTINGS["block_size"] * TEST_SETTINGS["buffer_size"]
+               for result in results)
+    assert np.concatenate([result.as_numpy("output_ids").reshape(-1) for result in results]).tolist() == expected.token_ids
+    assert "".join(decoded(result, "text_output") for result in results) == expected.text
+    last = results[-1]
+    assert decoded(last, "finish_reason") == "length"
+    assert last.as_numpy("num_input_tokens").item() == len(prompt_ids)
+    assert last.as_numpy("num_output_tokens").item() == GREEDY["max_tokens"]
+    assert last.as_numpy("nfe").item() == expected.nfe
+    assert results[0].as_numpy("finish_reason") is None
+
+
+def test_sixteen_concurrent_streams_all_complete_with_the_engine_outputs(server, engine):
+    prompts = [f"request {i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(16)]
+    params = [{"max_tokens": 4 + i % 3 * 4, "temperature": 0} for i in range(16)]  # 1 to 3 blocks
+    expected = [reference(engine, [prompt], **p)[0] for prompt, p in zip(prompts, params)]
+
+    def stream(i):
+        results = grpc_stream(server, grpc_inputs(prompts[i], params[i], stream=True))
+        return np.concatenate([result.as_numpy("output_ids").reshape(-1) for result in results]).tolist()
+
+    with ThreadPoolExecutor(16) as pool:
+        outputs = list(pool.map(stream, range(16)))
+    assert outputs == [output.token_ids for output in expected]
+
+
+# ---- cancellation -----------------------------------------------------------------------------------------
+def assert_pages_return_and_next_request_is_served(server, engine, generated_before: float, max_tokens: int):
+    total_pages = engine.metrics().kv_pages_total
+    wait_for(lambda: metrics(server)["diffulex_kv_pages_used"] == 0)
+    after = metrics(server)
+    assert after["diffulex_kv_pages_free"] == total_pages
+    assert after["diffulex_num_requests_running"] == after["diffulex_num_requests_waiting"] == 0
+    assert after["diffulex_generation_tokens_total"] - generated_before < max_tokens  # it was stopped early
+    (expected,) = reference(engine, ["hello"], **GREEDY)
+    assert generate(server, {"text_input": "hello", "parameters": GREEDY, "exclude_input_in_output": True}
+                    )["text_output"] == expected.text
+
+
+def test_grpc_cancel_ends_the_request_and_frees_its_pages(server, engine):
+    long_params = {"max_tokens": 400, "temperature": 0}
+    generated_before = metrics(server)["diffulex_generation_tokens_total"]
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("diffulex", grpc_inputs("once upon a time", long_params, stream=True))
+        first, error = responses.get(timeout=120)
+        assert error is None and not is_final(first)
+        client.stop_stream(cancel_requests=True)
+        _, error = responses.get(timeout=30)
+    assert isinstance(error, InferenceServerException) and error.status() == "StatusCode.CANCELLED"
+    assert_pages_return_and_next_request_is_served(server, engine, generated_before, long_params["max_tokens"])
+
+
+def test_a_client_that_drops_the_connection_mid_stream_is_cancelled(server, engine):
+    generated_before = metrics(server)["diffulex_generation_tokens_total"]
+    body = json.dumps({"text_input": "once upon a time", "stream": True, "parameters": {"max_tokens": 400}}).encode()
+    with socket.create_connection(("127.0.0.1", server.http_port), timeout=120) as connection:
+        connection.sendall(b"POST /v2/models/diffulex/generate_stream HTTP/1.1\r\nHost: localhost\r\n"
+                           b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        received = b""
+        while b"data: " not in received:  # the first block has been streamed
+            received += connection.recv(4096)
+    assert_pages_return_and_next_request_is_served(server, engine, generated_before, 400)
+
+
+# ---- bad requests -----------------------------------------------------------------------------------------
+def too_long_message(engine: Diffulex) -> str:
+    with pytest.raises(ValueError) as caught:
+        engine.add_request("x" * 600, SamplingParams(max_tokens=16))
+    return str(caught.value)
+
+
+@pytest.mark.parametrize("case", ["missing prompt", "invalid JSON", "unknown key", "negative max_tokens",
+                                  "over-long prompt", "wrong value type"])
+def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served(server, engine, case):
+    body, message = {
+        "missing prompt": ({"stream": False, "parameters": {"max_tokens": 4}},
+                           "missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)"),
+        "invalid JSON": ({"text_input": "hi", "sampling_parameters": "{max_tokens: 4"},
+                         "input 'sampling_parameters' is not valid JSON: Expecting property name enclosed in "
+                         "double quotes: line 1 column 2 (char 1)"),
+        "unknown key": ({"text_input": "hi", "parameters": {"max_token": 4}},
+                        "request parameters: unknown sampling parameter(s) ['max_token']; allowed: "
+                        f"{SamplingParams.field_names()}"),
+        "negative max_tokens": ({"text_input": "hi", "parameters": {"max_tokens": -4}},
+                                "request parameters: sampling parameter 'max_tokens' must be an integer >= 1, got -4"),
+        "over-long prompt": ({"text_input": "x" * 600, "parameters": {"max_tokens": 16}}, too_long_message(engine)),
+        "wrong value type": ({"text_input": "hi", "sampling_parameters": '{"temperature": "warm"}'},
+                             "input 'sampling_parameters': sampling parameter 'temperature' must be a number >= 0, "
+                             "got 'warm'"),
+    }[case]
+    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate", body)
+    assert (status, json.loads(payload)) == (400, {"error": message})
+    (expected,) = reference(engine, ["hi"], max_tokens=4)
+    assert generate(server, {"text_input": "hi", "parameters": {"max_tokens": 4}, "exclude_input_in_output": True}
+                    )["text_output"] == expected.text
+
+
+def test_wrong_input_dtype_is_rejected_with_its_name_then_a_good_request_is_served(server, engine):
+    with pytest.raises(InferenceServerException) as caught:
+        grpc_stream(server, [tensor("input_ids", np.array([[1.0, 2.0]], dtype=np.float32))])
+    assert "inference input 'input_ids' data-type is 'FP32', but model 'diffulex' expects 'INT32'" in str(caught.value)
+    prompt_ids = engine.tokenizer.encode("hi")
+    (expected,) = reference(engine, [prompt_ids], max_tokens=4)
+    results = grpc_stream(server, grpc_inputs(prompt_ids, {"max_tokens": 4}))
+    assert len(results) == 1 and results[0].as_numpy("output_ids").reshape(-1).tolist() == expected.token_ids
+
+
+# ---- metrics ----------------------------------------------------------------------------------------------
+def test_metrics_match_what_was_sent(server, engine):
+    before = metrics(server)
+    outputs = [generate(server, {"text_input": prompt, "parameters": GREEDY, **ALL_COUNTS}) for prompt in PROMPTS]
+    after = metrics(server)
+
+    def delta(name):
+        return after[name] - before[name]
+
+    assert delta("diffulex_prompt_tokens_total") == sum(output["num_input_tokens"] for output in outputs)
+    assert delta("diffulex_generation_tokens_total") == sum(output["num_output_tokens"] for output in outputs)
+    for histogram in ("diffulex_time_to_first_token_seconds", "diffulex_e2e_request_latency_seconds",
+                      "diffulex_tokens_per_forward"):
+        assert delta(f"{histogram}_count") == len(PROMPTS)
+    assert delta("diffulex_tokens_per_forward_sum") == pytest.approx(
+        sum(output["num_output_tokens"] / output["nfe"] for output in outputs))
+    assert after["diffulex_num_requests_running"] == after["diffulex_num_requests_waiting"] == 0
+    assert after["diffulex_kv_pages_used"] == 0
+    assert after["diffulex_kv_pages_free"] == engine.metrics().kv_pages_total
+
+
+def test_prefix_cache_hit_ratio_rises_when_a_prompt_repeats(server):
+    prompt = "a prompt long enough to fill several pages of the prefix cache"
+    generate(server, {"text_input": prompt, "parameters": {"max_tokens": 4}})
+    before = metrics(server)["diffulex_prefix_cache_hit_ratio"]
+    generate(server, {"text_input": prompt, "parameters": {"max_tokens": 4}})
+    assert 0 < before < metrics(server)["diffulex_prefix_cache_hit_ratio"] <= 1
+
+
+# ---- loading ----------------------------------------------------------------------------------------------
+def test_model_loads_with_the_shipped_settings_and_unloads_after_streaming(server, checkpoint):
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_readme")
+        assert client.is_model_ready("diffulex_readme")
+        parameters = client.get_model_config("diffulex_readme", as_json=True)["config"]["parameters"]
+        settings = engine_settings({key: {"string_value": value.get("string_value", "")} for key, value in parameters.items()},
+                                   model_dir=checkpoint.parent)
+        reference_engine = Diffulex(settings.pop("model"), **settings)
+        (expected,) = reference(reference_engine, [PROMPTS[3]], max_tokens=40)
+        results = grpc_stream(server, grpc_inputs(PROMPTS[3], {"max_tokens": 40}, stream=True), model="diffulex_readme")
+        assert "".join(decoded(result, "text_output") for result in results) == expected.text
+        client.unload_model("diffulex_readme")
+        wait_for(lambda: model_state(client, "diffulex_readme") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
+def model_state(client, name: str) -> tuple[str, str]:
+    (entry,) = [model for model in client.get_model_repository_index(as_json=True)["models"] if model["name"] == name]
+    return entry.get("state", ""), entry.get("reason", "")
+
+
+def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missing_checkpoint):
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("diffulex_bad_path")
+        assert f"{missing_checkpoint}: checkpoint directory not found" in caught.value.message()
+        assert not client.is_model_ready("diffulex_bad_path")
+        assert client.is_model_ready("diffulex")
