@@ -162,7 +162,7 @@ def test_grpc_stream_sends_a_response_per_committed_block_and_ends_final(server,
 def test_sixteen_concurrent_streams_all_complete_with_the_engine_outputs(server, engine):
     prompts = [f"request {i}: {PROMPTS[i % len(PROMPTS)]}" for i in range(16)]
     params = [{"max_tokens": 4 + i % 3 * 4, "temperature": 0} for i in range(16)]  # 1 to 3 blocks
-    expected = [reference(engine, [prompt], **p)[0] for prompt, p in zip(prompts, params)]
+    expected = engine.generate(prompts, [SamplingParams(**p) for p in params])
 
     def stream(i):
         results = grpc_stream(server, grpc_inputs(prompts[i], params[i], stream=True))
