@@ -46,6 +46,9 @@ class DecoderLM(nn.Module):
     TOP_WEIGHTS: dict[str, str] = {}  # checkpoint name -> parameter name, outside the layers
     LAYER_PREFIX: str = ""  # checkpoint prefix of layer N, with {} for N
     LAYER_WEIGHTS: dict[str, tuple[str, FusedPart | None]] = {}  # suffix -> (parameter suffix, part)
+    # Run `layers.fused_forward` (Triton kernels, CUDA only) instead of the torch modules; the engine turns it
+    # on when the Triton attention backend is selected.
+    fused_kernels: bool = False
 
     def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
         super().__init__()
@@ -113,6 +116,10 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
     ) -> torch.Tensor:  # [T, hidden], after the final norm
+        if self.fused_kernels:
+            from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
+
+            return fused_forward(self, input_ids, positions, meta, kv_cache)
         cos, sin = rotary_angles(positions, self.arch.head_dim, self.arch.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):

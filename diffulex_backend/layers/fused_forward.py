@@ -1,0 +1,71 @@
+"""The decoder forward with Triton kernels, for CUDA: the same parameters and math as the torch modules (the
+reference and the CPU path), in fewer launches.
+
+- Each residual add is folded into the RMSNorm that follows it (`fused_add_rmsnorm`), and the final norm into
+  the last layer's, so the residual stream is read and written once per norm.
+- RoPE rotates q and k in place in one launch, inside the fused qkv projection's output.
+- SiLU-and-mul of the gated MLP is one launch.
+At batch 1 a layer is then nine launches, four of them weight-streaming matmuls: small kernels would
+otherwise cost more than the weights take to stream. Roundings differ from the torch modules only where a
+kernel keeps float32 between two ops that the modules round in between.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.rotary import rotary_angles
+from diffulex_backend.layers.self_attention import SelfAttention
+from diffulex_kernels import fused_add_rmsnorm, rmsnorm
+from diffulex_kernels.activation import silu_and_mul
+from diffulex_kernels.rotary import rotate_in_place
+
+
+def fused_forward(
+    model,  # DecoderLM
+    input_ids: torch.Tensor,  # [T] long
+    positions: torch.Tensor,  # [T] long
+    meta: AttentionMetadata,
+    kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
+) -> torch.Tensor:  # [T, hidden], after the final norm
+    cos, sin = rotary_angles(positions, model.arch.head_dim, model.arch.rope_theta)
+    residual = model.embed_tokens(input_ids)
+    first_norm = model.layers[0].attn_norm
+    x = rmsnorm(residual, first_norm.weight, first_norm.eps)
+    norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    for index, (layer, next_norm) in enumerate(zip(model.layers, norms_after)):
+        k_cache = v_cache = None
+        if kv_cache is not None:
+            k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
+        attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache)
+        x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
+        mlp = layer.mlp
+        mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
+        x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
+    return x
+
+
+def _self_attention(
+    attn: SelfAttention,
+    x: torch.Tensor,  # [T, hidden]
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    meta: AttentionMetadata,
+    k_cache: torch.Tensor | None,
+    v_cache: torch.Tensor | None,
+) -> torch.Tensor:  # [T, hidden]
+    tokens = x.shape[0]
+    heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    q_size, kv_size, _ = attn.split_sizes
+    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+    q = qkv[:, :q_size].view(tokens, heads, head_dim)
+    k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
+    v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
+    if attn.q_norm is None:
+        # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both.
+        rotate_in_place(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
+    else:
+        q, k = rotate_in_place(attn.q_norm(q), cos, sin), rotate_in_place(attn.k_norm(k), cos, sin)
+    out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale)  # [T, heads, head_dim]
+    return attn.o_proj(out.view(tokens, q_size))
