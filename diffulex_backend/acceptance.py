@@ -62,7 +62,9 @@ def _segment_rank(score: torch.Tensor, eligible: torch.Tensor, seg: torch.Tensor
     order = by_score[torch.sort(seg[by_score], stable=True).indices]  # grouped by segment, best first
     seg_sorted = seg[order]
     seg_start = torch.zeros(num_segs + 1, dtype=torch.int64, device=seg.device)
-    seg_start[1:] = torch.bincount(seg, minlength=num_segs).cumsum(0)
+    # A count by index_add, not bincount: on CUDA bincount reads the maximum back to the host.
+    counts = torch.zeros(num_segs, dtype=torch.int64, device=seg.device).index_add_(0, seg, torch.ones_like(seg))
+    seg_start[1:] = counts.cumsum(0)
     rank = torch.empty(n, dtype=torch.int64, device=seg.device)
     rank[order] = torch.arange(n, device=seg.device) - seg_start[seg_sorted]
     return torch.where(eligible, rank, torch.full_like(rank, n))

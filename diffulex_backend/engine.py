@@ -16,7 +16,7 @@ from .loader import load_model
 from .output import Detokenizer, RequestOutput, StepOutput
 from .registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
 from .request import FinishReason, Request, RequestStatus
-from .runner import kv_cache_shape
+from .runner import kv_cache_shape, profile_peak_memory
 from .sampling import SamplingParams
 from .scheduler import SchedulerOutput
 from .tokenizer import load_tokenizer, resolve_eos_token_ids, resolve_mask_token_id
@@ -70,8 +70,10 @@ class DiffulexEngine:
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device,
-                                attention_fn=resolve_attention(config.attention_backend, self.device))
+        attention_fn = resolve_attention(config.attention_backend, self.device)
+        self.model = self._load_model(attention_fn)
+        # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
+        self.model.fused_kernels = attention_fn is not paged_attention_reference
         arch = self.model.arch
         config.model_name = arch.model_name
         if config.max_model_len > arch.max_position_embeddings:
@@ -102,6 +104,11 @@ class DiffulexEngine:
         self.num_forward_tokens = 0
         self.model_flops = 0.0
 
+    def _load_model(self, attention_fn):
+        config = self.config
+        return load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device,
+                          attention_fn=attention_fn)
+
     def _num_kv_pages(self) -> int:
         config = self.config
         if config.num_kv_pages is not None:
@@ -109,10 +116,15 @@ class DiffulexEngine:
         per_request = -(-config.max_model_len // config.page_size)
         if self.device.type != "cuda":
             return config.max_num_reqs * per_request
-        # Whatever gpu_memory_utilization leaves after the weights and the largest forward's activations.
+        # Whatever gpu_memory_utilization leaves after the weights and the activations of the largest step,
+        # measured by running it. They are counted twice: eager steps allocate them, and so does the CUDA
+        # graphs' memory pool, which the caching allocator cannot hand to eager steps.
+        activation_bytes = profile_peak_memory(self.model, config, self.device)
+        if self.model.fused_kernels and not config.enforce_eager:
+            activation_bytes *= 2
+        torch.cuda.empty_cache()
         free, total = torch.cuda.mem_get_info(self.device)
         page_bytes = torch.empty(kv_cache_shape(self.model, 1, config.page_size), dtype=self.dtype).nbytes
-        activation_bytes = 24 * config.max_num_batched_tokens * self.model.arch.hidden_size * self.dtype.itemsize
         budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
         if budget < page_bytes * per_request:
             raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "

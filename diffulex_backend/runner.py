@@ -2,6 +2,16 @@
 
 Everything a forward needs is built here and passed down explicitly (AttentionMetadata); nothing is stashed in
 module state. Per-request work is a handful of slices; per-position work is batched tensor code.
+
+On CUDA with the Triton kernels (`model.fused_kernels`):
+  * a step that fits a decode bucket replays a captured CUDA graph (cuda_graph.py), unless enforce_eager;
+  * host inputs travel through pinned memory with non-blocking copies (upload.py);
+  * the forward is launched first, and the sampler and acceptance inputs are built on the host while the GPU
+    runs it: they depend on the plans only, not on the forward's result;
+  * the fused sampler scores rows without top-k/top-p in one pass over the logits;
+  * the step's one device-to-host sync fetches the accepted tokens.
+The next step's scheduling needs those tokens (acceptance decides what the plans feed), so it cannot start
+before the sync.
 """
 from __future__ import annotations
 
@@ -12,19 +22,13 @@ import torch
 from .acceptance import AcceptanceBatch, AcceptanceSampler
 from .attention import AttentionMetadata
 from .config import Config
+from .cuda_graph import CUDAGraphForward, PaddedForward
+from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .kv_cache import KVCacheManager
 from .request import LogitBlock, SeqPlan
-from .sampling import row_keys, sample_reference
+from .sampling import SampleResult, row_keys, sample_reference
 from .scheduler import SchedulerOutput
-
-
-@dataclass
-class ModelInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logit_rows: torch.Tensor  # [A]: row of the hidden state that predicts each predicted position
-    carry: list[torch.Tensor]  # hidden rows appended after the T forward rows (shifted models)
+from .upload import upload
 
 
 @dataclass
@@ -35,15 +39,6 @@ class StepResult:
     flops: float  # model FLOPs of the forward
 
 
-def _ranges(starts: list[int], ends: list[int]) -> torch.Tensor:
-    """cat(arange(s, e) for s, e in zip(starts, ends)), without a Python loop over positions."""
-    lengths = torch.tensor([e - s for s, e in zip(starts, ends)], dtype=torch.int64)
-    if int(lengths.sum()) == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    offsets = torch.repeat_interleave(torch.tensor(starts, dtype=torch.int64) - (lengths.cumsum(0) - lengths), lengths)
-    return torch.arange(int(lengths.sum())) + offsets
-
-
 def _repeat(values: list, counts: list[int], dtype) -> torch.Tensor:
     return torch.repeat_interleave(torch.tensor(values, dtype=dtype), torch.tensor(counts, dtype=torch.int64))
 
@@ -51,6 +46,51 @@ def _repeat(values: list, counts: list[int], dtype) -> torch.Tensor:
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
     arch = model.arch
     return (2, arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+
+
+def sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, confidence_kind: torch.Tensor,
+           top_k: torch.Tensor, top_p: torch.Tensor, *, use_kernel: bool, filtered: bool) -> SampleResult:
+    """Token, confidence and logsumexp per row: the fused kernel on CUDA, else the reference.
+
+    `filtered` says whether any row asks for top-k/top-p; the kernel then hands those rows to the reference,
+    which costs a sync, so it is told only when needed."""
+    if use_kernel:
+        from diffulex_kernels import sample_and_confidence
+
+        return sample_and_confidence(logits, temperature, keys, confidence_kind,
+                                     top_k if filtered else None, top_p if filtered else None)
+    return sample_reference(logits, temperature=temperature, keys=keys, confidence_kind=confidence_kind,
+                            top_k=top_k, top_p=top_p)
+
+
+def profile_peak_memory(model, config: Config, device: torch.device) -> int:
+    """Bytes the largest step allocates beyond what is allocated now, measured by running it once without a KV
+    cache: max_num_batched_tokens tokens in one sequence, then the logits and the sampler for as many rows as
+    a step can predict."""
+    tokens = config.max_num_batched_tokens
+    rows = min(tokens, config.max_num_reqs * config.buffer_size * config.block_size)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32, device=device),
+        context_lens=torch.zeros(1, dtype=torch.int32, device=device),
+        page_tables=torch.full((1, 1), -1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=device),
+        block_ids=torch.zeros(tokens, dtype=torch.int32, device=device),
+        max_seqlen_q=tokens, max_context_len=0, cu_seqlens_q_host=(0, tokens), context_lens_host=(0,),
+    )
+    with torch.inference_mode():
+        hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device),
+                       torch.arange(tokens, device=device), meta, None)
+        logits = model.compute_logits(hidden[:rows])
+        ones = torch.ones(rows, device=device)
+        sample(logits, ones, torch.zeros(rows, dtype=torch.int64, device=device),
+               torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64, device=device),
+               ones, use_kernel=model.fused_kernels, filtered=False)
+        del hidden, logits
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - before
 
 
 class ModelRunner:
@@ -66,74 +106,51 @@ class ModelRunner:
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if kv_cache.num_pages else None
         self.flops_per_token = 2.0 * model.arch.num_params()
         self.attn_flops_per_pair = 4.0 * model.arch.num_layers * model.arch.num_heads * model.arch.head_dim
+        self.use_kernels = model.fused_kernels
+        self.padded_forward: PaddedForward | None = None
+        if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
+            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         plans = sched.plans
-        inputs = self.prepare_inputs(plans)
-        hidden = self.model(inputs.input_ids, inputs.positions, inputs.meta, self.kv_cache)
+        batch = build_forward_batch(plans, self.config.page_size)
+        hidden = self.forward(batch)  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
-        if inputs.carry:
-            hidden = torch.cat([hidden, torch.stack(inputs.carry).to(hidden.dtype)])
         blocks = [(p, b) for p in plans for b in p.blocks]
-        tokens = self._predict(blocks, hidden[inputs.logit_rows.to(self.device)]) if blocks else torch.zeros(0, dtype=torch.int64)
+        tokens = self._predict(plans, blocks, hidden) if blocks else torch.zeros(0, dtype=torch.int64)
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
         pairs = sum(p.num_tokens * (p.context_len + p.num_tokens) for p in plans)
-        flops = self.flops_per_token * inputs.input_ids.numel() + self.attn_flops_per_pair * pairs
-        return StepResult(tokens=tokens, blocks=offsets, num_tokens=inputs.input_ids.numel(), flops=flops)
+        flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
+        return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops)
 
-    def prepare_inputs(self, plans: list[SeqPlan]) -> ModelInputs:
-        starts = [p.start for p in plans]
-        ends = [p.end for p in plans]
-        counts = [p.num_tokens for p in plans]
-        input_ids = torch.cat([p.req.tokens[p.start:p.end] for p in plans])
-        positions = _ranges(starts, ends)
-        cu = [0]
-        for n in counts:
-            cu.append(cu[-1] + n)
-        context_lens = [p.context_len for p in plans]
-        max_pages = max(1, max(len(p.req.page_table) for p in plans))
-        page_tables = torch.full((len(plans), max_pages), -1, dtype=torch.int32)
-        for i, p in enumerate(plans):
-            if p.req.page_table:
-                page_tables[i, : len(p.req.page_table)] = torch.tensor(p.req.page_table, dtype=torch.int32)
-        # Logical cache index -> flat slot through each token's own page table row.
-        cache_index = torch.cat([p.cache_index for p in plans])
-        seq_of_token = _repeat(list(range(len(plans))), counts, torch.int64)
-        ps = self.config.page_size
-        clamped = cache_index.clamp(min=0)
-        page = page_tables[seq_of_token, clamped // ps].long() if cache_index.numel() else clamped
-        slot_mapping = torch.where(cache_index >= 0, page * ps + clamped % ps, -1)
+    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
+        """The model forward: a graph replay when the batch fits a bucket, else eager."""
+        bucket = self.padded_forward.bucket_for(batch) if self.padded_forward is not None else None
+        if bucket is not None:
+            return self.padded_forward.run(bucket, batch)
+        input_ids, positions, meta = batch.to_device(self.device)
+        return self.model(input_ids, positions, meta, self.kv_cache)
 
-        # The hidden row that predicts each predicted position: its own row, or the row before it for
-        # shifted models, or the saved hidden of the last committed position when that one is not fed.
+    def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The hidden row that predicts each predicted position: its own row, or the row before it for shifted
+        models, or the saved hidden of the last committed position when that one is not fed (appended after
+        the T forward rows, in the order of the returned list)."""
         logit_rows, carry = [], []
-        total = cu[-1]
-        for i, p in enumerate(plans):
+        total = sum(p.num_tokens for p in plans)
+        first_row = 0
+        for p in plans:
             for b in p.blocks:
-                rows = torch.arange(b.start, b.end) - self.shift - p.start + cu[i]
+                rows = torch.arange(b.start, b.end) - self.shift - p.start + first_row
                 if b.start - self.shift < p.start:
                     rows[0] = total + len(carry)
                     carry.append(p.req.carry_hidden)
                 logit_rows.append(rows)
-        meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=self.device),
-            context_lens=torch.tensor(context_lens, dtype=torch.int32, device=self.device),
-            page_tables=page_tables.to(self.device),
-            slot_mapping=slot_mapping.to(self.device),
-            block_ids=torch.cat([p.block_ids for p in plans]).to(self.device),
-            max_seqlen_q=max(counts),
-            max_context_len=max(context_lens),
-            cu_seqlens_q_host=tuple(cu),
-            context_lens_host=tuple(context_lens),
-        )
-        return ModelInputs(
-            input_ids=input_ids.to(self.device), positions=positions.to(self.device), meta=meta,
-            logit_rows=torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64), carry=carry,
-        )
+            first_row += p.num_tokens
+        return (torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)), carry
 
     def _save_carry(self, plans: list[SeqPlan], hidden: torch.Tensor) -> None:
         if not self.shift:
@@ -145,37 +162,52 @@ class ModelRunner:
                 p.req.carry_hidden = hidden[row + last - p.start].clone()
             row += p.num_tokens
 
-    def _predict(self, blocks: list[tuple[SeqPlan, LogitBlock]], hidden: torch.Tensor) -> torch.Tensor:
+    def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
+                 hidden: torch.Tensor) -> torch.Tensor:
         """Sample every predicted position, then apply the acceptance rule; returns host tokens."""
+        # Host side first: none of it waits for the forward.
+        logit_rows, carry = self.logit_rows(plans)
         lengths = [b.end - b.start for _, b in blocks]
         reqs = [p.req for p, _ in blocks]
-        positions = _ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
-        current = torch.cat([p.req.tokens[b.start:b.end] for p, b in blocks])
         params = [r.params for r in reqs]
+        positions = ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
         keys = row_keys(_repeat([r.seed for r in reqs], lengths, torch.int64), positions,
                         _repeat([r.nfe for r in reqs], lengths, torch.int64))
-        logits = self.model.compute_logits(hidden)
-        dev = logits.device
-        result = sample_reference(
-            logits,
-            temperature=_repeat([q.temperature for q in params], lengths, torch.float32).to(dev),
-            keys=keys.to(dev),
-            confidence_kind=_repeat([int(q.confidence_kind) for q in params], lengths, torch.int64).to(dev),
-            top_k=_repeat([q.top_k for q in params], lengths, torch.int64).to(dev),
-            top_p=_repeat([q.top_p for q in params], lengths, torch.float32).to(dev),
-        )
-        current_dev = current.to(dev)
-        current_prob = torch.exp(logits.to(result.logsumexp.dtype).gather(1, current_dev[:, None]).squeeze(1) - result.logsumexp)
+        filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
+        (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_first, seg_enabled,
+         seg_accept, seg_remask, seg_num_transfer) = upload([
+            logit_rows,
+            torch.cat([p.req.tokens[b.start:b.end] for p, b in blocks]),
+            keys,
+            _repeat([q.temperature for q in params], lengths, torch.float32),
+            _repeat([int(q.confidence_kind) for q in params], lengths, torch.int64),
+            _repeat([q.top_k for q in params], lengths, torch.int64),
+            _repeat([q.top_p for q in params], lengths, torch.float32),
+            _repeat(list(range(len(blocks))), lengths, torch.int64),
+            torch.tensor([b.is_first for _, b in blocks]),
+            torch.tensor([b.enabled for _, b in blocks]),
+            torch.tensor([r.accept_threshold for r in reqs], dtype=torch.float32),
+            torch.tensor([r.remask_threshold for r in reqs], dtype=torch.float32),
+            torch.tensor([b.num_transfer for _, b in blocks], dtype=torch.int64),
+        ], self.device)
+
+        if carry:
+            hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
+        logits = self.model.compute_logits(hidden[logit_rows])  # [A, vocab]
+        result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
+                        use_kernel=self.use_kernels, filtered=filtered)
+        # Gather, then upcast: the same values as upcasting all logits first, without an [A, vocab] copy.
+        current_logit = logits.gather(1, current[:, None]).squeeze(1).to(result.logsumexp.dtype)
         batch = AcceptanceBatch(
-            current=current_dev,
+            current=current,
             predicted=result.tokens,
             confidence=result.confidence,
-            current_prob=current_prob,
-            segment=_repeat(list(range(len(blocks))), lengths, torch.int64).to(dev),
-            seg_first=torch.tensor([b.is_first for _, b in blocks], device=dev),
-            seg_enabled=torch.tensor([b.enabled for _, b in blocks], device=dev),
-            seg_accept_threshold=torch.tensor([r.accept_threshold for r in reqs], dtype=torch.float32, device=dev),
-            seg_remask_threshold=torch.tensor([r.remask_threshold for r in reqs], dtype=torch.float32, device=dev),
-            seg_num_transfer=torch.tensor([b.num_transfer for _, b in blocks], dtype=torch.int64, device=dev),
+            current_prob=torch.exp(current_logit - result.logsumexp),
+            segment=segment,
+            seg_first=seg_first,
+            seg_enabled=seg_enabled,
+            seg_accept_threshold=seg_accept,
+            seg_remask_threshold=seg_remask,
+            seg_num_transfer=seg_num_transfer,
         )
-        return self.sampler(batch).cpu()
+        return self.sampler(batch).cpu()  # the step's one device-to-host sync
