@@ -33,6 +33,7 @@ from diffulex_backend.attention import AttentionMetadata, paged_attention_refere
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
+from diffulex_kernels.sampling import SamplerLaunch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -85,12 +86,12 @@ def time_eager_ms(fn) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def time_graph_ms(fn, calls: int = 10, replays: int = 10) -> float:
+def time_graph_ms(fn, calls: int = 10, replays: int = 15) -> float:
     """Median device time of one call replayed from a CUDA graph (as the engine's graphs run it), with the
     L2 cache cleared before each call: graph(clear + call) minus graph(clear), per call."""
     if not torch.cuda.is_available():
         return time_eager_ms(fn)
-    l2_clear = torch.empty(256 << 20, dtype=torch.int8, device="cuda")
+    l2_clear = torch.empty(128 << 20, dtype=torch.int8, device="cuda")  # 2.5x the H100's L2
     fn()  # compile outside the capture
     torch.cuda.synchronize()
 
@@ -208,7 +209,7 @@ def sweep_attention_launches(models, batches, context, device, grid: dict[str, t
                 for block_n in grid["block_n"]
                 for warps in grid["num_warps"]
                 for stages in grid["num_stages"]
-                for splits in sorted({base.num_splits, max(1, 2 * base.num_splits)})
+                for splits in sorted({max(1, base.num_splits * k // 4) for k in (1, 2, 4, 8)})
             ]
             for launch in dict.fromkeys(variants):  # unique, default first
                 try:
@@ -271,6 +272,28 @@ def bench_sampler(models, batches, device) -> list[Row]:
     return rows
 
 
+def sweep_sampler_launches(model: ModelShape, batches, device, grid: dict[str, tuple[int, ...]]) -> list[Row]:
+    rows = []
+    for batch in batches:
+        n = BLOCK_LEN * batch
+        logits = randn(n, model.vocab, device=device) * 3
+        steps = torch.arange(n, device=device)
+        keys = row_keys(torch.full((n,), 1234, device=device), steps, steps)
+        for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
+            args = (logits, torch.full((n,), temp, device=device), keys, steps % 3)
+            for block_v in grid["block_v"]:
+                for warps in grid["num_warps"]:
+                    launch = SamplerLaunch(block_v=block_v, num_warps=warps)
+                    ms = time_graph_ms(lambda: diffulex_kernels.sample_and_confidence(*args, launch=launch))
+                    rows.append(Row(
+                        "sample_and_confidence sweep", f"{model.name} {mode} N={n}", ms, math.nan, math.nan,
+                        logits.numel() * 2, 0.0,
+                        note=("default " if launch == SamplerLaunch() else "") + f"block_v {block_v} w{warps}",
+                    ))
+        del logits
+    return rows
+
+
 def rmsnorm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     x32 = x.float()
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
@@ -324,9 +347,11 @@ def main() -> None:
     if args.smoke:
         models, batches, contexts, sweep_batches = SMOKE_MODELS, [1], [40], [1]
         sweep_grid = {"block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
+        sampler_grid = {"block_v": (1024,), "num_warps": (4,)}
     else:
         models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
-        sweep_grid = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+        sweep_grid = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2,)}
+        sampler_grid = {"block_v": (2048, 4096, 8192), "num_warps": (4, 8, 16)}
 
     ceilings = measure_ceilings(device, args.smoke)
     header = (
@@ -342,6 +367,7 @@ def main() -> None:
         lambda: bench_sampler(models, batches, device),
         lambda: bench_rmsnorm(models, batches, device),
         lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
+        lambda: sweep_sampler_launches(models[0], sweep_batches, device, sampler_grid),
     ]
     rows = []
     for section in sections:

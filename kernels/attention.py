@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 LOG2_E = 1.4426950408889634
 # Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
 MIN_SPLIT_CHUNK = 128
+MAX_SPLITS = 64  # the merge holds every split of a row in registers
 
 
 @triton.jit
@@ -134,32 +135,22 @@ def _paged_attention_kernel(
 @triton.jit
 def _merge_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
-    stride_ot, stride_oh, num_tokens, num_splits,
-    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    stride_ot, stride_oh, num_tokens, num_heads, num_splits,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
 ):
+    """One program per (token, head): all splits in one load, so the merge costs one memory round trip."""
     token = tl.program_id(0)
-    heads = tl.arange(0, BLOCK_H)
+    head = tl.program_id(1)
+    splits = tl.arange(0, SPLITS)
     dims = tl.arange(0, HEAD_DIM)
-    head_valid = heads < NUM_HEADS
-    m = tl.full([BLOCK_H], -1.0e30, tl.float32)
-    s = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, HEAD_DIM], tl.float32)
-    for split in range(0, num_splits):
-        row_index = (split * num_tokens + token).to(tl.int64) * NUM_HEADS + heads
-        m_split = tl.load(part_max_ptr + row_index, mask=head_valid, other=-1.0e30)
-        s_split = tl.load(part_sum_ptr + row_index, mask=head_valid, other=0.0)
-        acc_split = tl.load(part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], mask=head_valid[:, None], other=0.0)
-        m_new = tl.maximum(m, m_split)
-        alpha = tl.exp2(m - m_new)
-        beta = tl.exp2(m_split - m_new)
-        s = s * alpha + s_split * beta
-        acc = acc * alpha[:, None] + acc_split * beta[:, None]
-        m = m_new
-    out = acc / s[:, None]
-    tl.store(
-        out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
-        out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None],
-    )
+    split_valid = splits < num_splits
+    row_index = (splits * num_tokens + token).to(tl.int64) * num_heads + head  # [SPLITS]
+    m = tl.load(part_max_ptr + row_index, mask=split_valid, other=-1.0e30)
+    s = tl.load(part_sum_ptr + row_index, mask=split_valid, other=0.0)
+    acc = tl.load(part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], mask=split_valid[:, None], other=0.0)
+    weight = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS]; empty splits (max -1e30) weigh 0
+    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(s * weight, axis=0)
+    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
 
 
 @dataclass(frozen=True)
@@ -246,7 +237,7 @@ def paged_attention(
         page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
 
     # Chunks are whole key tiles, so only the last tile of each context is ragged.
-    num_splits = max(1, min(launch.num_splits, triton.cdiv(max_context_len, launch.block_n)))
+    num_splits = max(1, min(launch.num_splits, MAX_SPLITS, triton.cdiv(max_context_len, launch.block_n)))
     context_chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), launch.block_n) * launch.block_n
     num_splits = triton.cdiv(max(max_context_len, 1), context_chunk)
     split = num_splits > 1
@@ -273,10 +264,9 @@ def paged_attention(
         num_warps=launch.num_warps, num_stages=launch.num_stages,
     )
     if split:
-        _merge_splits_kernel[(num_tokens,)](
+        _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_max, part_sum, out,
-            out.stride(0), out.stride(1), num_tokens, num_splits,
-            NUM_HEADS=num_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_heads),
-            num_warps=4,
+            out.stride(0), out.stride(1), num_tokens, num_heads, num_splits,
+            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=2,
         )
     return out

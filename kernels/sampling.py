@@ -11,6 +11,8 @@ recomputed by the reference and written over the kernel's answer.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -19,9 +21,14 @@ from diffulex_backend.sampling import Confidence, SampleResult, sample_reference
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 LN_2 = tl.constexpr(0.6931471805599453)
-VOCAB_TILE = 4096
 PROB = tl.constexpr(int(Confidence.PROB))
 MARGIN = tl.constexpr(int(Confidence.MARGIN))
+
+
+@dataclass(frozen=True)
+class SamplerLaunch:
+    block_v: int = 4096  # vocabulary entries per loop step
+    num_warps: int = 8
 
 
 @triton.jit
@@ -48,6 +55,8 @@ def _sample_and_confidence_kernel(
     sampled = temperature > 0
     key = tl.load(keys_ptr + row).to(tl.uint32)
     offsets = tl.arange(0, BLOCK_V)
+    # The next tile is requested before the current one is reduced, so a load is always in flight.
+    next_tile = tl.load(row_ptr + offsets, mask=offsets < vocab_size, other=float("-inf"))
 
     run_max = -1.0e30  # base-2 running max; finite so that the first rescale is exp2(-huge) = 0, not NaN
     run_sum = 0.0  # sum of 2^(y - run_max)
@@ -60,7 +69,8 @@ def _sample_and_confidence_kernel(
     for start in range(0, vocab_size, BLOCK_V):
         index = start + offsets
         valid = index < vocab_size
-        x = tl.load(row_ptr + index, mask=valid, other=float("-inf")).to(tl.float32)  # [BLOCK_V]
+        x = next_tile.to(tl.float32)  # [BLOCK_V]
+        next_tile = tl.load(row_ptr + BLOCK_V + index, mask=index + BLOCK_V < vocab_size, other=float("-inf"))
 
         tile_top1, tile_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tile_top2 = tl.max(tl.where(offsets == tile_arg, float("-inf"), x), axis=0)
@@ -108,6 +118,7 @@ def sample_and_confidence(
     top_p: torch.Tensor | None = None,  # [N] float32, 1 = off
     *,
     out: SampleResult | None = None,  # preallocated outputs, e.g. a CUDA graph's static buffers
+    launch: SamplerLaunch = SamplerLaunch(),
 ) -> SampleResult:
     """Same result as `sample_reference`: token, confidence on the untempered distribution, logsumexp.
 
@@ -129,7 +140,7 @@ def sample_and_confidence(
         logits, temperature, keys, confidence_kind,
         out.tokens, out.confidence, out.logsumexp,
         logits.stride(0), vocab_size,
-        BLOCK_V=min(VOCAB_TILE, triton.next_power_of_2(vocab_size)), num_warps=8,
+        BLOCK_V=min(launch.block_v, triton.next_power_of_2(vocab_size)), num_warps=launch.num_warps,
     )
     if top_k is not None or top_p is not None:
         _resample_filtered_rows(logits, temperature, keys, confidence_kind, top_k, top_p, out)

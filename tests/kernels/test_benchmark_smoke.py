@@ -5,7 +5,10 @@ import subprocess
 import sys
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
-KERNELS = ["paged_attention", "paged_attention sweep", "store_kv", "sample_and_confidence", "rmsnorm", "fused_add_rmsnorm"]
+KERNELS = [
+    "paged_attention", "paged_attention sweep", "store_kv", "sample_and_confidence", "sample_and_confidence sweep",
+    "rmsnorm", "fused_add_rmsnorm",
+]
 
 
 def test_smoke_run_reports_every_kernel_against_its_floor(tmp_path):
