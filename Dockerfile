@@ -1,0 +1,30 @@
+# Triton Inference Server 2.51 (NGC 24.10) serving model_repository with the diffulex engine on a GPU.
+#   docker build -t diffulex-triton .
+#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 diffulex-triton
+FROM nvcr.io/nvidia/tritonserver:24.10-py3
+
+# PyTorch built for CUDA 12.6, the CUDA of this image; triton (the GPU kernel compiler) comes with it.
+ARG TORCH_VERSION=2.9.1
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+
+SHELL ["/bin/bash", "-o", "pipefail", "-c"]
+WORKDIR /opt/diffulex-triton
+
+# The Python backend stub runs the image's python3; numpy must stay below 2, or every STRING input
+# crashes the stub.
+RUN python3 -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
+    && python3 -m pip install --no-cache-dir numpy==1.26.4 safetensors==0.8.0 transformers==5.17.0 tqdm==4.70.1
+
+COPY pyproject.toml setup.py README.md ./
+COPY diffulex_backend/ diffulex_backend/
+COPY kernels/ kernels/
+COPY client/ client/
+RUN python3 -m pip install --no-cache-dir --no-deps .
+
+COPY model_repository/ model_repository/
+# The tiny random-weight demo checkpoint, unless the build context brought a trained one.
+RUN test -f model_repository/diffulex/demo-llada/config.json \
+    || python3 -m diffulex_backend.checkpoint model_repository/diffulex/demo-llada --model-name llada
+
+EXPOSE 8000 8001 8002
+CMD ["tritonserver", "--model-repository", "/opt/diffulex-triton/model_repository"]
