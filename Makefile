@@ -53,7 +53,7 @@ $(STAMPS)/python-packages: Makefile | $(BIN)/python
 # Reinstalled when a renamed package folder gains its __init__.py, so the editable finder maps it.
 $(STAMPS)/project: pyproject.toml setup.py $(wildcard kernels/__init__.py client/__init__.py) \
 		$(STAMPS)/python-packages $(STAMPS)/apt
-	$(BIN)/python -m pip install -e .
+	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
 $(BIN)/tritonserver: tools/install_tritonserver.py $(STAMPS)/python-packages
