@@ -47,10 +47,18 @@ def build_backend_dir(server_root: Path, runtime: Path) -> Path:
     backend = runtime / "backends" / "python"
     backend.mkdir(parents=True, exist_ok=True)
     for name in ("libtriton_python.so", "triton_python_backend_utils.py"):
-        shutil.copy2(server_root / "backends" / "python" / name, backend / name)
-    shutil.copy2(stub, backend / stub.name)
+        install_file(server_root / "backends" / "python" / name, backend / name)
+    install_file(stub, backend / stub.name)
     (backend / stub.name).chmod(0o755)
     return runtime / "backends"
+
+
+def install_file(source: Path, target: Path) -> None:
+    """Copy beside the target, then rename over it: a server that is running keeps the old file open, and
+    writing into an executable that is running fails."""
+    partial = target.with_name(target.name + ".partial")
+    shutil.copy2(source, partial)
+    os.replace(partial, target)
 
 
 def write_launcher(server_root: Path, backends: Path) -> Path:
