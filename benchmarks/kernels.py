@@ -33,7 +33,7 @@ from diffulex_backend.attention import AttentionMetadata, paged_attention_refere
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
-from diffulex_kernels.sampling import SamplerLaunch  # noqa: E402
+from diffulex_kernels.sampling import SamplerLaunch, plan_sampler_launch  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -288,7 +288,7 @@ def sweep_sampler_launches(model: ModelShape, batches, device, grid: dict[str, t
                     rows.append(Row(
                         "sample_and_confidence sweep", f"{model.name} {mode} N={n}", ms, math.nan, math.nan,
                         logits.numel() * 2, 0.0,
-                        note=("default " if launch == SamplerLaunch() else "") + f"block_v {block_v} w{warps}",
+                        note=("default " if launch == plan_sampler_launch(n, device) else "") + f"block_v {block_v} w{warps}",
                     ))
         del logits
     return rows

@@ -165,14 +165,15 @@ class AttentionLaunch:
 
 
 def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int) -> int:
-    """How many chunks to cut the cached context into so that the launch fills `num_sms` multiprocessors.
+    """How many chunks to cut the cached context into when the launch cannot fill `num_sms` multiprocessors.
 
     `base_programs` is q tiles x sequences x kv heads. One split (no merge pass) when that already fills the
-    GPU or the context is too short for a chunk to pay for its partial round trip.
+    GPU or the context is too short for a chunk to pay for its partial round trip. Otherwise aim at two
+    programs per multiprocessor: on the H100, LLaDA-8B at batch 1 ran 10% faster with 10 splits than with 5.
     """
     if base_programs >= num_sms:
         return 1
-    return max(1, min(triton.cdiv(num_sms, base_programs), max_context_len // MIN_SPLIT_CHUNK))
+    return max(1, min(triton.cdiv(2 * num_sms, base_programs), max_context_len // MIN_SPLIT_CHUNK))
 
 
 def multiprocessor_count(device: torch.device) -> int:
@@ -192,9 +193,10 @@ def plan_launch(
     if num_splits is None:
         base_programs = triton.cdiv(rows, block_m) * (meta.cu_seqlens_q.shape[0] - 1) * key.shape[1]
         num_splits = choose_num_splits(base_programs, meta.max_context_len, multiprocessor_count(query.device))
-    return AttentionLaunch(
-        block_m=block_m, block_n=64, num_splits=num_splits, num_warps=8 if block_m >= 128 else 4, num_stages=2
-    )
+    # Measured on the H100 with Dream-7B's GQA tiles (128 rows): 8 warps win when the context is split
+    # (short programs, 30% faster at batch 1), 4 warps when it is not (more programs per SM, 15% at batch 64).
+    num_warps = 8 if block_m >= 128 and num_splits > 1 else 4
+    return AttentionLaunch(block_m=block_m, block_n=64, num_splits=num_splits, num_warps=num_warps, num_stages=2)
 
 
 def paged_attention(

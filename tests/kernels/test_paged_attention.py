@@ -158,7 +158,7 @@ def test_without_cache_attends_in_forward_only():
 
 def test_split_kv_is_chosen_for_long_context_at_small_batch_only():
     # LLaDA-8B at batch 1: one 32-token tile per kv head, 32 programs for 132 multiprocessors.
-    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132) == 5
+    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132) == 9
     # Batch 8 already launches 256 programs; short contexts are not worth a merge pass.
     assert choose_num_splits(base_programs=256, max_context_len=2048, num_sms=132) == 1
     assert choose_num_splits(base_programs=32, max_context_len=100, num_sms=132) == 1

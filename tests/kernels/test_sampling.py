@@ -6,6 +6,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.sampling import Confidence, SampleResult, row_keys, sample_reference
+from diffulex_kernels.sampling import SamplerLaunch
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
 
 # Vocabularies that are not a multiple of the kernel's tile, so the last tile is ragged.
@@ -46,11 +47,16 @@ def assert_same_result(out: SampleResult, ref: SampleResult) -> None:
     torch.testing.assert_close(out.logsumexp, ref.logsumexp, rtol=1e-5, atol=1e-5)
 
 
+# Both launch shapes the planner picks (few rows: wide tiles; many rows: narrow tiles on fewer warps).
+LAUNCHES = [SamplerLaunch(block_v=8192, num_warps=8), SamplerLaunch(block_v=4096, num_warps=4)]
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda launch: f"tile{launch.block_v}")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", VOCABS)
-def test_tokens_and_confidences_match_reference(vocab, dtype):
+def test_tokens_and_confidences_match_reference(vocab, dtype, launch):
     logits, temperature, keys, kinds = make_rows(NUM_ROWS, vocab, dtype, seed=vocab)
-    out = run_kernel(logits, temperature, keys, kinds)
+    out = run_kernel(logits, temperature, keys, kinds, launch=launch)
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
 
 
