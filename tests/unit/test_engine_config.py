@@ -1,0 +1,138 @@
+"""Config: every field is validated with a message that names it and what it allows, impossible combinations
+are refused, and the fields reach the engine."""
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+from diffulex_backend import Config, Diffulex, SamplingParams
+from diffulex_backend.loader import CheckpointError
+from engine_driver import run_requests, tiny_engine
+
+# One invalid value per field, and the message it must give.
+INVALID = {
+    "model": ("", "a path to a checkpoint directory"),
+    "model_name": (5, "a registered model name or null"),
+    "decoding_strategy": ("nope", "one of ['d2f', 'fast_dllm', 'multi_bd', 'vanilla']"),
+    "sampling_mode": ("greedy", "one of ['threshold', 'topk']"),
+    "block_size": (0, "an integer >= 1"),
+    "buffer_size": (0, "an integer >= 1"),
+    "page_size": (2.0, "an integer >= 1"),
+    "max_model_len": (1, "an integer >= 2"),
+    "max_num_batched_tokens": (0, "an integer >= 1"),
+    "max_num_reqs": (0, "an integer >= 1"),
+    "num_kv_pages": (0, "an integer >= 1"),
+    "gpu_memory_utilization": (0.0, "a float in (0, 1]"),
+    "kv_cache_layout": ("distinct", "one of ['unified']"),
+    "enable_prefix_caching": ("yes", "true or false"),
+    "enforce_eager": (1, "true or false"),
+    "attention_backend": ("flash", "one of ['auto', 'torch', 'triton']"),
+    "device": ("tpu", "'auto', 'cpu', 'cuda' or 'cuda:N'"),
+    "dtype": ("int8", "one of ['auto', 'float32', 'bfloat16', 'float16', 'float64']"),
+    "accept_threshold": (1.5, "a number in [0, 1]"),
+    "remask_threshold": (-0.1, "a number in [0, 1]"),
+    "add_block_threshold": ("0.5", "a number in [0, 1]"),
+    "semi_complete_threshold": (True, "a number in [0, 1]"),
+    "mask_token_id": (-1, "an integer >= 0"),
+    "dual_cache": ("no", "true or false"),
+    "cache_refresh_interval": (-1, "an integer >= 0"),
+    "tensor_parallel_size": (2, "1 (tensor parallelism is not supported)"),
+    "seed": (-1, "an integer >= 0"),
+}
+
+
+def raises_exactly(message):
+    return pytest.raises(ValueError, match="^" + re.escape(message) + "$")
+
+
+@pytest.mark.parametrize("field", sorted(INVALID))
+def test_invalid_value_names_the_field_and_what_it_allows(llada_checkpoint, field):
+    value, allowed = INVALID[field]
+    with raises_exactly(f"config field '{field}' must be {allowed}, got {value!r}"):
+        Config(**{"model": llada_checkpoint, field: value})
+
+
+def test_every_config_field_has_an_invalid_value_case():
+    assert sorted(INVALID) == sorted(Config.field_names())
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(decoding_strategy="d2f", enable_prefix_caching=True),
+     "config field 'enable_prefix_caching' must be false for decoding_strategy 'd2f': its prompt K/V depend on "
+     "later tokens"),
+    (dict(decoding_strategy="vanilla", enable_prefix_caching=True),
+     "config field 'enable_prefix_caching' must be false for decoding_strategy 'vanilla': its prompt K/V depend on "
+     "later tokens"),
+    (dict(decoding_strategy="vanilla", buffer_size=2),
+     "config field 'buffer_size' must be <= 1 for decoding_strategy 'vanilla', got 2"),
+    (dict(decoding_strategy="fast_dllm", buffer_size=2),
+     "config field 'buffer_size' must be <= 1 for decoding_strategy 'fast_dllm', got 2"),
+    (dict(decoding_strategy="multi_bd", dual_cache=True),
+     "config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy 'fast_dllm' only, not "
+     "'multi_bd'"),
+    (dict(decoding_strategy="d2f", cache_refresh_interval=2),
+     "config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy 'fast_dllm' only, not 'd2f'"),
+    (dict(block_size=32, buffer_size=2, max_num_batched_tokens=64),
+     "config field 'max_num_batched_tokens' must be >= 96 for decoding_strategy 'multi_bd' (the blocks in flight "
+     "plus the block being committed), got 64"),
+    (dict(decoding_strategy="vanilla", max_model_len=128, max_num_batched_tokens=64),
+     "config field 'max_num_batched_tokens' must be >= 128 for decoding_strategy 'vanilla' (tokens of one "
+     "request's largest forward), got 64"),
+])
+def test_impossible_combinations_are_refused(llada_checkpoint, fields, message):
+    with raises_exactly(message):
+        Config(model=llada_checkpoint, **fields)
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(device="cuda"), "config field 'device' is 'cuda', but no CUDA device is available"),
+    (dict(attention_backend="triton"),
+     "config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU"),
+    (dict(max_model_len=1024),
+     "config field 'max_model_len' must be <= the model's max_position_embeddings (512), got 1024"),
+    (dict(max_model_len=64, mask_token_id=258), "config field 'mask_token_id' must be < vocab_size (258), got 258"),
+])
+def test_settings_the_machine_or_checkpoint_cannot_honour_are_refused(llada_checkpoint, fields, message):
+    assert not torch.cuda.is_available(), "the CUDA cases describe a machine without CUDA, as CI's"
+    with raises_exactly(message):
+        Diffulex(llada_checkpoint, **fields)
+
+
+def test_model_name_is_detected_and_a_wrong_one_names_the_file(llada_checkpoint):
+    assert tiny_engine(llada_checkpoint).config.model_name == "llada"
+    with pytest.raises(CheckpointError, match=re.escape(f"{llada_checkpoint}/config.json: unknown config key")):
+        tiny_engine(llada_checkpoint, model_name="dream")
+
+
+def test_mask_token_id_is_detected_and_an_explicit_one_is_used(llada_checkpoint):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    auto = tiny_engine(llada_checkpoint)
+    assert auto.config.mask_token_id == 257  # the tokenizer's <|mdm_mask|>, named in config.json
+    explicit = tiny_engine(llada_checkpoint, mask_token_id=0)
+    # The generation area starts as the mask token, so the model sees other inputs and predicts other tokens.
+    assert run_requests(explicit, ["hello"], params)[0].token_ids != run_requests(auto, ["hello"], params)[0].token_ids
+
+
+def test_kv_pool_size_comes_from_num_kv_pages_else_from_the_limits(llada_checkpoint):
+    assert tiny_engine(llada_checkpoint, num_kv_pages=7).metrics().kv_pages_total == 7
+    # On CPU, without num_kv_pages: room for max_num_reqs sequences of max_model_len.
+    assert tiny_engine(llada_checkpoint, max_num_reqs=3, max_model_len=96, page_size=8).metrics().kv_pages_total == 36
+
+
+def test_engine_seed_makes_unseeded_sampling_reproducible(llada_checkpoint):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, temperature=1.0)
+
+    def sample(seed):
+        return run_requests(tiny_engine(llada_checkpoint, seed=seed), ["hello"], params)[0].token_ids
+
+    assert sample(3) == sample(3)
+    assert sample(3) != sample(4)
+
+
+def test_explicit_cpu_device_and_torch_attention_give_the_automatic_choice(llada_checkpoint):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    auto = run_requests(tiny_engine(llada_checkpoint), ["hello"], params)[0]
+    explicit = run_requests(tiny_engine(llada_checkpoint, device="cpu", attention_backend="torch"), ["hello"], params)[0]
+    assert explicit.token_ids == auto.token_ids
