@@ -49,18 +49,26 @@ def _launch(x, residual, weight, eps, out, residual_out):
     )
 
 
-def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """x: [T, hidden]; returns x / rms(x) * weight, computed in float32, in x's dtype."""
-    out = torch.empty_like(x)
+    out = torch.empty_like(x) if out is None else out
     _launch(x, None, weight, eps, out, None)
     return out
 
 
 def fused_add_rmsnorm(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    *,
+    out: torch.Tensor | None = None,
+    residual_out: torch.Tensor | None = None,  # may be `residual` itself: each row is read before it is written
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, hidden]. Returns (rmsnorm(x + residual), x + residual) in one pass."""
-    out = torch.empty_like(x)
-    residual_out = torch.empty_like(residual)
+    out = torch.empty_like(x) if out is None else out
+    residual_out = torch.empty_like(residual) if residual_out is None else residual_out
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out
