@@ -116,7 +116,9 @@ def row_keys(seeds: torch.Tensor, positions: torch.Tensor, steps: torch.Tensor) 
 def uniform_noise(keys: torch.Tensor, vocab_size: int) -> torch.Tensor:  # [N, V] in (0, 1)
     j = torch.arange(vocab_size, device=keys.device, dtype=torch.int64)
     h = mix32(keys[:, None] ^ mix32(j)[None, :])
-    return ((h >> 8).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # 23 bits, so that (x + 0.5) is exact in float32 and u stays strictly below 1 (u = 1 would make an
+    # infinite Gumbel value and pick that token whatever its logit).
+    return ((h >> 9).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
 
 
 @dataclass

@@ -97,7 +97,7 @@ def _sample_and_confidence_kernel(
 
         if sampled:
             noise_hash = _mix32(key ^ _mix32(index.to(tl.uint32)))
-            uniform = ((noise_hash >> 8).to(tl.float32) + 0.5) * (1.0 / 16777216.0)
+            uniform = ((noise_hash >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact in float32, < 1
             gumbel = -tl.log(-tl.log(uniform))
             score = tl.where(valid, tl.math.div_rn(x, temperature) + gumbel, float("-inf"))
             tile_best, tile_best_arg = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
