@@ -150,7 +150,7 @@ def sample_reference(
         tokens[rows] = (scaled + gumbel).argmax(dim=-1)
     top2 = probs.topk(2, dim=-1).values
     chosen = probs.gather(1, tokens[:, None]).squeeze(1)
-    neg_entropy = (probs * (logits - lse[:, None])).sum(-1)
+    neg_entropy = torch.special.xlogy(probs, probs).sum(-1)  # 0 log 0 = 0 where a logit is -inf
     confidence = torch.where(
         confidence_kind == Confidence.PROB, chosen,
         torch.where(confidence_kind == Confidence.MARGIN, top2[:, 0] - top2[:, 1], neg_entropy),
