@@ -1,0 +1,79 @@
+"""Registries: strategies and model families are found by name or alias, a default strategy exists, and an
+unknown name is an error that lists what is registered."""
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from diffulex_backend import Config, SamplingParams
+from diffulex_backend.loader import CheckpointError
+from diffulex_backend.registry import (AutoKVCacheManager, AutoModelForDiffusionLM, AutoModelRunner, AutoReq,
+                                       AutoSampler, AutoScheduler, Registry)
+from engine_driver import run_requests, tiny_engine
+
+STRATEGY_REGISTRIES = [AutoReq, AutoScheduler, AutoKVCacheManager, AutoModelRunner, AutoSampler]
+STRATEGIES = ["d2f", "fast_dllm", "multi_bd", "vanilla"]
+
+
+@pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)
+def test_every_strategy_registers_each_component(registry):
+    assert registry.keys() == STRATEGIES
+
+
+@pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)
+def test_unknown_strategy_error_lists_the_registered_keys(registry):
+    message = f"{registry.kind}: unknown decoding_strategy 'nope'; registered: {STRATEGIES}"
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        registry.get("nope")
+
+
+def test_unknown_strategy_in_the_config_lists_the_registered_keys(llada_checkpoint):
+    with pytest.raises(ValueError, match=re.escape(f"must be one of {STRATEGIES}, got 'nope'")):
+        Config(model=llada_checkpoint, decoding_strategy="nope")
+
+
+def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint):
+    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['dream', 'llada', 'sdar']"
+    with pytest.raises(CheckpointError, match="^" + re.escape(message) + "$"):
+        tiny_engine(llada_checkpoint, model_name="gpt2")
+
+
+@pytest.mark.parametrize("alias, name", [
+    ("bd", "multi_bd"), ("block_diffusion", "multi_bd"), ("diffusion_forcing", "d2f"), ("llada", "vanilla"),
+    ("fastdllm", "fast_dllm"), ("fast-dllm", "fast_dllm"),
+])
+def test_an_alias_resolves_to_its_strategy(llada_checkpoint, alias, name):
+    assert Config(model=llada_checkpoint, decoding_strategy=alias).decoding_strategy == name
+    for registry in STRATEGY_REGISTRIES:
+        assert registry.get(alias) is registry.get(name)
+
+
+def test_an_alias_decodes_like_its_strategy(llada_checkpoint):
+    params = SamplingParams(max_tokens=8, ignore_eos=True)
+    by_alias = run_requests(tiny_engine(llada_checkpoint, decoding_strategy="bd"), ["hello"], params)[0]
+    by_name = run_requests(tiny_engine(llada_checkpoint, decoding_strategy="multi_bd"), ["hello"], params)[0]
+    assert by_alias.token_ids == by_name.token_ids
+
+
+def test_the_default_strategy_is_multi_bd_and_decodes(llada_checkpoint):
+    for registry in STRATEGY_REGISTRIES:
+        assert registry.canonical(None) == "multi_bd"
+    llm = tiny_engine(llada_checkpoint)  # no decoding_strategy given
+    assert llm.config.decoding_strategy == "multi_bd"
+    out = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
+    assert len(out.token_ids) == 8
+
+
+def test_model_families_are_registered_by_name():
+    assert AutoModelForDiffusionLM.keys() == ["dream", "llada", "sdar"]
+
+
+def test_a_registry_refuses_a_key_or_alias_twice_and_without_default_says_so():
+    registry: Registry = Registry("AutoThing", "decoding_strategy")
+    registry.register("one", aliases=("uno",))(object)
+    for key in ("one", "uno"):
+        with pytest.raises(ValueError, match=f"^AutoThing: decoding_strategy '{key}' is registered twice$"):
+            registry.register(key)(object)
+    with pytest.raises(ValueError, match=r"^AutoThing: no default decoding_strategy; registered: \['one'\]$"):
+        registry.get(None)
