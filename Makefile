@@ -32,9 +32,13 @@ serve: setup
 	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
 		--http-port 8000 --grpc-port 8001 --metrics-port 8002
 
+# Without a GPU the Triton kernels run under Triton's interpreter. It must be on before the first kernel is
+# defined, and the first test module to import the kernels may lie outside tests/kernels.
+TRITON_INTERPRET ?= $(if $(shell nvidia-smi -L 2>/dev/null),0,1)
+
 # pytest exits 5 when it collects nothing; make fails on it like on any other non-zero status.
 test: setup
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	TRITON_INTERPRET=$(TRITON_INTERPRET) $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -46,19 +50,31 @@ $(STAMPS)/apt:
 	fi
 	@mkdir -p $(STAMPS) && touch $@
 
-$(STAMPS)/python-packages: Makefile | $(BIN)/python
+# The stamp is named after the package list, so changing a pin reinstalls and editing anything else does not.
+PACKAGES_STAMP := $(STAMPS)/python-packages-$(shell echo '$(PYTHON_PACKAGES)' | md5sum | cut -c1-12)
+
+$(PACKAGES_STAMP): | $(BIN)/python
 	$(BIN)/python -m pip install $(PYTHON_PACKAGES)
 	@mkdir -p $(STAMPS) && touch $@
 
 # Reinstalled when a renamed package folder gains its __init__.py, so the editable finder maps it.
 $(STAMPS)/project: pyproject.toml setup.py $(wildcard kernels/__init__.py client/__init__.py) \
-		$(STAMPS)/python-packages $(STAMPS)/apt
+		$(PACKAGES_STAMP) $(STAMPS)/apt
 	$(BIN)/python -m pip install --quiet -e .
 	@touch $@
 
-$(BIN)/tritonserver: tools/install_tritonserver.py $(STAMPS)/python-packages
+$(BIN)/tritonserver: tools/install_tritonserver.py $(PACKAGES_STAMP)
 	$(BIN)/python tools/install_tritonserver.py $(RUNTIME)
 
 # A tiny random-weight LLaDA checkpoint stands in until the trained demo model is committed here.
 $(DEMO_MODEL)/config.json: | $(STAMPS)/project
 	$(BIN)/python -m diffulex_backend.checkpoint $(DEMO_MODEL) --model-name llada
+
+# The GPU benchmark: the engine's forward and decode step against the device's floors and plain PyTorch
+# (benchmarks/forward.py; results in docs/performance.md). It needs only a Python with torch and triton, so it
+# skips `setup`. BENCH_ARGS, e.g.: --out DIR --models llada-8b,dream-7b (--smoke: a tiny model on any device).
+BENCH_ARGS ?=
+
+.PHONY: bench
+bench:
+	PYTHONPATH=. $(PYTHON) benchmarks/forward.py $(BENCH_ARGS)
