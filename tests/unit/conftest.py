@@ -3,18 +3,12 @@ per test session in each family's real Hugging Face layout (config.json, safeten
 an EOS and a mask token)."""
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
 
-from diffulex_backend.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
+from checkpoint_edits import write_trained_like_checkpoint
 
 FAMILIES = ("llada", "dream", "sdar")
-
-# The weight that maps the last hidden state to the logits, under each family's released name.
-OUTPUT_HEAD = {"llada": "model.transformer.ff_out.weight", "dream": "lm_head.weight", "sdar": "lm_head.weight"}
 
 
 @pytest.fixture(scope="session", autouse=True)
@@ -27,22 +21,6 @@ def single_intra_op_thread():
     torch.set_num_threads(threads)
 
 
-def edit_output_head(path: str | Path, family: str, edit) -> None:
-    """Rewrite the checkpoint's output head with `edit(weight)` ([vocab, hidden], edited in place)."""
-    file = Path(path) / "model.safetensors"
-    tensors = load_file(file)
-    edit(tensors[OUTPUT_HEAD[family]])
-    save_file(tensors, file, metadata={"format": "pt"})
-
-
-def write_trained_like_checkpoint(path: Path, family: str) -> str:
-    """A random checkpoint whose head gives the mask token logit 0, far under the top logits (about 20): like a
-    trained model, it never predicts the mask token greedily. test_engine_mask_token.py covers one that does."""
-    write_random_checkpoint(path, family)
-    edit_output_head(path, family, lambda weight: weight[MASK_TOKEN_ID].zero_())
-    return str(path)
-
-
 @pytest.fixture(scope="session")
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """Checkpoint directory of each family, by model name."""
@@ -53,13 +31,3 @@ def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
 @pytest.fixture(scope="session")
 def llada_checkpoint(tiny_checkpoints) -> str:
     return tiny_checkpoints["llada"]
-
-
-@pytest.fixture(scope="session")
-def dream_checkpoint(tiny_checkpoints) -> str:
-    return tiny_checkpoints["dream"]
-
-
-@pytest.fixture(scope="session")
-def sdar_checkpoint(tiny_checkpoints) -> str:
-    return tiny_checkpoints["sdar"]

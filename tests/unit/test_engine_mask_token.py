@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import edit_output_head
+from checkpoint_edits import edit_output_head
 from diffulex_backend import FinishReason, SamplingParams
 from diffulex_backend.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
 from engine_driver import run_requests, tiny_engine
