@@ -99,8 +99,9 @@ class Config:
             check_int("mask_token_id", 0)
         for name in ("accept_threshold", "remask_threshold", "add_block_threshold", "semi_complete_threshold"):
             check_fraction(name)
-        if not isinstance(self.gpu_memory_utilization, float) or not 0 < self.gpu_memory_utilization <= 1:
-            fail("gpu_memory_utilization", "a float in (0, 1]")
+        value = self.gpu_memory_utilization
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+            fail("gpu_memory_utilization", "a number in (0, 1]")
         check_bool("enforce_eager")
         check_bool("dual_cache")
         check_bool("enable_prefix_caching", optional=True)

@@ -64,6 +64,17 @@ class Detokenizer:
                 text, stopped = text[: min(hits)], True
         if not (final or stopped):
             text = text.rstrip("\ufffd")
+            text = text[: len(text) - self._stop_prefix_len(text)]
         delta = text[self.sent:]
         self.sent = max(self.sent, len(text))
         return delta, stopped
+
+    def _stop_prefix_len(self, text: str) -> int:
+        """Length of the longest end of `text` that begins a stop string: it may yet become a match."""
+        longest = 0
+        for stop in self.stop:
+            for n in range(min(len(stop) - 1, len(text)), longest, -1):
+                if text.endswith(stop[:n]):
+                    longest = n
+                    break
+        return longest

@@ -113,6 +113,9 @@ class Request:
         self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager
         self.num_registered_pages = 0
         self.nfe = 0
+        # Forwards that predicted tokens: the step in the noise key. Not nfe, which also counts prefill
+        # chunks, whose number depends on what else shared the token budget.
+        self.num_predict_steps = 0
         self.steps_in_block = 0  # steps taken on the current first block (top-k schedule, refresh interval)
         self.carry_hidden: torch.Tensor | None = None  # shifted models: hidden of the last committed position
         self.arrival_time = time.monotonic()

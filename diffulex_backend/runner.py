@@ -172,7 +172,7 @@ class ModelRunner:
         params = [r.params for r in reqs]
         positions = ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
         keys = row_keys(_repeat([r.seed for r in reqs], lengths, torch.int64), positions,
-                        _repeat([r.nfe for r in reqs], lengths, torch.int64))
+                        _repeat([r.num_predict_steps for r in reqs], lengths, torch.int64))
         filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
@@ -194,6 +194,8 @@ class ModelRunner:
         if carry:
             hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
         logits = self.model.compute_logits(hidden[logit_rows])  # [A, vocab]
+        # Predicting the mask token would leave a position masked after "accepting" it, forever.
+        logits[:, self.sampler.mask_token_id] = float("-inf")
         result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
                         use_kernel=self.use_kernels, filtered=filtered)
         # Gather, then upcast: the same values as upcasting all logits first, without an [A, vocab] copy.

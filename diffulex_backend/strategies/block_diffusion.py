@@ -89,6 +89,7 @@ class BlockDiffusionRequest(Request):
         self.nfe += 1
         if plan.blocks:
             self.steps_in_block += 1
+            self.num_predict_steps += 1
 
     def commit_ready_blocks(self) -> int:
         before = self.num_committed

@@ -37,6 +37,7 @@ class FullAttentionRequest(Request):
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.nfe += 1
+        self.num_predict_steps += 1
         self.steps_in_block += 1
 
     def commit_ready_blocks(self) -> int:

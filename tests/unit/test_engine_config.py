@@ -24,7 +24,7 @@ INVALID = {
     "max_num_batched_tokens": (0, "an integer >= 1"),
     "max_num_reqs": (0, "an integer >= 1"),
     "num_kv_pages": (0, "an integer >= 1"),
-    "gpu_memory_utilization": (0.0, "a float in (0, 1]"),
+    "gpu_memory_utilization": (0.0, "a number in (0, 1]"),
     "kv_cache_layout": ("distinct", "one of ['unified']"),
     "enable_prefix_caching": ("yes", "true or false"),
     "enforce_eager": (1, "true or false"),

@@ -25,6 +25,7 @@ class DenseModel:
         self.mask = None
         self.model = load_model(path, dtype=torch.float64, attention_fn=self._attention)
         self.arch = self.model.arch
+        self.mask_token_id = self.arch.mask_token_id
 
     def _attention(self, q, k, v, k_cache, v_cache, meta, scale):
         group = q.shape[1] // k.shape[1]
@@ -48,6 +49,7 @@ class DenseModel:
         logits = self.model.compute_logits(self.model(tokens, torch.arange(n), meta, None))
         if self.arch.shifted:
             logits = torch.cat([logits[:1], logits[:-1]])
+        logits[:, self.mask_token_id] = float("-inf")  # the engine never predicts the mask token
         return logits
 
 
