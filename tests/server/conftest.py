@@ -1,10 +1,10 @@
 """A real tritonserver serving the repository's diffulex model over a tiny random-weight checkpoint.
 
 The model repository is built in a temporary folder from the shipped config.pbtxt and model.py, with
-the engine parameters pointed at the checkpoint. It holds three models: `diffulex` (small blocks, so short
-outputs span several blocks) is loaded at start; `diffulex_readme` (the shipped settings) and
-`diffulex_bad_path` are loaded by the tests that need them, which is why the server runs with explicit
-model control. Stopping the server is checked when the session ends.
+the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
+blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_bad_path` and
+`diffulex_failing` (an engine that fails at every step) are loaded by the tests that need them, which is
+why the server runs with explicit model control. Stopping the server is checked when the session ends.
 """
 
 import re
@@ -34,9 +34,9 @@ def with_parameters(config_text: str, name: str, **values) -> str:
     return config_text
 
 
-def add_model(repository: Path, name: str, **values) -> None:
+def add_model(repository: Path, name: str, model_file: Path = SHIPPED_MODEL / "1" / "model.py", **values) -> None:
     (repository / name / "1").mkdir(parents=True)
-    shutil.copy(SHIPPED_MODEL / "1" / "model.py", repository / name / "1" / "model.py")
+    shutil.copy(model_file, repository / name / "1" / "model.py")
     config_text = (SHIPPED_MODEL / "config.pbtxt").read_text()
     (repository / name / "config.pbtxt").write_text(with_parameters(config_text, name, **values))
 
@@ -63,6 +63,8 @@ def server(tmp_path_factory, checkpoint, missing_checkpoint):
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
+    add_model(repository, "diffulex_failing", Path(__file__).parent / "failing_model.py", model=checkpoint,
+              **TEST_SETTINGS)
     server = TritonServer(repository, repository.parent / "tritonserver.log",
                           ("--model-control-mode=explicit", "--load-model=diffulex"))
     try:

@@ -313,3 +313,17 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert f"{missing_checkpoint}: checkpoint directory not found" in caught.value.message()
         assert not client.is_model_ready("diffulex_bad_path")
         assert client.is_model_ready("diffulex")
+
+
+def test_an_engine_failure_ends_open_requests_and_takes_the_model_out_of_service(server, engine):
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_failing")
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_stream(server, grpc_inputs("hello", GREEDY, stream=True), model="diffulex_failing")
+        assert caught.value.message() == ("the engine failed and this model can no longer serve: "
+                                          "RuntimeError: device lost")
+        wait_for(lambda: model_state(client, "diffulex_failing") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+        assert not client.is_model_ready("diffulex_failing")
+    (expected,) = reference(engine, ["hello"], **GREEDY)
+    assert generate(server, {"text_input": "hello", "parameters": GREEDY, "exclude_input_in_output": True}
+                    )["text_output"] == expected.text
