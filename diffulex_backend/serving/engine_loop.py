@@ -148,11 +148,6 @@ class EngineLoop:
     def state(self) -> LoopState:
         return self._state
 
-    @property
-    def failure(self) -> str:
-        """Why the engine failed, or "" while it has not."""
-        return self._failure
-
     def submit(self, prompt: str | list[int], params: SamplingParams, stream: ResponseStream) -> None:
         with self._lock:
             if self._state is LoopState.RUNNING:
