@@ -39,10 +39,6 @@ class StepResult:
     flops: float  # model FLOPs of the forward
 
 
-def _repeat(values: list, counts: list[int], dtype) -> torch.Tensor:
-    return torch.repeat_interleave(torch.tensor(values, dtype=dtype), torch.tensor(counts, dtype=torch.int64))
-
-
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
     arch = model.arch
     return (2, arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
@@ -165,30 +161,35 @@ class ModelRunner:
     def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
                  hidden: torch.Tensor) -> torch.Tensor:
         """Sample every predicted position, then apply the acceptance rule; returns host tokens."""
-        # Host side first: none of it waits for the forward.
+        # Host side first: none of it waits for the forward. Values are gathered per block (segment), then
+        # repeated per predicted position in one call per dtype.
         logit_rows, carry = self.logit_rows(plans)
-        lengths = [b.end - b.start for _, b in blocks]
         reqs = [p.req for p, _ in blocks]
         params = [r.params for r in reqs]
+        lengths = torch.tensor([b.end - b.start for _, b in blocks], dtype=torch.int64)
+        seg_ints = torch.tensor([[r.seed, r.num_predict_steps, int(q.confidence_kind), q.top_k, b.num_transfer]
+                                 for r, q, (_, b) in zip(reqs, params, blocks)], dtype=torch.int64)  # [S, 5]
+        seg_floats = torch.tensor([[q.temperature, q.top_p, r.accept_threshold, r.remask_threshold]
+                                   for r, q in zip(reqs, params)], dtype=torch.float32)  # [S, 4]
+        row_ints = seg_ints[:, :4].repeat_interleave(lengths, dim=0)  # [A, 4]
+        row_floats = seg_floats[:, :2].repeat_interleave(lengths, dim=0)  # [A, 2]
         positions = ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
-        keys = row_keys(_repeat([r.seed for r in reqs], lengths, torch.int64), positions,
-                        _repeat([r.num_predict_steps for r in reqs], lengths, torch.int64))
         filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
             torch.cat([p.req.tokens[b.start:b.end] for p, b in blocks]),
-            keys,
-            _repeat([q.temperature for q in params], lengths, torch.float32),
-            _repeat([int(q.confidence_kind) for q in params], lengths, torch.int64),
-            _repeat([q.top_k for q in params], lengths, torch.int64),
-            _repeat([q.top_p for q in params], lengths, torch.float32),
-            _repeat(list(range(len(blocks))), lengths, torch.int64),
+            row_keys(row_ints[:, 0], positions, row_ints[:, 1]),
+            row_floats[:, 0],
+            row_ints[:, 2],
+            row_ints[:, 3],
+            row_floats[:, 1],
+            torch.repeat_interleave(torch.arange(len(blocks)), lengths),
             torch.tensor([b.is_first for _, b in blocks]),
             torch.tensor([b.enabled for _, b in blocks]),
-            torch.tensor([r.accept_threshold for r in reqs], dtype=torch.float32),
-            torch.tensor([r.remask_threshold for r in reqs], dtype=torch.float32),
-            torch.tensor([b.num_transfer for _, b in blocks], dtype=torch.int64),
+            seg_floats[:, 2],
+            seg_floats[:, 3],
+            seg_ints[:, 4],
         ], self.device)
 
         if carry:

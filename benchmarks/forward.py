@@ -1,0 +1,548 @@
+"""The engine's forward and decode step against the GPU's physical floors, and against plain PyTorch.
+
+One run measures, and prints as it goes:
+  * the two ceilings: HBM bandwidth (a large device copy, bytes read plus written) and the bf16 matmul rate;
+  * per model shape (random bf16 weights built on the GPU) and per case (batch, context), with one 32-token
+    block per request:
+      - the floors: weight streaming = model bytes / bandwidth; compute = 2 * params * tokens / rate; and,
+        beside them, weights plus the cached K/V the attention reads, over bandwidth;
+      - the engine's forward (graph replay and the block's logits) and its runner step (forward, sampler,
+        acceptance, the one sync);
+      - plain PyTorch (plain_pytorch.py) over the same weights: eager, and captured in one CUDA graph;
+  * end-to-end decode steps with k = 1, 2, 4 tokens accepted per block per forward (the engine's top-k
+    schedule, so random weights cannot change how much each step decodes): ms per step and tokens/s, for the
+    engine and for the plain loop;
+  * the settings Diffulex was measured at (multi_bd buffer 1, d2f buffer 4; batch 1 and 32; 256-token
+    prompt, 256 new tokens, block 32, greedy): ms per step;
+  * a check: the engine's logits and greedy output with kernels and graphs against its torch path.
+It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
+
+    python benchmarks/forward.py --out DIR                     # GPU: LLaDA-8B
+    python benchmarks/forward.py --out DIR --models llada-8b,dream-7b
+    python benchmarks/forward.py --smoke --out DIR             # anywhere: a tiny shape, one iteration each
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gc
+import json
+import math
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+
+import torch
+
+from diffulex_backend import SamplingParams
+from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer
+from diffulex_backend.engine import DiffulexEngine
+from diffulex_backend.forward_batch import build_forward_batch
+from diffulex_backend.request import SeqPlan
+from diffulex_backend.scheduler import SchedulerOutput
+from plain_pytorch import PlainDecoder
+
+BLOCK = 32
+PAGE_SIZE = 32
+# Diffulex on the same H100, random-weight LLaDA-8B, greedy, block 32, 256-token prompt, 256 new tokens.
+DIFFULEX_MS_PER_STEP = {("multi_bd", 1, 1): 11.97, ("multi_bd", 1, 32): 79.5, ("d2f", 4, 1): 13.3, ("d2f", 4, 32): 188.0}
+FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms", "plain_ms",
+          "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
+          "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s", "reference_ms",
+          "speedup_vs_reference", "note"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What one run covers; --smoke shrinks everything to a tiny model on any device."""
+    batches: tuple[int, ...]
+    contexts: tuple[int, ...]
+    decode_batches: tuple[int, ...]
+    decode_context: int
+    tokens_per_step: tuple[int, ...]
+    diffulex_batches: tuple[int, ...]
+    diffulex_prompt: int
+    diffulex_new_tokens: int
+    reps: int
+    smoke: bool
+
+
+FULL = Plan(batches=(1, 8, 32, 64), contexts=(512, 2048), decode_batches=(1, 8, 32, 64), decode_context=512,
+            tokens_per_step=(1, 2, 4), diffulex_batches=(1, 32), diffulex_prompt=256, diffulex_new_tokens=256,
+            reps=10, smoke=False)
+SMOKE = Plan(batches=(1, 2), contexts=(64,), decode_batches=(2,), decode_context=32, tokens_per_step=(1, 4),
+             diffulex_batches=(1, 2), diffulex_prompt=16, diffulex_new_tokens=32, reps=1, smoke=True)
+SMOKE_SHAPE = dict(model_name="llada", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
+                   intermediate_size=128, vocab_size=300, max_position_embeddings=4096)
+
+
+@dataclass
+class Ceilings:
+    bandwidth: float  # bytes/s, read + written
+    matmul_rate: float  # flop/s, bf16
+
+
+class Report:
+    """Rows to the CSV as they come (a run cut short keeps what it measured), and a line each to stdout."""
+
+    def __init__(self, out: pathlib.Path):
+        self.out = out
+        self.rows: list[dict] = []
+        out.mkdir(parents=True, exist_ok=True)
+        with open(out / "forward.csv", "w", newline="") as f:
+            csv.DictWriter(f, FIELDS).writeheader()
+
+    def add(self, **row) -> None:
+        row = {k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()}
+        self.rows.append(row)
+        with open(self.out / "forward.csv", "a", newline="") as f:
+            csv.DictWriter(f, FIELDS).writerow(row)
+        print(" | ".join(f"{k}={v}" for k, v in row.items() if v not in ("", None)), flush=True)
+
+
+# ---- timing ------------------------------------------------------------------------------------------------
+
+def synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_ms(fn, device: torch.device, reps: int, warmup: int = 2) -> float:
+    """Median time of fn on the device's stream (CUDA events), host gaps between its launches included."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            times.append(wall_ms(fn, device))
+    return statistics.median(times)
+
+
+def wall_ms(fn, device: torch.device) -> float:
+    synchronize(device)
+    start = time.perf_counter()
+    fn()
+    synchronize(device)
+    return 1e3 * (time.perf_counter() - start)
+
+
+def measure_ceilings(device: torch.device, plan: Plan) -> Ceilings:
+    n = 1 << (16 if plan.smoke else 30)  # 2 GiB of bf16
+    src = torch.randn(n, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    copy_ms = device_ms(lambda: dst.copy_(src), device, reps=max(plan.reps, 3) * 2)
+    m = 256 if plan.smoke else 8192
+    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    matmul_ms = device_ms(lambda: a @ b, device, reps=max(plan.reps, 3) * 2)
+    return Ceilings(bandwidth=2 * 2 * n / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
+
+
+# ---- the engine around a random-weight model ---------------------------------------------------------------
+
+class RandomWeightEngine(DiffulexEngine):
+    """The engine over a model built in memory (random weights at a released shape); `model_dir` holds only its
+    config.json and tokenizer."""
+
+    def __init__(self, model, model_dir: str, **kwargs):
+        self.prebuilt = model
+        super().__init__(model_dir, **kwargs)
+
+    def _load_model(self, attention_fn):
+        for layer in self.prebuilt.layers:
+            layer.attn.attention_fn = attention_fn
+        return self.prebuilt
+
+
+def write_model_dir(shape: dict, directory: pathlib.Path) -> str:
+    """config.json and the byte tokenizer for a random model of this shape; no weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    config = random_config(**shape)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    write_byte_tokenizer(directory, shape["max_position_embeddings"])
+    return str(directory)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def page_bytes(model) -> int:
+    arch = model.arch
+    return 2 * arch.num_layers * PAGE_SIZE * arch.num_kv_heads * arch.head_dim * model.embed_tokens.weight.element_size()
+
+
+def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float) -> int:
+    """`wanted` pages, or as many as fit in free memory less `reserve_bytes`."""
+    if device.type != "cuda":
+        return wanted
+    free, _ = torch.cuda.mem_get_info(device)
+    return max(1, min(wanted, int((free - reserve_bytes) // page_bytes(model))))
+
+
+def make_engine(model, model_dir: str, device: torch.device, plan: Plan, **kwargs) -> RandomWeightEngine:
+    settings = dict(block_size=BLOCK, page_size=PAGE_SIZE, enable_prefix_caching=False, device=str(device),
+                    dtype="float32" if device.type == "cpu" else "bfloat16")
+    settings.update(kwargs)
+    return RandomWeightEngine(model, model_dir, **settings)
+
+
+def random_prompt(length: int, vocab: int, generator: torch.Generator) -> list[int]:
+    return torch.randint(0, min(vocab, 256), (length,), generator=generator).tolist()  # byte tokens
+
+
+def cached_context_plans(engine, batch: int, context: int, generator: torch.Generator) -> list[SeqPlan]:
+    """`batch` requests whose `context` prompt tokens are already in the cache, each feeding one block.
+
+    When the pool is smaller than batch x context, page tables wrap around it: the attention still reads
+    every cached token from HBM, since a layer's share of the pool is far larger than the L2 cache."""
+    config, arch = engine.config, engine.model.arch
+    pages_per_request = -(-(context + BLOCK) // PAGE_SIZE)
+    pool = engine.kv_cache.num_pages
+    plans = []
+    for i in range(batch):
+        req = engine.req_cls(f"bench-{i}", random_prompt(context, arch.vocab_size, generator),
+                             SamplingParams(max_tokens=BLOCK, ignore_eos=True), config, config.mask_token_id, i,
+                             arch.shifted)
+        req.num_cached = context
+        req.page_table = [(i * pages_per_request + p) % pool for p in range(pages_per_request)]
+        if arch.shifted:  # the hidden state of the last prompt token predicts the block's first token
+            req.carry_hidden = torch.randn(arch.hidden_size, generator=generator).to(engine.device, engine.dtype)
+        plans.append(req.plan(config.max_num_batched_tokens))
+    return plans
+
+
+def fill_cache(engine, seed: int) -> None:
+    """Random K/V in the pool, the same for the same seed: never time or compare on zeros."""
+    cache = engine.runner.kv_cache
+    generator = torch.Generator(cache.device).manual_seed(seed)
+    for slab in cache.flatten(0, 1):  # a layer's K or V at a time: no float32 copy of the whole pool
+        slab.normal_(generator=generator)
+
+
+def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, vocab]
+    runner = engine.runner
+    batch = build_forward_batch(plans, PAGE_SIZE)
+    rows, carry = runner.logit_rows(plans)
+    with torch.inference_mode():
+        hidden = runner.forward(batch)
+        if carry:
+            hidden = torch.cat([hidden, torch.stack(carry)])
+        return engine.model.compute_logits(hidden[rows.to(engine.device)])
+
+
+# ---- sections ------------------------------------------------------------------------------------------------
+
+def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int) -> dict:
+    arch = model.arch
+    itemsize = model.embed_tokens.weight.element_size()
+    weight_bytes = arch.num_params() * itemsize
+    kv_bytes = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
+    return dict(weight_floor_ms=1e3 * weight_bytes / ceilings.bandwidth,
+                compute_floor_ms=1e3 * 2 * arch.num_params() * tokens / ceilings.matmul_rate,
+                memory_floor_ms=1e3 * (weight_bytes + kv_bytes) / ceilings.bandwidth)
+
+
+def plain_inputs(model, batch: int, context: int, generator: torch.Generator, device: torch.device):
+    arch = model.arch
+    block = torch.randint(0, min(arch.vocab_size, 256), (batch, BLOCK), generator=generator).to(device)
+    positions = torch.arange(context, context + BLOCK, device=device)
+    past = [torch.randn(batch, arch.num_kv_heads, context, arch.head_dim, device=device).to(model.embed_tokens.weight.dtype)
+            for _ in range(2)]
+    return block, positions, past
+
+
+def plain_graph_ms(fn, device: torch.device, reps: int) -> float:
+    """plain PyTorch's forward captured in one CUDA graph: the ceiling of a hand-written loop without kernels."""
+    if device.type != "cuda":
+        return math.nan
+    fn()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return device_ms(graph.replay, device, reps)
+
+
+def forward_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    generator = torch.Generator().manual_seed(0)
+    largest = max(plan.batches) * -(-(max(plan.contexts) + BLOCK) // PAGE_SIZE)
+    # Leave room for plain PyTorch's largest case: its cache, the concatenated copy and the logits.
+    pages = pool_pages(model, device, largest, reserve_bytes=12e9)
+    engine = make_engine(model, model_dir, device, plan, max_model_len=max(plan.contexts) + 2 * BLOCK,
+                         max_num_reqs=max(plan.batches), max_num_batched_tokens=max(4096, max(plan.batches) * BLOCK),
+                         num_kv_pages=pages)
+    fill_cache(engine, seed=1)
+    plain = PlainDecoder(model)
+    for context in plan.contexts:
+        for batch in plan.batches:
+            tokens = batch * BLOCK
+            plans = cached_context_plans(engine, batch, context, generator)
+            forward_ms = device_ms(lambda: engine_logits(engine, plans), device, plan.reps)
+            sched = SchedulerOutput(plans=plans)
+            step_ms = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device)
+                                        for _ in range(plan.reps + 1))
+            block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
+
+            def plain_forward():
+                return plain.forward(block, positions, past_k, past_v)
+
+            with torch.inference_mode():
+                plain_ms = device_ms(plain_forward, device, max(1, plan.reps // 2))
+                graph_ms = plain_graph_ms(plain_forward, device, plan.reps)
+            del block, past_k, past_v
+            free_memory(device)
+            f = floors(model, ceilings, batch, context, tokens)
+            report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
+                       tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, plain_ms=plain_ms,
+                       plain_graph_ms=graph_ms, **f, engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
+                       engine_vs_compute_floor=forward_ms / f["compute_floor_ms"], engine_vs_plain=forward_ms / plain_ms,
+                       note=f"pool {pages} pages" + (" (page tables wrap)" if pages < batch * -(-(context + BLOCK) // PAGE_SIZE) else ""))
+    del engine
+    free_memory(device)
+
+
+def decode_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """Steady decode with exactly k tokens accepted per block per forward (top-k schedule, steps = 32 / k)."""
+    generator = torch.Generator().manual_seed(1)
+    plain = PlainDecoder(model)
+    context = plan.decode_context
+    for batch in plan.decode_batches:
+        max_tokens = BLOCK * (4 if plan.smoke else 5)
+        pages = batch * -(-(context + max_tokens) // PAGE_SIZE)
+        # Every prompt prefills in the first forward, so the requests decode in step: each commit is one step.
+        engine = make_engine(model, model_dir, device, plan, sampling_mode="topk", max_model_len=context + max_tokens,
+                             max_num_reqs=batch, max_num_batched_tokens=batch * (context + BLOCK), num_kv_pages=pages)
+        block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
+        with torch.inference_mode():
+            plain_step_ms = device_ms(lambda: plain.decode_step(block, positions, past_k, past_v,
+                                                                engine.config.mask_token_id, 1), device,
+                                      max(1, plan.reps // 2))
+        del block, past_k, past_v
+        for k in plan.tokens_per_step:
+            params = SamplingParams(max_tokens=max_tokens, steps=BLOCK // k, ignore_eos=True)
+            requests = [engine.requests[engine.add_request(random_prompt(context, model.arch.vocab_size, generator), params)]
+                        for _ in range(batch)]
+            engine.step()  # prefill of every prompt, and the first step of the first block
+            # Warm up over one whole block and its commit, so each bucket's graph is captured before timing.
+            warm, timed = (1, 1) if plan.smoke else (BLOCK // k + 2, 2 * (BLOCK // k))
+            for _ in range(warm):
+                engine.step()
+            decoded_before = sum(int((r.tokens[r.gen_start:] != engine.config.mask_token_id).sum()) for r in requests)
+            synchronize(device)
+            start = time.perf_counter()
+            for _ in range(timed):
+                engine.step()
+            elapsed = time.perf_counter() - start
+            decoded = sum(int((r.tokens[r.gen_start:] != engine.config.mask_token_id).sum()) for r in requests)
+            step_ms = 1e3 * elapsed / timed
+            for r in requests:
+                engine.abort(r.request_id)
+            report.add(section="decode_fixed_k", model=name, case=f"b{batch}_ctx{context}_k{k}", batch=batch,
+                       context=context, k=k, engine_step_ms=step_ms, plain_ms=plain_step_ms,
+                       engine_tokens_per_s=(decoded - decoded_before) / elapsed,
+                       plain_tokens_per_s=batch * k / (plain_step_ms * 1e-3), engine_vs_plain=step_ms / plain_step_ms,
+                       note=f"{timed} steps timed after {warm + 1}; plain: forward + confidence + top-k per step, "
+                            "no commit pass")
+        del engine
+        free_memory(device)
+
+
+def diffulex_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """The settings Diffulex was measured at; each generation runs twice and the second is timed, so every
+    bucket's graph was captured by the first."""
+    generator = torch.Generator().manual_seed(2)
+    prompt, new = plan.diffulex_prompt, plan.diffulex_new_tokens
+    for strategy, buffer_size in (("multi_bd", 1), ("d2f", 4)):
+        for batch in plan.diffulex_batches:
+            engine = make_engine(model, model_dir, device, plan, decoding_strategy=strategy, buffer_size=buffer_size,
+                                 max_model_len=prompt + new, max_num_reqs=batch,
+                                 max_num_batched_tokens=max(4096, batch * BLOCK * (buffer_size + 1)),
+                                 num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
+            prompts = [random_prompt(prompt, model.arch.vocab_size, generator) for _ in range(batch)]
+            params = SamplingParams(max_tokens=new, ignore_eos=True)
+            for _ in range(2):  # the second generation is the one timed
+                for p in prompts:
+                    engine.add_request(p, params)
+                step_times, fed = [], []
+                while engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    engine.step()
+                    step_times.append(1e3 * (time.perf_counter() - start))
+                    if not engine.last_schedule.plans:
+                        raise RuntimeError("no request could be scheduled: the KV pool or token budget is too small")
+                    fed.append(engine.last_schedule.num_tokens)
+            decode = step_times[1:]  # the first step prefills every prompt
+            ms = statistics.mean(decode)
+            reference = DIFFULEX_MS_PER_STEP.get((strategy, buffer_size, batch)) if name == "llada-8b" else None
+            report.add(section="diffulex", model=name, case=f"{strategy}_buffer{buffer_size}_b{batch}", batch=batch,
+                       context=prompt, engine_step_ms=ms, tokens=round(statistics.mean(fed[1:])),
+                       engine_tokens_per_s=batch * new / (sum(step_times) * 1e-3),
+                       reference_ms=reference if reference else "",
+                       speedup_vs_reference=reference / ms if reference else "",
+                       note=f"{len(step_times)} steps; ms/step over decode steps; "
+                            f"with the prefill step {statistics.mean(step_times):.2f} ms/step; "
+                            f"{batch * new / len(step_times):.2f} tokens decoded per step")
+            del engine
+            free_memory(device)
+
+
+def check_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """Kernels and graphs against the torch path on the same weights: the logits of one forward over a random
+    cache, and greedy generation end to end."""
+    generator = torch.Generator().manual_seed(3)
+    batch, context, new_tokens = (2, 64, BLOCK) if plan.smoke else (4, 512, 4 * BLOCK)
+    pages = batch * -(-(context + 2 * BLOCK) // PAGE_SIZE)
+    prompts = [random_prompt(context // 4, model.arch.vocab_size, generator) for _ in range(batch)]
+    params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
+    logits, outputs, nfe = {}, {}, {}
+    for backend, eager in (("auto", False), ("torch", True)):
+        engine = make_engine(model, model_dir, device, plan, attention_backend=backend, enforce_eager=eager,
+                             max_model_len=context + 2 * BLOCK, max_num_reqs=batch, num_kv_pages=pages)
+        fill_cache(engine, seed=4)
+        logits[backend] = engine_logits(engine, cached_context_plans(engine, batch, context,
+                                                                    torch.Generator().manual_seed(5))).float()
+        outs = engine.generate(prompts, params)
+        outputs[backend], nfe[backend] = [o.token_ids for o in outs], sum(o.nfe for o in outs)
+        del engine
+        free_memory(device)
+    kernel, torch_path = logits["auto"], logits["torch"]
+    rel = float((kernel - torch_path).norm() / torch_path.norm())
+    argmax = float((kernel.argmax(-1) == torch_path.argmax(-1)).float().mean())
+    same = sum(a == b for a, b in zip(outputs["auto"], outputs["torch"]))
+    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                  for a, b in zip(outputs["auto"], outputs["torch"])]
+    report.add(section="check", model=name, case="kernels+graphs vs torch path", batch=batch, context=context,
+               note=f"logits rel err {rel:.2e}; argmax agrees on {100 * argmax:.1f}% of rows; greedy outputs "
+                    f"identical for {same}/{batch} requests (first differing position per request: {first_diff}); "
+                    f"forwards {nfe['auto']} vs {nfe['torch']}")
+
+
+def memory_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """KV pool sizing from gpu_memory_utilization after a profiling forward."""
+    if device.type != "cuda":
+        return
+    utilization = 0.6
+    engine = make_engine(model, model_dir, device, plan, gpu_memory_utilization=utilization, max_model_len=2048)
+    pages = engine.kv_cache.num_pages
+    generator = torch.Generator().manual_seed(6)
+    engine.generate([random_prompt(512, model.arch.vocab_size, generator) for _ in range(8)],
+                    SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True))
+    free, total = torch.cuda.mem_get_info(device)
+    report.add(section="memory", model=name, case=f"gpu_memory_utilization={utilization}",
+               note=f"{pages} KV pages ({pages * page_bytes(model) / 1e9:.1f} GB); after generating, the device "
+                    f"holds {(total - free) / 1e9:.1f} GB in use of the {utilization * total / 1e9:.1f} GB allowed")
+    del engine
+    free_memory(device)
+
+
+# In the order they run: the main table first, then the end-to-end runs, the checks, the pool sizing.
+SECTIONS = {"forward": forward_section, "decode": decode_section, "diffulex": diffulex_section,
+            "check": check_section, "memory": memory_section}
+
+
+# ---- output ----------------------------------------------------------------------------------------------------
+
+def write_markdown(report: Report, ceilings: Ceilings, command: str) -> None:
+    lines = [f"`{command}`", "",
+             f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
+             f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s", ""]
+    for section in ("forward", "decode_fixed_k", "diffulex", "check", "memory"):
+        rows = [r for r in report.rows if r["section"] == section]
+        if not rows:
+            continue
+        columns = [c for c in FIELDS if c != "section" and any(r.get(c) not in (None, "") for r in rows)]
+        lines += [f"### {section}", "", "| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+        lines += ["| " + " | ".join(str(r.get(c, "")) for c in columns) + " |" for r in rows]
+        lines.append("")
+    (report.out / "forward.md").write_text("\n".join(lines))
+
+
+def plot(report: Report, name: str) -> None:
+    try:
+        import matplotlib
+    except ImportError:
+        print("matplotlib is not installed: no plot", flush=True)
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in report.rows if r["section"] == "forward" and r["model"] == name]
+    if not rows:
+        return
+    contexts = sorted({int(r["context"]) for r in rows})
+    fig, axes = plt.subplots(1, len(contexts), figsize=(6 * len(contexts), 4.5), squeeze=False)
+    for ax, context in zip(axes[0], contexts):
+        sub = sorted((r for r in rows if int(r["context"]) == context), key=lambda r: int(r["batch"]))
+        batches = [int(r["batch"]) for r in sub]
+        for key, label, style in (("engine_ms", "engine forward (graphs, kernels)", "o-"),
+                                  ("plain_ms", "plain PyTorch, eager", "s--"),
+                                  ("plain_graph_ms", "plain PyTorch, one CUDA graph", "^--"),
+                                  ("weight_floor_ms", "weight-streaming floor", "k:"),
+                                  ("compute_floor_ms", "compute floor", "k-."),
+                                  ("memory_floor_ms", "weights + KV over bandwidth", "c:")):
+            values = [float(r[key]) if r.get(key) not in ("", None) else math.nan for r in sub]
+            ax.plot(batches, values, style, label=label)
+        ax.set(xscale="log", yscale="log", xlabel="batch (32-token block each)", ylabel="ms per forward",
+               title=f"{name}, context {context}")
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(report.out / f"forward_{name}.png", dpi=120)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, one iteration of each case")
+    args = parser.parse_args(argv)
+    command = "python benchmarks/forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = SMOKE if args.smoke else FULL
+    if args.smoke:
+        torch.set_num_threads(1)  # tiny shapes: more CPU threads only add synchronization
+    report = Report(args.out)
+    ceilings = measure_ceilings(device, plan)
+    report.add(section="ceiling", case="hbm_copy", note=f"{ceilings.bandwidth / 1e12:.3g} TB/s read + write")
+    report.add(section="ceiling", case="bf16_matmul", note=f"{ceilings.matmul_rate / 1e12:.3g} TFLOP/s")
+    models = {"smoke": SMOKE_SHAPE} if args.smoke else {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
+    failures = 0
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, shape in models.items():
+            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+            model = random_model(**shape, dtype=dtype, device=device, seed=0)
+            model_dir = write_model_dir(shape, pathlib.Path(tmp) / name)
+            for section in args.sections.split(","):
+                start = time.perf_counter()
+                try:
+                    SECTIONS[section](report, name, model, model_dir, device, plan, ceilings)
+                except Exception:  # one broken section must not cost the device time of the others
+                    failures += 1
+                    traceback.print_exc()
+                    free_memory(device)
+                print(f"{name} {section}: {time.perf_counter() - start:.0f} s", flush=True)
+            plot(report, name)
+            del model
+            free_memory(device)
+    write_markdown(report, ceilings, command)
+    print(f"wrote {args.out / 'forward.csv'} and {args.out / 'forward.md'}", flush=True)
+    if failures:
+        sys.exit(f"{failures} section(s) failed")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,34 @@
+"""The forward benchmark's CPU smoke mode runs every section end to end, so the script cannot rot between
+GPU runs."""
+import csv
+import os
+import pathlib
+import subprocess
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def test_smoke_run_writes_every_section(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run([sys.executable, str(REPO / "benchmarks" / "forward.py"), "--smoke", "--out", str(tmp_path)],
+                   check=True, env=env, capture_output=True, text=True, timeout=600)
+    rows = list(csv.DictReader(open(tmp_path / "forward.csv")))
+    by_section = {}
+    for row in rows:
+        by_section.setdefault(row["section"], []).append(row)
+    assert sorted(r["case"] for r in by_section["forward"]) == ["b1_ctx64", "b2_ctx64"]
+    for row in by_section["forward"]:
+        for key in ("engine_ms", "engine_step_ms", "plain_ms", "weight_floor_ms", "compute_floor_ms"):
+            assert float(row[key]) > 0
+        assert abs(float(row["engine_vs_weight_floor"]) * float(row["weight_floor_ms"]) / float(row["engine_ms"]) - 1) < 1e-3
+    assert [r["k"] for r in by_section["decode_fixed_k"]] == ["1", "4"]
+    # Exactly k tokens per request per step: tokens/s over the step time gives k * batch back.
+    for row in by_section["decode_fixed_k"]:
+        per_step = float(row["engine_tokens_per_s"]) * float(row["engine_step_ms"]) * 1e-3
+        assert abs(per_step - int(row["k"]) * int(row["batch"])) < 0.05 * per_step
+    assert sorted(r["case"] for r in by_section["diffulex"]) == [
+        "d2f_buffer4_b1", "d2f_buffer4_b2", "multi_bd_buffer1_b1", "multi_bd_buffer1_b2"]
+    # On the CPU both sides of the check are the torch path, so they must agree exactly.
+    assert "greedy outputs identical for 2/2 requests" in by_section["check"][0]["note"]
+    assert (tmp_path / "forward.md").read_text().count("### ") == 4
