@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import csv
 import gc
+import importlib.util
 import json
 import math
 import pathlib
@@ -38,13 +39,22 @@ from dataclasses import dataclass
 
 import torch
 
-from diffulex_backend import SamplingParams
-from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer
-from diffulex_backend.engine import DiffulexEngine
-from diffulex_backend.forward_batch import build_forward_batch
-from diffulex_backend.request import SeqPlan
-from diffulex_backend.scheduler import SchedulerOutput
-from plain_pytorch import PlainDecoder
+if importlib.util.find_spec("diffulex_kernels") is None:
+    # Run from a checkout that is not pip-installed: map the import name onto the source folder, as
+    # pyproject's package-dir does.
+    _kernels = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    _spec = importlib.util.spec_from_file_location("diffulex_kernels", _kernels / "__init__.py",
+                                                   submodule_search_locations=[str(_kernels)])
+    sys.modules["diffulex_kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["diffulex_kernels"])
+
+from diffulex_backend import SamplingParams  # noqa: E402
+from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
+from diffulex_backend.engine import DiffulexEngine  # noqa: E402
+from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
+from diffulex_backend.request import SeqPlan  # noqa: E402
+from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
+from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
 PAGE_SIZE = 32
@@ -259,8 +269,8 @@ def plain_inputs(model, batch: int, context: int, generator: torch.Generator, de
     arch = model.arch
     block = torch.randint(0, min(arch.vocab_size, 256), (batch, BLOCK), generator=generator).to(device)
     positions = torch.arange(context, context + BLOCK, device=device)
-    past = [torch.randn(batch, arch.num_kv_heads, context, arch.head_dim, device=device).to(model.embed_tokens.weight.dtype)
-            for _ in range(2)]
+    past = [torch.randn(batch, arch.num_kv_heads, context, arch.head_dim, device=device,
+                        dtype=model.embed_tokens.weight.dtype) for _ in range(2)]
     return block, positions, past
 
 
@@ -279,7 +289,7 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
     generator = torch.Generator().manual_seed(0)
     largest = max(plan.batches) * -(-(max(plan.contexts) + BLOCK) // PAGE_SIZE)
     # Leave room for plain PyTorch's largest case: its cache, the concatenated copy and the logits.
-    pages = pool_pages(model, device, largest, reserve_bytes=12e9)
+    pages = pool_pages(model, device, largest, reserve_bytes=16e9)
     engine = make_engine(model, model_dir, device, plan, max_model_len=max(plan.contexts) + 2 * BLOCK,
                          max_num_reqs=max(plan.batches), max_num_batched_tokens=max(4096, max(plan.batches) * BLOCK),
                          num_kv_pages=pages)

@@ -68,4 +68,4 @@ def _self_attention(
     else:
         q, k = rotate_in_place(attn.q_norm(q), cos, sin), rotate_in_place(attn.k_norm(k), cos, sin)
     out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale)  # [T, heads, head_dim]
-    return attn.o_proj(out.view(tokens, q_size))
+    return attn.o_proj(out.reshape(tokens, q_size))
