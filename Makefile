@@ -78,3 +78,9 @@ BENCH_ARGS ?=
 .PHONY: bench
 bench:
 	PYTHONPATH=. $(PYTHON) benchmarks/forward.py $(BENCH_ARGS)
+
+# The demo models' decoding quality table and plot (docs/quality.md, docs/quality.png), measured on CPU.
+.PHONY: quality
+quality: $(STAMPS)/project
+	$(BIN)/python -m pip install -q matplotlib
+	$(BIN)/python benchmarks/quality.py

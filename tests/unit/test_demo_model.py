@@ -43,9 +43,9 @@ def one_thread():
 
 
 @pytest.mark.parametrize("checkpoint, strategy, floor", [
-    (DEMO_LLADA, "fast_dllm", 0.90),
-    (DEMO_LLADA, "multi_bd", 0.90),
-    (DEMO_SDAR, "multi_bd", 0.90),
+    (DEMO_LLADA, "fast_dllm", 0.96),
+    (DEMO_LLADA, "multi_bd", 0.96),
+    (DEMO_SDAR, "multi_bd", 0.96),
 ], ids=["llada-fast_dllm", "llada-multi_bd", "sdar-multi_bd"])
 def test_demo_model_answers_held_out_additions_with_several_tokens_per_forward(one_thread, checkpoint, strategy, floor):
     problems = held_out_problems(NUM_PROBLEMS, TEST_SEED)
