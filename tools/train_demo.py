@@ -182,7 +182,7 @@ def train(args: argparse.Namespace) -> None:
             with torch.no_grad(), autocast:
                 exact = {}
                 for k, objective in enumerate(recipe.objectives):
-                    _, eval_batch = make_batch(recipe, k, 1024, eval_generator, device, all_masked=True)
+                    _, eval_batch = make_batch(recipe, k, args.eval_batch_size, eval_generator, device, all_masked=True)
                     exact[objective.value] = round(float(loss_and_exact_match(model, attention, eval_batch)[1]), 4)
             history.append({"step": step + 1, "loss": round(loss.item(), 4), "one_forward_exact_match": exact,
                             "seconds": round(time.monotonic() - start, 1)})
@@ -208,6 +208,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     parser.add_argument("--log-every", type=int, default=250)
+    parser.add_argument("--eval-batch-size", type=int, default=1024, help="problems of the exact-match log")
     train(parser.parse_args(argv))
 
 

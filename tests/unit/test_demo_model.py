@@ -19,7 +19,7 @@ from demo_task import (  # noqa: E402
     GEN_LENGTH, PROMPT_WIDTH, TEST_SEED, encode_answers, encode_prompts, held_out_problems, is_held_out,
     sample_training_pairs,
 )
-from train_demo import RECIPES, MaskedAttention, build_model  # noqa: E402
+from train_demo import RECIPES, MaskedAttention, build_model, main as train_demo  # noqa: E402
 
 from diffulex_backend import Diffulex, FinishReason, SamplingParams  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
@@ -140,3 +140,18 @@ def test_training_batches_compute_what_the_engine_computes_when_it_serves(model_
                 block_ids = list(range(n)) + [n + i // BLOCK_SIZE * BLOCK_SIZE for i in range((k + 1) * BLOCK_SIZE)]
                 expected = engine_logits(served, tokens, block_ids)[n + k * BLOCK_SIZE:]
                 torch.testing.assert_close(trained["block"][row, span], expected)
+
+
+@pytest.mark.parametrize("model_name", ["llada", "sdar"])
+def test_training_script_writes_a_checkpoint_the_engine_loads(one_thread, tmp_path, model_name):
+    import json
+
+    out = tmp_path / model_name
+    train_demo([model_name, str(out), "--steps", "2", "--batch-size", "4", "--log-every", "1",
+                "--eval-batch-size", "4", "--device", "cpu"])
+    engine = Diffulex(str(out), decoding_strategy="multi_bd", block_size=BLOCK_SIZE, max_model_len=64,
+                      max_num_reqs=1, device="cpu")
+    assert engine.config.model_name == model_name
+    assert engine.model.arch.num_layers == RECIPES[model_name].num_layers
+    assert engine.model.arch.block_size == RECIPES[model_name].config_block_size
+    assert [h["step"] for h in json.loads((out / "training.json").read_text())["history"]] == [1, 2]
