@@ -105,7 +105,7 @@ def build_model(recipe: Recipe, attention: MaskedAttention, device: torch.device
 
 
 def make_batch(recipe: Recipe, step: int, batch_size: int, generator: torch.Generator, device,
-               all_masked: bool = False) -> tuple[Objective, TrainingBatch]:
+               all_masked: bool = False) -> TrainingBatch:
     objective = recipe.objectives[step % len(recipe.objectives)]
     lengths = recipe.full_gen_lengths if objective == Objective.FULL else recipe.block_gen_lengths
     gen_length = lengths[int(torch.randint(len(lengths), (1,), generator=generator, device=device))]
@@ -114,7 +114,7 @@ def make_batch(recipe: Recipe, step: int, batch_size: int, generator: torch.Gene
     prompt, prompt_len = encode_prompts(a, b)
     answer = encode_answers(a, b, gen_length)
     build = full_batch if objective == Objective.FULL else block_batch
-    return objective, build(prompt, prompt_len, answer, MASK_TOKEN_ID, generator, block_size, all_masked)
+    return build(prompt, prompt_len, answer, MASK_TOKEN_ID, generator, block_size, all_masked)
 
 
 def loss_and_exact_match(model: DecoderLM, attention: MaskedAttention, batch: TrainingBatch):
@@ -170,7 +170,7 @@ def train(args: argparse.Namespace) -> None:
     for step in range(args.steps):
         for group in optimizer.param_groups:
             group["lr"] = lr_at(step, args.steps, args.lr, args.warmup)
-        _, batch = make_batch(recipe, step, args.batch_size, generator, device)
+        batch = make_batch(recipe, step, args.batch_size, generator, device)
         with autocast:
             loss, _ = loss_and_exact_match(model, attention, batch)
         optimizer.zero_grad(set_to_none=True)
@@ -182,7 +182,7 @@ def train(args: argparse.Namespace) -> None:
             with torch.no_grad(), autocast:
                 exact = {}
                 for k, objective in enumerate(recipe.objectives):
-                    _, eval_batch = make_batch(recipe, k, args.eval_batch_size, eval_generator, device, all_masked=True)
+                    eval_batch = make_batch(recipe, k, args.eval_batch_size, eval_generator, device, all_masked=True)
                     exact[objective.value] = round(float(loss_and_exact_match(model, attention, eval_batch)[1]), 4)
             history.append({"step": step + 1, "loss": round(loss.item(), 4), "one_forward_exact_match": exact,
                             "seconds": round(time.monotonic() - start, 1)})
