@@ -9,7 +9,7 @@ all of them submitted at once to `engine.generate`, and reports:
   wall             seconds to decode the whole set, engine construction excluded
 
     python benchmarks/quality.py                       # 500 problems, every setting; updates docs/quality.md
-    python benchmarks/quality.py --num-problems 100 --no-doc --out /tmp/q
+    python benchmarks/quality.py --num-problems 100 --no-doc --out results
 
 The table goes between the markers in docs/quality.md (unless --no-doc), the plot of accuracy against
 tokens per forward to OUT/quality.png, and the raw numbers to OUT/quality.json.
