@@ -24,6 +24,7 @@ It writes forward.csv, forward.md and a plot per model (time versus batch agains
 from __future__ import annotations
 
 import argparse
+import copy
 import csv
 import gc
 import importlib.util
@@ -50,6 +51,7 @@ if importlib.util.find_spec("diffulex_kernels") is None:
 
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
+from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
 from diffulex_backend.request import SeqPlan  # noqa: E402
@@ -235,11 +237,12 @@ def cached_context_plans(engine, batch: int, context: int, generator: torch.Gene
 
 
 def fill_cache(engine, seed: int) -> None:
-    """Random K/V in the pool, the same for the same seed: never time or compare on zeros."""
+    """Random K/V in the pool, the same values for the same seed whatever the pool's dtype (drawn in bf16):
+    never time or compare on zeros."""
     cache = engine.runner.kv_cache
     generator = torch.Generator(cache.device).manual_seed(seed)
     for slab in cache.flatten(0, 1):  # a layer's K or V at a time: no float32 copy of the whole pool
-        slab.normal_(generator=generator)
+        slab.copy_(torch.randn(slab.shape, generator=generator, device=cache.device, dtype=torch.bfloat16))
 
 
 def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, vocab]
@@ -409,34 +412,119 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
 
 
 def check_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
-    """Kernels and graphs against the torch path on the same weights: the logits of one forward over a random
-    cache, and greedy generation end to end."""
+    """Kernels and graphs against the torch path on the same weights.
+
+    A random model 32 layers deep amplifies rounding: the torch path in bf16 already departs from the same
+    path in float32 (the weights cast up exactly). So each path is measured against the float32 torch path,
+    on the logits of one forward over a random cache and on greedy generation; and the graph replay against
+    the same padded forward run eagerly, which must match it bit for bit."""
     generator = torch.Generator().manual_seed(3)
-    batch, context, new_tokens = (2, 64, BLOCK) if plan.smoke else (4, 512, 4 * BLOCK)
+    batch, context, new_tokens = (2, 64, BLOCK) if plan.smoke else (4, 512, 2 * BLOCK)
     pages = batch * -(-(context + 2 * BLOCK) // PAGE_SIZE)
     prompts = [random_prompt(context // 4, model.arch.vocab_size, generator) for _ in range(batch)]
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
-    logits, outputs, nfe = {}, {}, {}
-    for backend, eager in (("auto", False), ("torch", True)):
-        engine = make_engine(model, model_dir, device, plan, attention_backend=backend, enforce_eager=eager,
-                             max_model_len=context + 2 * BLOCK, max_num_reqs=batch, num_kv_pages=pages)
+    dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
+    reference_model = copy.deepcopy(model).to(torch.float32)
+    paths = [(f"kernels + graphs, {dtype}", model, dict(attention_backend="auto")),
+             (f"torch path, {dtype}", model, dict(attention_backend="torch", enforce_eager=True)),
+             ("torch path, float32", reference_model, dict(attention_backend="torch", enforce_eager=True,
+                                                           dtype="float32"))]
+    logits, outputs, graph_note = {}, {}, ""
+    for label, path_model, settings in paths:
+        engine = make_engine(path_model, model_dir, device, plan, max_model_len=context + 2 * BLOCK,
+                             max_num_reqs=batch, num_kv_pages=pages, **settings)
         fill_cache(engine, seed=4)
-        logits[backend] = engine_logits(engine, cached_context_plans(engine, batch, context,
-                                                                    torch.Generator().manual_seed(5))).float()
-        outs = engine.generate(prompts, params)
-        outputs[backend], nfe[backend] = [o.token_ids for o in outs], sum(o.nfe for o in outs)
+        plans = cached_context_plans(engine, batch, context, torch.Generator().manual_seed(5))
+        logits[label] = engine_logits(engine, plans).float()
+        forward = engine.runner.padded_forward
+        if forward is not None:
+            batch_inputs = build_forward_batch(plans, PAGE_SIZE)
+            bucket = forward.bucket_for(batch_inputs)
+            with torch.inference_mode():
+                replayed = forward.run(bucket, batch_inputs).clone()
+                eager = PaddedForward(path_model, engine.runner.kv_cache, engine.config, device).run(bucket, batch_inputs)
+            graph_note = (f"graph replay vs the same padded forward run eagerly: max |diff| "
+                          f"{float((replayed - eager).abs().max()):.3g}; ")
+        outputs[label] = [o.token_ids for o in engine.generate(prompts, params)]
         del engine
         free_memory(device)
-    kernel, torch_path = logits["auto"], logits["torch"]
-    rel = float((kernel - torch_path).norm() / torch_path.norm())
-    argmax = float((kernel.argmax(-1) == torch_path.argmax(-1)).float().mean())
-    same = sum(a == b for a, b in zip(outputs["auto"], outputs["torch"]))
-    first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
-                  for a, b in zip(outputs["auto"], outputs["torch"])]
+    del reference_model
+    free_memory(device)
+    reference = logits["torch path, float32"]
+    notes = []
+    for label, _, _ in paths[:2]:
+        rel = float((logits[label] - reference).norm() / reference.norm())
+        argmax = float((logits[label].argmax(-1) == reference.argmax(-1)).float().mean())
+        first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+                      for a, b in zip(outputs[label], outputs["torch path, float32"])]
+        notes.append(f"{label}: logits rel err {rel:.2e}, argmax agrees on {100 * argmax:.1f}% of rows, greedy "
+                     f"output equal to the float32 path for {first_diff.count(None)}/{batch} requests "
+                     f"(first differing position per request: {first_diff})")
+    rel = float((logits[paths[0][0]] - logits[paths[1][0]]).norm() / logits[paths[1][0]].norm())
     report.add(section="check", model=name, case="kernels+graphs vs torch path", batch=batch, context=context,
-               note=f"logits rel err {rel:.2e}; argmax agrees on {100 * argmax:.1f}% of rows; greedy outputs "
-                    f"identical for {same}/{batch} requests (first differing position per request: {first_diff}); "
-                    f"forwards {nfe['auto']} vs {nfe['torch']}")
+               note=graph_note + "; ".join(notes) + f"; kernels vs torch path, both {dtype}: logits rel err {rel:.2e}")
+
+
+def profile_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """Where a forward's time goes (one block per request over a 512-token context, batch 1 and 32): the
+    forward's matrix products alone, in one CUDA graph; and the device time of each kind of kernel in the eager
+    forward."""
+    context = plan.contexts[0]
+    batches = (plan.batches[0], plan.batches[-2])
+    engine = make_engine(model, model_dir, device, plan, max_model_len=context + 2 * BLOCK,
+                         max_num_reqs=max(batches), num_kv_pages=max(batches) * -(-(context + BLOCK) // PAGE_SIZE))
+    fill_cache(engine, seed=7)
+    arch, dtype = model.arch, model.embed_tokens.weight.dtype
+    weights = [w for layer in model.layers for w in (layer.attn.qkv_proj.weight, layer.attn.o_proj.weight,
+                                                      layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
+    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    for batch in batches:
+        plans = cached_context_plans(engine, batch, context, torch.Generator().manual_seed(8))
+        forward_ms = device_ms(lambda: engine_logits(engine, plans), device, plan.reps)
+        inputs = {size: torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
+                  for size in (arch.hidden_size, arch.q_size, arch.intermediate_size)}
+
+        def matmuls():
+            for weight in weights:
+                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+
+        with torch.inference_mode():
+            matmul_ms = plain_graph_ms(matmuls, device, plan.reps) if device.type == "cuda" else wall_ms(matmuls, device)
+            input_ids, positions, meta = build_forward_batch(plans, PAGE_SIZE).to_device(device)
+            model(input_ids, positions, meta, engine.runner.kv_cache)  # warm
+            activity = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
+                        else torch.profiler.ProfilerActivity.CPU)
+            with torch.profiler.profile(activities=[activity]) as prof:
+                model.compute_logits(model(input_ids, positions, meta, engine.runner.kv_cache))
+                synchronize(device)
+        kinds = {}
+        for event in prof.key_averages():
+            us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
+            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3
+        kinds.pop("host", None)
+        breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
+        f = floors(model, ceilings, batch, context, batch * BLOCK)
+        floor_ms = max(f["weight_floor_ms"], f["compute_floor_ms"])
+        report.add(section="profile", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
+                   tokens=batch * BLOCK, engine_ms=forward_ms, **f,
+                   engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
+                   engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
+                   note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
+                        f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms by kernel kind: "
+                        f"{breakdown}; sum {sum(kinds.values()):.2f}")
+    del engine
+    free_memory(device)
+
+
+def kernel_kind(name: str) -> str:
+    lowered = name.lower()
+    for kind, marks in (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm")),
+                        ("attention", ("paged_attention", "merge_splits")), ("kv store", ("store_kv",)),
+                        ("rmsnorm", ("rmsnorm",)), ("rope", ("rotary",)), ("silu*up", ("silu",)),
+                        ("copies", ("memcpy", "memset", "copy")), ("host", ("aten::", "cuda", "profiler"))):
+        if any(mark in lowered for mark in marks):
+            return kind
+    return "other"
 
 
 def memory_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
@@ -459,7 +547,7 @@ def memory_section(report: Report, name: str, model, model_dir: str, device, pla
 
 # In the order they run: the main table first, then the end-to-end runs, the checks, the pool sizing.
 SECTIONS = {"forward": forward_section, "decode": decode_section, "diffulex": diffulex_section,
-            "check": check_section, "memory": memory_section}
+            "check": check_section, "profile": profile_section, "memory": memory_section}
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
@@ -468,7 +556,7 @@ def write_markdown(report: Report, ceilings: Ceilings, command: str) -> None:
     lines = [f"`{command}`", "",
              f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
              f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s", ""]
-    for section in ("forward", "decode_fixed_k", "diffulex", "check", "memory"):
+    for section in ("forward", "decode_fixed_k", "diffulex", "check", "profile", "memory"):
         rows = [r for r in report.rows if r["section"] == section]
         if not rows:
             continue
