@@ -22,9 +22,6 @@ COPY client/ client/
 RUN python3 -m pip install --no-cache-dir --no-deps .
 
 COPY model_repository/ model_repository/
-# The tiny random-weight demo checkpoint, unless the build context brought a trained one.
-RUN test -f model_repository/diffulex/demo-llada/config.json \
-    || python3 -m diffulex_backend.checkpoint model_repository/diffulex/demo-llada --model-name llada
 
 EXPOSE 8000 8001 8002
 CMD ["tritonserver", "--model-repository", "/opt/diffulex-triton/model_repository"]

@@ -12,7 +12,6 @@ BIN := $(VENV)/bin
 STAMPS := $(VENV)/.stamps
 RUNTIME := .runtime
 MODEL_REPOSITORY := model_repository
-DEMO_MODEL := $(MODEL_REPOSITORY)/diffulex/demo-llada
 PYTEST_ARGS ?=
 
 # torch==2.13.0 resolves to the CPU build kept on local disk; a bare `torch` would pull a CUDA build.
@@ -24,7 +23,7 @@ APT_PACKAGES := libb64-0d
 
 .PHONY: setup test-setup serve test
 
-setup: $(STAMPS)/project $(BIN)/tritonserver $(DEMO_MODEL)/config.json
+setup: $(STAMPS)/project $(BIN)/tritonserver
 
 test-setup: setup
 
@@ -65,10 +64,6 @@ $(STAMPS)/project: pyproject.toml setup.py $(wildcard kernels/__init__.py client
 
 $(BIN)/tritonserver: tools/install_tritonserver.py $(PACKAGES_STAMP)
 	$(BIN)/python tools/install_tritonserver.py $(RUNTIME)
-
-# A tiny random-weight LLaDA checkpoint stands in until the trained demo model is committed here.
-$(DEMO_MODEL)/config.json: | $(STAMPS)/project
-	$(BIN)/python -m diffulex_backend.checkpoint $(DEMO_MODEL) --model-name llada
 
 # The GPU benchmark: the engine's forward and decode step against the device's floors and plain PyTorch
 # (benchmarks/forward.py; results in docs/performance.md). It needs only a Python with torch and triton, so it
