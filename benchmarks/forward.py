@@ -61,7 +61,8 @@ from plain_pytorch import PlainDecoder  # noqa: E402
 BLOCK = 32
 PAGE_SIZE = 32
 # Diffulex on the same H100, random-weight LLaDA-8B, greedy, block 32, 256-token prompt, 256 new tokens.
-DIFFULEX_MS_PER_STEP = {("multi_bd", 1, 1): 11.97, ("multi_bd", 1, 32): 79.5, ("d2f", 4, 1): 13.3, ("d2f", 4, 32): 188.0}
+DIFFULEX_MS_PER_STEP = {("multi_bd", 1, 1): 11.97, ("multi_bd", 1, 32): 79.5,  # (strategy, buffer, batch)
+                        ("d2f", 4, 1): 13.3, ("d2f", 4, 32): 188.0}
 FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms", "plain_ms",
           "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
           "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s", "reference_ms",
@@ -153,9 +154,15 @@ def measure_ceilings(device: torch.device, plan: Plan) -> Ceilings:
     n = 1 << (16 if plan.smoke else 30)  # 2 GiB of bf16
     src = torch.randn(n, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
-    copy_ms = device_ms(lambda: dst.copy_(src), device, reps=max(plan.reps, 3) * 2)
     m = 256 if plan.smoke else 8192
     a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    # An idle GPU starts at low clocks: a few calls are not enough warm-up (one run measured 633 TFLOP/s
+    # after two, where the same kind of card gives about 790), so keep it busy for a while first.
+    warm_until = time.perf_counter() + (0 if plan.smoke else 2.0)
+    while time.perf_counter() < warm_until:
+        a @ b
+        synchronize(device)
+    copy_ms = device_ms(lambda: dst.copy_(src), device, reps=max(plan.reps, 3) * 2)
     matmul_ms = device_ms(lambda: a @ b, device, reps=max(plan.reps, 3) * 2)
     return Ceilings(bandwidth=2 * 2 * n / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
 
@@ -193,7 +200,8 @@ def free_memory(device: torch.device) -> None:
 
 def page_bytes(model) -> int:
     arch = model.arch
-    return 2 * arch.num_layers * PAGE_SIZE * arch.num_kv_heads * arch.head_dim * model.embed_tokens.weight.element_size()
+    itemsize = model.embed_tokens.weight.element_size()
+    return 2 * arch.num_layers * PAGE_SIZE * arch.num_kv_heads * arch.head_dim * itemsize
 
 
 def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float) -> int:
@@ -277,8 +285,8 @@ def plain_inputs(model, batch: int, context: int, generator: torch.Generator, de
     return block, positions, past
 
 
-def plain_graph_ms(fn, device: torch.device, reps: int) -> float:
-    """plain PyTorch's forward captured in one CUDA graph: the ceiling of a hand-written loop without kernels."""
+def graph_replay_ms(fn, device: torch.device, reps: int) -> float:
+    """fn captured in one CUDA graph, timed by its replays (plain PyTorch at its best: no launch overhead)."""
     if device.type != "cuda":
         return math.nan
     fn()
@@ -313,15 +321,17 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
 
             with torch.inference_mode():
                 plain_ms = device_ms(plain_forward, device, max(1, plan.reps // 2))
-                graph_ms = plain_graph_ms(plain_forward, device, plan.reps)
+                graph_ms = graph_replay_ms(plain_forward, device, plan.reps)
             del block, past_k, past_v
             free_memory(device)
             f = floors(model, ceilings, batch, context, tokens)
             report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
                        tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, plain_ms=plain_ms,
                        plain_graph_ms=graph_ms, **f, engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
-                       engine_vs_compute_floor=forward_ms / f["compute_floor_ms"], engine_vs_plain=forward_ms / plain_ms,
-                       note=f"pool {pages} pages" + (" (page tables wrap)" if pages < batch * -(-(context + BLOCK) // PAGE_SIZE) else ""))
+                       engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
+                       engine_vs_plain=forward_ms / plain_ms,
+                       note=f"pool {pages} pages" + (" (page tables wrap)" if pages < len(plans) * len(
+                           plans[0].req.page_table) else ""))
     del engine
     free_memory(device)
 
@@ -345,8 +355,8 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
         del block, past_k, past_v
         for k in plan.tokens_per_step:
             params = SamplingParams(max_tokens=max_tokens, steps=BLOCK // k, ignore_eos=True)
-            requests = [engine.requests[engine.add_request(random_prompt(context, model.arch.vocab_size, generator), params)]
-                        for _ in range(batch)]
+            prompts = [random_prompt(context, model.arch.vocab_size, generator) for _ in range(batch)]
+            requests = [engine.requests[engine.add_request(prompt, params)] for prompt in prompts]
             engine.step()  # prefill of every prompt, and the first step of the first block
             # Warm up over one whole block and its commit, so each bucket's graph is captured before timing.
             warm, timed = (1, 1) if plan.smoke else (BLOCK // k + 2, 2 * (BLOCK // k))
@@ -442,7 +452,8 @@ def check_section(report: Report, name: str, model, model_dir: str, device, plan
             bucket = forward.bucket_for(batch_inputs)
             with torch.inference_mode():
                 replayed = forward.run(bucket, batch_inputs).clone()
-                eager = PaddedForward(path_model, engine.runner.kv_cache, engine.config, device).run(bucket, batch_inputs)
+                eager_forward = PaddedForward(path_model, engine.runner.kv_cache, engine.config, device)
+                eager = eager_forward.run(bucket, batch_inputs)
             graph_note = (f"graph replay vs the same padded forward run eagerly: max |diff| "
                           f"{float((replayed - eager).abs().max()):.3g}; ")
         outputs[label] = [o.token_ids for o in engine.generate(prompts, params)]
@@ -489,7 +500,10 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                 torch.nn.functional.linear(inputs[weight.shape[1]], weight)
 
         with torch.inference_mode():
-            matmul_ms = plain_graph_ms(matmuls, device, plan.reps) if device.type == "cuda" else wall_ms(matmuls, device)
+            if device.type == "cuda":
+                matmul_ms = graph_replay_ms(matmuls, device, plan.reps)
+            else:
+                matmul_ms = wall_ms(matmuls, device)
             input_ids, positions, meta = build_forward_batch(plans, PAGE_SIZE).to_device(device)
             model(input_ids, positions, meta, engine.runner.kv_cache)  # warm
             activity = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"

@@ -124,7 +124,8 @@ class PaddedForward:
             block_ids=static.block_ids[:tokens], max_seqlen_q=bucket.max_seqlen_q,
             max_context_len=self.max_context_len,
             # Read by the torch attention only, which the CUDA graphs never capture.
-            cu_seqlens_q_host=tuple(padded.cu_seqlens_q.tolist()), context_lens_host=tuple(padded.context_lens.tolist()),
+            cu_seqlens_q_host=tuple(padded.cu_seqlens_q.tolist()),
+            context_lens_host=tuple(padded.context_lens.tolist()),
         )
         return static.input_ids[:tokens], static.positions[:tokens], meta
 

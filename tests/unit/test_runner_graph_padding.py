@@ -90,7 +90,8 @@ def test_pad_batch_adds_empty_sequences_and_rows_that_store_nothing(checkpoints)
     padded = pad_batch(batch, bucket, num_page_columns=32, max_context_len=128)
     n, b = batch.num_tokens, batch.num_seqs
     assert padded.input_ids.shape == padded.slot_mapping.shape == padded.block_ids.shape == (bucket.num_tokens,)
-    assert torch.equal(padded.input_ids[:n], batch.input_ids) and torch.equal(padded.slot_mapping[:n], batch.slot_mapping)
+    assert torch.equal(padded.input_ids[:n], batch.input_ids)
+    assert torch.equal(padded.slot_mapping[:n], batch.slot_mapping)
     assert (padded.slot_mapping[n:] == -1).all()
     assert padded.cu_seqlens_q.tolist() == batch.cu_seqlens_q.tolist() + [n]
     assert padded.context_lens.tolist() == batch.context_lens.tolist() + [0]
