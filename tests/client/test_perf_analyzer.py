@@ -1,0 +1,66 @@
+"""perf_analyzer over gRPC streaming against the real server, with the shipped input data, and the report."""
+
+import json
+from pathlib import Path
+
+import pytest
+from served_model import url_for
+
+from diffulex_client import DiffulexClient
+from diffulex_client.perf.report import format_table, summarize
+from diffulex_client.perf.sweep import run_perf_analyzer
+
+PERF_DATA = Path(__file__).resolve().parents[2] / "client" / "perf"
+INPUT_FILES = sorted(PERF_DATA.glob("*.json"))
+MODEL_INPUTS = {"text_input", "stream", "sampling_parameters", "exclude_input_in_output", "return_num_output_tokens"}
+
+
+def entries(path: Path) -> list[dict]:
+    return json.loads(path.read_text())["data"]
+
+
+def max_tokens(entry: dict) -> int:
+    return json.loads(entry["sampling_parameters"][0])["max_tokens"]
+
+
+def test_input_data_files_cover_three_prompt_sizes_streamed_and_not():
+    assert [path.name for path in INPUT_FILES] == [
+        f"{size}_{kind}.json" for size in ("long", "medium", "short") for kind in ("non_streaming", "streaming")]
+    for path in INPUT_FILES:
+        for entry in entries(path):
+            assert set(entry) == MODEL_INPUTS
+            assert entry["stream"] == [not path.stem.endswith("non_streaming")]
+            assert entry["return_num_output_tokens"] == [True]
+
+
+@pytest.mark.parametrize("size", ["short", "medium", "long"])
+def test_input_data_prompts_fit_the_demo_context(server, size):
+    client = DiffulexClient(url_for(server, "grpc"), "grpc")
+    for entry in entries(PERF_DATA / f"{size}_streaming.json"):
+        prompt_tokens = client.generate(entry["text_input"][0], max_tokens=1).num_input_tokens
+        assert prompt_tokens + max_tokens(entry) <= 512  # the demo model's max_model_len
+
+
+def test_perf_analyzer_streams_every_request_to_its_last_block(server, tmp_path):
+    input_data = PERF_DATA / "short_streaming.json"
+    expected_tokens = max_tokens(entries(input_data)[0])  # ignore_eos: every request runs to max_tokens
+    for concurrency in (1, 4):
+        export = tmp_path / f"profile_{concurrency}.json"
+        # Count windows of `concurrency` requests; a loose stability bound ends after three windows.
+        result = run_perf_analyzer(server.grpc_url, "diffulex", input_data, concurrency, concurrency, export,
+                                   stability_percentage=1000, max_trials=3)
+        assert result.returncode == 0, result.stdout + result.stderr
+        (experiment,) = json.loads(export.read_text())["experiments"]
+        assert experiment["experiment"] == {"mode": "concurrency", "value": concurrency}
+        requests = experiment["requests"]
+        assert len(requests) >= 3 * concurrency
+        for request in requests:
+            responses = request["response_outputs"]
+            assert len(request["response_timestamps"]) == len(responses) > 1  # one per committed block
+            assert responses[-1]["num_output_tokens"] == expected_tokens
+
+        summary = summarize(experiment)
+        assert (summary.concurrency, summary.num_requests) == (concurrency, len(requests))
+        assert summary.output_tokens_per_s == pytest.approx(summary.requests_per_s * expected_tokens)
+        assert summary.ttfr_p50_ms <= summary.latency_p50_ms
+        assert format_table([summary]).splitlines()[2].split()[:2] == [str(concurrency), str(len(requests))]
