@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from checkpoint_edits import write_trained_like_checkpoint
+from diffulex_backend.checkpoint import write_random_checkpoint
 
 FAMILIES = ("llada", "dream", "sdar")
 
@@ -25,7 +25,7 @@ def single_intra_op_thread():
 def tiny_checkpoints(tmp_path_factory) -> dict[str, str]:
     """Checkpoint directory of each family, by model name."""
     root = tmp_path_factory.mktemp("tiny_checkpoints")
-    return {name: write_trained_like_checkpoint(root / name, name) for name in FAMILIES}
+    return {name: str(write_random_checkpoint(root / name, name)) for name in FAMILIES}
 
 
 @pytest.fixture(scope="session")
