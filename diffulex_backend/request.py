@@ -106,6 +106,7 @@ class Request:
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_committed = 0  # generated tokens that are final
+        self.num_committed_blocks = 0
         self.num_output_tokens = 0  # committed tokens returned to the user (stops at EOS, stop token, max_tokens)
         self.num_cached = 0  # positions [0, num_cached) have K/V in the cache
         self.num_prefix_hit = 0  # of them, tokens that came from the prefix cache at admission
@@ -167,7 +168,19 @@ class Request:
 
     def commit_ready_blocks(self) -> int:
         """Commit what the last acceptance completed; returns how many generated tokens became final."""
-        raise NotImplementedError
+        return self.commit_filled_blocks(self.num_blocks)
+
+    def commit_filled_blocks(self, limit: int) -> int:
+        """Commit leading blocks (below block `limit`) that hold no mask token any more."""
+        before = self.num_committed
+        while self.num_committed_blocks < limit:
+            start, end = self.block_span(self.num_committed_blocks)
+            if bool((self.tokens[start:end] == self.mask_token_id).any()):
+                break
+            self.num_committed_blocks += 1
+            self.num_committed = end - self.gen_start
+            self.steps_in_block = 0
+        return self.num_committed - before
 
     def reset_for_recompute(self) -> None:
         """After preemption: the cache is gone; committed and in-flight tokens stay and are recomputed."""

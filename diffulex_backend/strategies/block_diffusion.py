@@ -32,7 +32,6 @@ class BlockDiffusionRequest(Request):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.num_committed_blocks = 0
         self.num_joined_blocks = 1
         self._join_blocks()
 
@@ -92,16 +91,9 @@ class BlockDiffusionRequest(Request):
             self.num_predict_steps += 1
 
     def commit_ready_blocks(self) -> int:
-        before = self.num_committed
-        while self.num_committed_blocks < self.num_joined_blocks:
-            b0, b1 = self.block_span(self.num_committed_blocks)
-            if bool((self.tokens[b0:b1] == self.mask_token_id).any()):
-                break
-            self.num_committed_blocks += 1
-            self.num_committed = b1 - self.gen_start
-            self.steps_in_block = 0
+        committed = self.commit_filled_blocks(self.num_joined_blocks)
         self._join_blocks()
-        return self.num_committed - before
+        return committed
 
     def _join_blocks(self) -> None:
         while (self.num_joined_blocks < self.num_blocks

@@ -18,10 +18,6 @@ from ..scheduler import Scheduler
 class FullAttentionRequest(Request):
     """One block decodes at a time; the rest of the generation area is fed as mask tokens."""
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        self.num_committed_blocks = 0
-
     @property
     def seq_len(self) -> int:
         return self.gen_start + self.params.max_tokens
@@ -39,17 +35,6 @@ class FullAttentionRequest(Request):
         self.nfe += 1
         self.num_predict_steps += 1
         self.steps_in_block += 1
-
-    def commit_ready_blocks(self) -> int:
-        before = self.num_committed
-        while self.num_committed_blocks < self.num_blocks:
-            start, end = self.block_span(self.num_committed_blocks)
-            if bool((self.tokens[start:end] == self.mask_token_id).any()):
-                break
-            self.num_committed_blocks += 1
-            self.num_committed = end - self.gen_start
-            self.steps_in_block = 0
-        return self.num_committed - before
 
 
 class VanillaRequest(FullAttentionRequest):
