@@ -79,3 +79,25 @@ bench:
 quality: $(STAMPS)/project
 	$(BIN)/python -m pip install -q matplotlib
 	$(BIN)/python benchmarks/quality.py
+
+# Load tests (client/perf/): perf_analyzer over gRPC streaming at a concurrency sweep, in count windows with
+# profile exports, then a table of requests/s, output tokens/s and p50/p99 time to first response and request
+# latency computed from the exports. A server already answering on PERF_URL is used; otherwise one is started
+# on model_repository for the run. PERF_ARGS, e.g.: --requests-per-window 16 --output-dir DIR.
+PERF_URL ?= localhost:8001
+PERF_INPUT ?= client/perf/medium_streaming.json
+PERF_CONCURRENCY ?= 1 2 4 8
+PERF_ARGS ?=
+
+.PHONY: perf
+perf: setup
+	$(BIN)/python -m diffulex_client.perf.sweep --url $(PERF_URL) --input-data $(PERF_INPUT) \
+		--concurrency $(PERF_CONCURRENCY) $(PERF_ARGS)
+
+# perf_analyzer (in the tritonclient wheel) needs libb64-0d, an APT_PACKAGES entry, and libcudart.so.12, which
+# this wheel provides even without a GPU. It is part of setup because the test suite runs perf_analyzer too.
+setup: $(STAMPS)/perf-tools
+
+$(STAMPS)/perf-tools: | $(PACKAGES_STAMP)
+	$(BIN)/python -m pip install nvidia-cuda-runtime-cu12==12.9.79
+	@mkdir -p $(STAMPS) && touch $@

@@ -1,7 +1,7 @@
 """Load-test the diffulex model with perf_analyzer over gRPC streaming, at a sweep of concurrencies.
 
     python -m diffulex_client.perf.sweep [--url localhost:8001] [--input-data client/perf/medium_streaming.json]
-        [--concurrency 1 2 4 8] [--requests-per-window 8] [--output-dir build/perf]
+        [--concurrency 1 2 4 8] [--requests-per-window 16] [--output-dir build/perf]
 
 When no server answers at --url, one is started on the repository's model_repository (the demo model),
 with gRPC on --url's port and HTTP and metrics on --http-port and --metrics-port, and stopped at the end.
@@ -117,7 +117,7 @@ def sweep(args: argparse.Namespace) -> list[Path]:
         export_path = args.output_dir / f"profile_concurrency_{concurrency}.json"
         print(f"perf_analyzer at concurrency {concurrency} ...", flush=True)
         result = run_perf_analyzer(args.url, args.model, args.input_data, concurrency,
-                                   max(args.requests_per_window, 2 * concurrency), export_path,
+                                   max(args.requests_per_window, 4 * concurrency), export_path,
                                    args.stability_percentage, args.max_trials)
         (args.output_dir / f"perf_analyzer_concurrency_{concurrency}.log").write_text(result.stdout + result.stderr)
         if result.returncode != 0:
@@ -134,12 +134,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--model", default="diffulex")
     parser.add_argument("--input-data", type=Path, default=Path(__file__).parent / "medium_streaming.json")
     parser.add_argument("--concurrency", type=int, nargs="+", default=[1, 2, 4, 8])
-    parser.add_argument("--requests-per-window", type=int, default=8,
-                        help="least requests per count window (at least twice the concurrency is used)")
+    parser.add_argument("--requests-per-window", type=int, default=16,
+                        help="least requests per count window (at least four times the concurrency is used)")
     # perf_analyzer repeats windows until the last three agree within this many percent; CPU timings are
     # noisy, so the default is loose.
     parser.add_argument("--stability-percentage", type=float, default=50)
-    parser.add_argument("--max-trials", type=int, default=8)
+    parser.add_argument("--max-trials", type=int, default=10)
     parser.add_argument("--output-dir", type=Path, default=REPOSITORY_ROOT / "build" / "perf")
     parser.add_argument("--http-port", type=int, default=8000, help="for a server started here")
     parser.add_argument("--metrics-port", type=int, default=8002, help="for a server started here")
