@@ -7,7 +7,7 @@ import urllib.request
 from pathlib import Path
 
 import tritonclient.http as httpclient
-from conftest import SHIPPED_MODEL, with_parameters
+from triton_server import SHIPPED_MODEL, with_parameters
 from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 

@@ -1,6 +1,8 @@
 """Run a real tritonserver for tests: free ports on the loopback address, readiness, a checked shutdown."""
 
 import os
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -73,3 +75,27 @@ class TritonServer:
             raise
         finally:
             self._log.close()
+
+
+SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
+
+STARTUP_TIMEOUT_S = 300  # the Python backend imports torch twice (config auto-complete, then the model)
+SHUTDOWN_TIMEOUT_S = 90
+
+
+def with_parameters(config_text: str, name: str, **values) -> str:
+    """The shipped config.pbtxt under another model name, with some engine parameters replaced."""
+    config_text, count = re.subn(r'^name: "diffulex"$', f'name: "{name}"', config_text, flags=re.M)
+    assert count == 1, "config.pbtxt has no `name:` line"
+    for key, value in values.items():
+        pattern = rf'(\{{ key: "{key}", value: \{{ string_value: )"[^"]*"'
+        config_text, count = re.subn(pattern, rf'\1"{value}"', config_text)
+        assert count == 1, f"config.pbtxt has no parameter {key}"
+    return config_text
+
+
+def add_model(repository: Path, name: str, model_file: Path = SHIPPED_MODEL / "1" / "model.py", **values) -> None:
+    (repository / name / "1").mkdir(parents=True)
+    shutil.copy(model_file, repository / name / "1" / "model.py")
+    config_text = (SHIPPED_MODEL / "config.pbtxt").read_text()
+    (repository / name / "config.pbtxt").write_text(with_parameters(config_text, name, **values))
