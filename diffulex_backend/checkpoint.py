@@ -155,33 +155,22 @@ def write_random_checkpoint(
     path: str | Path,
     model_name: str,
     *,
-    hidden_size: int = 64,
-    num_layers: int = 2,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 128,
-    head_dim: int | None = None,
-    vocab_size: int | None = None,
-    max_position_embeddings: int = 512,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
     num_shards: int = 1,
     tokenizer: bool = True,
-    **extra_config,
+    **shape_and_config,
 ) -> Path:
+    """A checkpoint directory in the family's real layout; `shape_and_config` as for `random_config`."""
     directory = Path(path)
-    config = random_config(
-        model_name, hidden_size=hidden_size, num_layers=num_layers, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, intermediate_size=intermediate_size, head_dim=head_dim,
-        vocab_size=vocab_size, max_position_embeddings=max_position_embeddings, **extra_config,
-    )
+    config = random_config(model_name, **shape_and_config)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
     model = build_random_model(model_name, config, dtype=dtype, device="cpu", seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_weights(model, directory, num_shards)
     if tokenizer:
-        write_byte_tokenizer(directory, max_position_embeddings)
+        write_byte_tokenizer(directory, model.arch.max_position_embeddings)
     return directory
 
 
