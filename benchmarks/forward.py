@@ -56,6 +56,7 @@ from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
 from diffulex_backend.request import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
+from diffulex_kernels.linear import linear  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
@@ -495,9 +496,12 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         inputs = {size: torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
                   for size in (arch.hidden_size, arch.q_size, arch.intermediate_size)}
 
-        def matmuls():
+        def matmuls():  # as the fused forward runs them: the weight-streaming kernel at a few tokens
             for weight in weights:
-                torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+                if model.fused_kernels:
+                    linear(inputs[weight.shape[1]], weight)
+                else:
+                    torch.nn.functional.linear(inputs[weight.shape[1]], weight)
 
         with torch.inference_mode():
             if device.type == "cuda":
@@ -532,7 +536,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
-    for kind, marks in (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm")),
+    for kind, marks in (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm",
+                                    "linear_kernel", "splitkreduce")),
                         ("attention", ("paged_attention", "merge_splits")), ("kv store", ("store_kv",)),
                         ("rmsnorm", ("rmsnorm",)), ("rope", ("rotary",)), ("silu*up", ("silu",)),
                         ("copies", ("memcpy", "memset", "copy")), ("host", ("aten::", "cuda", "profiler"))):

@@ -9,11 +9,14 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_for_previous_kernel
+
 BLOCK = 1024
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_out, size, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
@@ -33,6 +36,7 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
     if num_tokens == 0:
         return out
     _silu_and_mul_kernel[(num_tokens, triton.cdiv(size, BLOCK))](
-        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=BLOCK, num_warps=4,
+        gate_up, out, gate_up.stride(0), out.stride(0), size, BLOCK=BLOCK, USE_PDL=use_pdl(gate_up), num_warps=4,
+        launch_pdl=use_pdl(gate_up),
     )
     return out

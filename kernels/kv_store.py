@@ -5,14 +5,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_cache_slot, stride_cache_head,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     slot = tl.load(slot_mapping_ptr + token)
     if slot < 0:
@@ -49,6 +52,6 @@ def store_kv(
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads),
-        num_warps=4,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), USE_PDL=use_pdl(key),
+        num_warps=4, launch_pdl=use_pdl(key),
     )

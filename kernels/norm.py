@@ -2,6 +2,9 @@
 
 One program per token row; the whole hidden vector (up to 8192 wide) sits in registers, so each input is
 read once and each output written once. The statistics and the scaling run in float32.
+
+The fused form also takes the product before it as split-K partial sums [S, T, hidden] (kernels/linear.py):
+it adds them up and rounds the sum to the activation dtype, as the unsplit product would have been rounded.
 """
 from __future__ import annotations
 
@@ -9,22 +12,30 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
-    stride_x, stride_residual, stride_out, stride_residual_out,
+    stride_partial, stride_x, stride_residual, stride_out, stride_residual_out,
     hidden_size, eps,
-    ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+    NUM_PARTIALS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < hidden_size
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
+    if NUM_PARTIALS > 1:
+        x = x.to(tl.float32)
+        for part in tl.static_range(1, NUM_PARTIALS):
+            x += tl.load(x_ptr + part * stride_partial + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     if ADD_RESIDUAL:
-        # The sum is rounded to the activation dtype first, as the unfused `x + residual` would be,
-        # and the norm is taken of that rounded residual.
-        x = (x.to(tl.float32) + tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32))
+        # The product is rounded to the activation dtype, as an unfused matmul's output is; the sum is rounded
+        # again, as the unfused `x + residual` would be, and the norm is taken of that rounded residual.
+        x = x.to(residual_out_ptr.dtype.element_ty).to(tl.float32)
+        x += tl.load(residual_ptr + row * stride_residual + cols, mask=mask, other=0.0).to(tl.float32)
         x = x.to(residual_out_ptr.dtype.element_ty)
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
     x = x.to(tl.float32)
@@ -34,6 +45,8 @@ def _rmsnorm_kernel(
 
 
 def _launch(x, residual, weight, eps, out, residual_out):
+    partials = x if x.dim() == 3 else x[None]
+    x = partials[0]
     num_rows, hidden_size = x.shape
     if x.stride(-1) != 1:
         raise ValueError("rmsnorm: the hidden dimension must be contiguous")
@@ -43,9 +56,10 @@ def _launch(x, residual, weight, eps, out, residual_out):
     add = residual is not None
     _rmsnorm_kernel[(num_rows,)](
         x, residual if add else x, weight, out, residual_out if add else out,
-        x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
+        partials.stride(0), x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
         hidden_size, eps,
-        ADD_RESIDUAL=add, BLOCK=block, num_warps=min(16, max(4, block // 512)),
+        NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block,
+        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=min(16, max(4, block // 512)),
     )
 
 
@@ -67,8 +81,9 @@ def fused_add_rmsnorm(
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,  # may be `residual` itself: each row is read before it is written
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x, residual: [T, hidden]. Returns (rmsnorm(x + residual), x + residual) in one pass."""
-    out = torch.empty_like(x) if out is None else out
+    """x, residual: [T, hidden], or x as split-K partial sums [S, T, hidden]. Returns (rmsnorm(x + residual),
+    x + residual) in one pass."""
+    out = torch.empty_like(residual) if out is None else out
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out

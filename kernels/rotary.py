@@ -10,13 +10,16 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_for_previous_kernel
+
 
 @triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr,
     stride_xt, stride_xh, stride_cos, stride_sin, num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
@@ -49,6 +52,6 @@ def rotate_in_place(
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
         x, cos, sin,
         x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
-        HALF=half, BLOCK_H=block_h, num_warps=4,
+        HALF=half, BLOCK_H=block_h, USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
     )
     return x

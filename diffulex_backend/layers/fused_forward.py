@@ -5,6 +5,8 @@ reference and the CPU path), in fewer launches.
   the last layer's, so the residual stream is read and written once per norm.
 - RoPE rotates q and k in place in one launch, inside the fused qkv projection's output.
 - SiLU-and-mul of the gated MLP is one launch.
+- Up to `MAX_TOKENS` tokens the matmuls are the weight-streaming kernel of `diffulex_kernels.linear`; o_proj and
+  down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up.
 At batch 1 a layer is then nine launches, four of them weight-streaming matmuls: small kernels would
 otherwise cost more than the weights take to stream. Roundings differ from the torch modules only where a
 kernel keeps float32 between two ops that the modules round in between.
@@ -12,13 +14,13 @@ kernel keeps float32 between two ops that the modules round in between.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul
+from diffulex_kernels.linear import linear, linear_partials
 from diffulex_kernels.rotary import rotate_in_place
 
 
@@ -41,7 +43,7 @@ def fused_forward(
         attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache)
         x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
-        mlp_out = mlp.down_proj(silu_and_mul(mlp.gate_up_proj(x)))
+        mlp_out = linear_partials(silu_and_mul(linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
 
@@ -54,11 +56,11 @@ def _self_attention(
     meta: AttentionMetadata,
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
-) -> torch.Tensor:  # [T, hidden]
+) -> torch.Tensor:  # [S, T, hidden]: o_proj's partial sums
     tokens = x.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_size, kv_size, _ = attn.split_sizes
-    qkv = F.linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+    qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
@@ -68,4 +70,4 @@ def _self_attention(
     else:
         q, k = rotate_in_place(attn.q_norm(q), cos, sin), rotate_in_place(attn.k_norm(k), cos, sin)
     out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale)  # [T, heads, head_dim]
-    return attn.o_proj(out.reshape(tokens, q_size))
+    return linear_partials(out.reshape(tokens, q_size), attn.o_proj.weight)

@@ -131,4 +131,8 @@ class DecoderLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        if self.fused_kernels:
+            from diffulex_kernels.linear import linear  # the weight-streaming kernel at a few rows
+
+            return linear(hidden, head)
         return F.linear(hidden, head)
