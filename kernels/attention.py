@@ -9,9 +9,10 @@ with an online softmax in float32 (base 2: the scale carries log2(e)).
 
 Split-KV: when (q tiles x sequences x kv heads) cannot fill the GPU and contexts are long, the cached context
 is cut into `num_splits` chunks, each program writes an unnormalised partial (acc, max, sum) per row, and a
-second kernel merges the partials. Split 0 also takes the in-forward keys. The number of splits and the chunk
-length depend only on host integers (`max_seqlen_q`, `max_context_len`, shapes), so a CUDA graph captured for
-a bucket stays valid: the kernels read the real lengths from device memory.
+second kernel merges the partials. Split 0 also takes the in-forward keys. The number of splits depends only on
+host integers (`max_seqlen_q`, `max_context_len`, shapes), so a CUDA graph captured for a bucket stays valid:
+the kernels read the real lengths from device memory, and cut each sequence's real context into that many
+chunks.
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from .dtypes import dot_dtype
 from .kv_store import store_kv
+from .pdl import use_pdl, wait_for_previous_kernel
 
 if TYPE_CHECKING:
     from diffulex_backend.attention import AttentionMetadata
@@ -55,10 +57,12 @@ def _paged_attention_kernel(
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cache_page, stride_cache_slot, stride_cache_head, stride_page_table,
-    num_kv_heads, num_tokens, num_heads, context_chunk, scale_log2,
+    num_kv_heads, num_tokens, num_heads, num_splits, scale_log2,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     seq = tl.program_id(1) // num_kv_heads
     kv_head = tl.program_id(1) % num_kv_heads
@@ -87,6 +91,9 @@ def _paged_attention_kernel(
 
     if HAS_CACHE:
         context_len = tl.load(context_lens_ptr + seq)
+        # This sequence's own context in num_splits chunks of whole key tiles. The grid is sized for the longest
+        # context a CUDA graph may see; cutting each sequence's real context keeps every split busy at any length.
+        context_chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
         ctx_begin = split * context_chunk
         ctx_end = tl.minimum(context_len, ctx_begin + context_chunk)
         page_row = page_tables_ptr + seq.to(tl.int64) * stride_page_table
@@ -136,9 +143,10 @@ def _paged_attention_kernel(
 def _merge_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_ot, stride_oh, num_tokens, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One program per (token, head): all splits in one load, so the merge costs one memory round trip."""
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
     head = tl.program_id(1)
     splits = tl.arange(0, SPLITS)
@@ -238,10 +246,7 @@ def paged_attention(
         k_cache = v_cache = key  # never read: HAS_CACHE=False compiles the context loop away
         page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
 
-    # Chunks are whole key tiles, so only the last tile of each context is ragged.
     num_splits = max(1, min(launch.num_splits, MAX_SPLITS, triton.cdiv(max_context_len, launch.block_n)))
-    context_chunk = triton.cdiv(triton.cdiv(max(max_context_len, 1), num_splits), launch.block_n) * launch.block_n
-    num_splits = triton.cdiv(max(max_context_len, 1), context_chunk)
     split = num_splits > 1
     if split:
         part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, device=query.device, dtype=torch.float32)
@@ -260,15 +265,16 @@ def paged_attention(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
         *cache_strides, meta.page_tables.stride(0),
-        num_kv_heads, num_tokens, num_heads, context_chunk, scale * LOG2_E,
+        num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        num_warps=launch.num_warps, num_stages=launch.num_stages,
+        USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
             part_acc, part_max, part_sum, out,
             out.stride(0), out.stride(1), num_tokens, num_heads, num_splits,
-            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), num_warps=2,
+            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), USE_PDL=use_pdl(out),
+            num_warps=2, launch_pdl=use_pdl(out),
         )
     return out

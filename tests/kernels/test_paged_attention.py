@@ -1,6 +1,8 @@
 """The paged attention kernel computes exactly what the engine's torch reference computes."""
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass
 
 import pytest
@@ -140,6 +142,16 @@ def test_automatic_split_choice_matches_reference():
     heads, kv_heads = HEAD_SHAPES[1]
     batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=32, dtype=torch.bfloat16, pattern="blocks", seed=5)
     assert_matches_reference(batch, num_splits=None)
+
+
+def test_splits_share_each_real_context_under_a_loose_bound():
+    # A CUDA graph bucket sizes the grid for max_model_len; every sequence's shorter real context is still cut
+    # among all the splits, and the result is the same.
+    heads, kv_heads = HEAD_SHAPES[1]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=9)
+    batch.meta = dataclasses.replace(batch.meta, max_context_len=4 * batch.meta.max_context_len)
+    assert_matches_reference(batch, num_splits=5)
 
 
 def test_without_cache_attends_in_forward_only():
