@@ -27,7 +27,6 @@ import argparse
 import copy
 import csv
 import gc
-import importlib.util
 import json
 import math
 import pathlib
@@ -40,14 +39,9 @@ from dataclasses import dataclass
 
 import torch
 
-if importlib.util.find_spec("diffulex_kernels") is None:
-    # Run from a checkout that is not pip-installed: map the import name onto the source folder, as
-    # pyproject's package-dir does.
-    _kernels = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-    _spec = importlib.util.spec_from_file_location("diffulex_kernels", _kernels / "__init__.py",
-                                                   submodule_search_locations=[str(_kernels)])
-    sys.modules["diffulex_kernels"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["diffulex_kernels"])
+from source_checkout import map_kernels_package  # noqa: E402
+
+map_kernels_package()
 
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402

@@ -81,19 +81,27 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         raise ValueError("linear: the K dimension of x and weight must be contiguous")
     k_per_split = triton.cdiv(triton.cdiv(k, split_k), BLOCK_K) * BLOCK_K
     block_m = max(16, triton.next_power_of_2(m))
+    pdl = use_pdl(x)
+    even_k = k % (split_k * BLOCK_K) == 0
     _linear_kernel[(triton.cdiv(n, BLOCK_N), split_k)](
         x, weight, bias if bias is not None else weight, out,
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), k_per_split,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=k % (split_k * BLOCK_K) == 0,
-        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(x), USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=even_k,
+        HAS_BIAS=bias is not None, DOT_DTYPE=dot_dtype(x), USE_PDL=pdl, launch_pdl=pdl,
         # Three stages leave room for the 64-token tile in shared memory; four keep more loads in flight.
         num_warps=4, num_stages=4 if block_m <= 32 else 3,
     )
 
 
+def _streams(x: torch.Tensor) -> bool:
+    """Whether the product goes to this kernel: a few token rows, in a 16-bit dtype on the GPU (a float32 dot
+    would run in tf32 there, less exact than the library's float32 matmul; the interpreter computes it exactly)."""
+    return x.dim() == 2 and 0 < x.shape[0] <= MAX_TOKENS and (x.dtype != torch.float32 or not x.is_cuda)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias): x [M, K], weight [N, K] -> [M, N] in x's dtype."""
-    if x.dim() != 2 or x.shape[0] > MAX_TOKENS or x.shape[0] == 0:
+    if not _streams(x):
         return F.linear(x, weight, bias)
     out = torch.empty(1, x.shape[0], weight.shape[0], dtype=x.dtype, device=x.device)
     _launch(x, weight, bias, out, split_k=1)
@@ -103,7 +111,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_partials(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """x @ weight.T as partial sums [S, M, N] whose sum over S is the product: float32 from the split kernel,
     or the one cuBLAS product in x's dtype (S = 1) past MAX_TOKENS rows."""
-    if x.shape[0] > MAX_TOKENS or x.shape[0] == 0:
+    if not _streams(x):
         return F.linear(x, weight)[None]
     split_k = choose_split_k(weight.shape[0], x.shape[1])
     out = torch.empty(split_k, x.shape[0], weight.shape[0], dtype=torch.float32, device=x.device)
