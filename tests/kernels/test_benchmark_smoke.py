@@ -23,3 +23,15 @@ def test_smoke_run_reports_every_kernel_against_its_floor(tmp_path):
     for row in rows:
         kernel_ms, floor_ms = float(row[2]), float(row[3])
         assert kernel_ms > 0 and floor_ms > 0
+
+
+def test_matmul_benchmark_smoke_run_checks_and_times_every_case(tmp_path):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    subprocess.run(
+        [sys.executable, str(REPO / "benchmarks" / "linear.py"), "--smoke", "--out", str(tmp_path)],
+        check=True, env=env, capture_output=True, text=True, timeout=300,
+    )
+    rows = (tmp_path / "linear.csv").read_text().splitlines()
+    assert rows[0].split(",")[:3] == ["model", "tokens", "kernel"]
+    assert [row.split(",")[1] for row in rows[1:]] == ["4", "16"]
+    assert all(float(row.split(",")[4]) > 0 for row in rows[1:])

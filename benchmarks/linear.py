@@ -1,0 +1,112 @@
+"""The layer matmuls of one forward at a few tokens: cuBLAS (`F.linear`) against the engine's weight-streaming kernel
+(`diffulex_kernels.linear`), each product in the engine's form: qkv and gate_up whole, o_proj and down_proj as split-K
+partial sums. Every matrix of every layer is its own tensor, so each one is read from HBM, as in a forward. On a GPU
+the whole chain is one CUDA graph, timed by its replays; `MAX_TOKENS` is where the kernel stops paying.
+
+    PYTHONPATH=. python benchmarks/linear.py --out DIR      # GPU: LLaDA-8B and Dream-7B layer shapes
+    PYTHONPATH=. python benchmarks/linear.py --smoke --out DIR   # anywhere: tiny shapes, eager, one call each
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+from source_checkout import map_kernels_package
+
+map_kernels_package()
+
+from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials  # noqa: E402
+
+# (layers, [(out features, in features, split-K partials?)]) per model: qkv, o_proj, gate_up, down_proj.
+SHAPES = {"llada-8b": (32, [(12288, 4096, False), (4096, 4096, True), (24576, 4096, False), (4096, 12288, True)]),
+          "dream-7b": (28, [(4608, 3584, False), (3584, 3584, True), (37888, 3584, False), (3584, 18944, True)])}
+SMOKE_SHAPES = {"tiny": (2, [(96, 64, False), (64, 96, True)])}
+
+
+def replay_ms(fn, reps: int = 10) -> float:
+    """fn captured in one CUDA graph; the median of its replays."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # compiles the kernels outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    times = []
+    for _ in range(reps + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times[3:])
+
+
+def wall_ms(fn) -> float:
+    start = time.perf_counter()
+    fn()
+    return 1e3 * (time.perf_counter() - start)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, eager, on any device")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    dtype = torch.bfloat16
+    shapes, token_counts = (SMOKE_SHAPES, (4, 16)) if args.smoke else (SHAPES, (16, 32, 48, 64, 96))
+    if device.type == "cuda":  # an idle GPU starts at low clocks
+        square = torch.randn(8192, 8192, device=device, dtype=dtype)
+        for _ in range(200):
+            square @ square
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model, (layers, matrices) in shapes.items():
+        weights = [[torch.randn(n, k, device=device, dtype=dtype) for n, k, _ in matrices] for _ in range(layers)]
+        weight_bytes = sum(w.numel() * w.element_size() for layer in weights for w in layer)
+        for tokens in token_counts:
+            inputs = {k: torch.randn(tokens, k, device=device, dtype=dtype) for _, k, _ in matrices}
+
+            def chain(engine: bool):
+                products = []
+                for layer in weights:
+                    for (_, k, partials), weight in zip(matrices, layer):
+                        if not engine:
+                            products.append(F.linear(inputs[k], weight))
+                        else:
+                            # The partial sums stay apart: the engine's next norm adds them as it reads.
+                            products.append(linear_partials(inputs[k], weight) if partials
+                                            else linear(inputs[k], weight))
+                return products
+
+            if device.type == "cuda":
+                library_ms, engine_ms = replay_ms(lambda: chain(False)), replay_ms(lambda: chain(True))
+            else:
+                library_ms, engine_ms = wall_ms(lambda: chain(False)), wall_ms(lambda: chain(True))
+                for got, want in zip(chain(True), chain(False)):  # the smoke run also checks the products
+                    got = got.sum(0) if got.dim() == 3 else got
+                    torch.testing.assert_close(got.to(dtype), want, rtol=2e-2, atol=2e-2)
+            rows.append(dict(model=model, tokens=tokens, kernel="streaming" if tokens <= MAX_TOKENS else "cuBLAS",
+                             cublas_ms=f"{library_ms:.4g}", engine_ms=f"{engine_ms:.4g}",
+                             engine_vs_cublas=f"{engine_ms / library_ms:.3f}",
+                             engine_tb_per_s=f"{weight_bytes / engine_ms / 1e9:.3g}"))
+            print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+        del weights
+    with open(args.out / "linear.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {args.out / 'linear.csv'}")
+
+
+if __name__ == "__main__":
+    main()
