@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import csv
 import pathlib
-import statistics
-import time
 
 import torch
 import torch.nn.functional as F
@@ -22,38 +20,12 @@ from source_checkout import map_kernels_package
 map_kernels_package()
 
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials  # noqa: E402
+from forward import graph_replay_ms, wall_ms  # noqa: E402
 
 # (layers, [(out features, in features, split-K partials?)]) per model: qkv, o_proj, gate_up, down_proj.
 SHAPES = {"llada-8b": (32, [(12288, 4096, False), (4096, 4096, True), (24576, 4096, False), (4096, 12288, True)]),
           "dream-7b": (28, [(4608, 3584, False), (3584, 3584, True), (37888, 3584, False), (3584, 18944, True)])}
 SMOKE_SHAPES = {"tiny": (2, [(96, 64, False), (64, 96, True)])}
-
-
-def replay_ms(fn, reps: int = 10) -> float:
-    """fn captured in one CUDA graph; the median of its replays."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # compiles the kernels outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    times = []
-    for _ in range(reps + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times[3:])
-
-
-def wall_ms(fn) -> float:
-    start = time.perf_counter()
-    fn()
-    return 1e3 * (time.perf_counter() - start)
 
 
 def main() -> None:
@@ -89,9 +61,10 @@ def main() -> None:
                 return products
 
             if device.type == "cuda":
-                library_ms, engine_ms = replay_ms(lambda: chain(False)), replay_ms(lambda: chain(True))
+                library_ms = graph_replay_ms(lambda: chain(False), device, reps=10)
+                engine_ms = graph_replay_ms(lambda: chain(True), device, reps=10)
             else:
-                library_ms, engine_ms = wall_ms(lambda: chain(False)), wall_ms(lambda: chain(True))
+                library_ms, engine_ms = wall_ms(lambda: chain(False), device), wall_ms(lambda: chain(True), device)
                 for got, want in zip(chain(True), chain(False)):  # the smoke run also checks the products
                     got = got.sum(0) if got.dim() == 3 else got
                     torch.testing.assert_close(got.to(dtype), want, rtol=2e-2, atol=2e-2)
