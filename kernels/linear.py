@@ -20,8 +20,8 @@ import triton.language as tl
 from .dtypes import dot_dtype
 from .pdl import use_pdl, wait_for_previous_kernel
 
-# Up to 64 tokens this kernel streamed LLaDA-8B's and Dream-7B's matrices 5-10% faster than cuBLAS on an H100
-# (32 tokens); at 128 tokens cuBLAS was faster. See docs/kernels.md.
+# From 16 to 64 tokens this kernel ran LLaDA-8B's and Dream-7B's layer matmuls 2-7% faster than cuBLAS on an H100;
+# at 128 tokens cuBLAS was faster (benchmarks/linear.py, docs/performance.md).
 MAX_TOKENS = 64
 BLOCK_N = 64
 BLOCK_K = 128
