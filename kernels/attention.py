@@ -218,6 +218,7 @@ def paged_attention(
     *,
     out: torch.Tensor | None = None,  # [T, heads, head_dim], e.g. a CUDA graph's static buffer
     launch: AttentionLaunch | None = None,  # default: plan_launch(query, key, meta)
+    kv_stored: bool = False,  # the caller already stored the in-forward K/V (rotary.rotate_and_store_kv)
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
@@ -238,7 +239,8 @@ def paged_attention(
 
     has_cache = k_cache is not None
     if has_cache:
-        store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if not kv_stored:
+            store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         page_size = k_cache.shape[1]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         max_context_len = meta.max_context_len

@@ -3,6 +3,7 @@
 One program rotates every head of one token, so a decoder layer rotates q and k together in one launch when
 they sit side by side in the fused qkv projection's output (a [T, heads + kv_heads, head_dim] view of it).
 The rotation runs in float32 from the float32 cos/sin of `rotary_angles`, as the reference does.
+`rotate_and_store_kv` also writes the rotated K and the V of tokens with a cache slot, in the same launch.
 """
 from __future__ import annotations
 
@@ -15,9 +16,11 @@ from .pdl import use_pdl, wait_for_previous_kernel
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr,
-    stride_xt, stride_xh, stride_cos, stride_sin, num_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    x_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    stride_xt, stride_xh, stride_cos, stride_sin, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
+    num_heads, num_q_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, KV_HEADS: tl.constexpr,
+    BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
@@ -29,8 +32,58 @@ def _rotary_kernel(
     first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]  # [BLOCK_H, HALF]
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
-    tl.store(first, (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty), mask=mask)
-    tl.store(first + HALF, (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty), mask=mask)
+    rotated1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
+    rotated2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
+    tl.store(first, rotated1, mask=mask)
+    tl.store(first + HALF, rotated2, mask=mask)
+    if STORE_KV:
+        slot = tl.load(slot_mapping_ptr + token)
+        if slot >= 0:
+            # The k heads follow the q heads: write their rotated values, as stored in x, to the token's slot.
+            cache_slot = slot.to(tl.int64) * stride_cache_slot
+            kv_head = heads - num_q_heads
+            is_k = mask & (kv_head >= 0)[:, None]
+            k_dst = k_cache_ptr + cache_slot + kv_head[:, None] * stride_cache_head + dims[None, :]
+            tl.store(k_dst, rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            tl.store(k_dst + HALF, rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            if tl.program_id(1) == 0:
+                kv_heads = tl.arange(0, BLOCK_KV)
+                head_dims = tl.arange(0, 2 * HALF)
+                v_mask = (kv_heads < KV_HEADS)[:, None]
+                v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask)
+                v_dst = v_cache_ptr + cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
+                tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> None:
+    num_tokens, _, head_dim = x.shape
+    half = head_dim // 2
+    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
+        raise ValueError(f"{name}: x, cos and sin need a contiguous last dimension")
+    if half != triton.next_power_of_2(half) or cos.shape != (num_tokens, half) or sin.shape != (num_tokens, half):
+        raise ValueError(f"{name}: head_dim {head_dim} must be twice a power of two, with cos and sin "
+                         f"of shape ({num_tokens}, {half})")
+
+
+def _launch(x, cos, sin, store: tuple | None) -> None:
+    num_tokens, num_heads, head_dim = x.shape
+    if num_tokens == 0:
+        return
+    block_h = min(64, triton.next_power_of_2(num_heads))
+    if store is None:
+        value = k_cache = v_cache = slot_mapping = x  # never read: STORE_KV=False
+        v_strides, cache_strides, kv_heads = (0, 0), (0, 0), 1
+    else:
+        value, k_cache, v_cache, slot_mapping = store
+        v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
+        kv_heads = value.shape[1]
+    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        x, cos, sin, value, k_cache, v_cache, slot_mapping,
+        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), *v_strides, *cache_strides,
+        num_heads, num_heads - kv_heads,
+        HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=store is not None, KV_HEADS=kv_heads,
+        BLOCK_KV=triton.next_power_of_2(kv_heads), USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
+    )
 
 
 def rotate_in_place(
@@ -39,19 +92,23 @@ def rotate_in_place(
     sin: torch.Tensor,  # [T, head_dim // 2] float32
 ) -> torch.Tensor:
     """Rotate `x` in place (rotate-half layout) and return it."""
-    num_tokens, num_heads, head_dim = x.shape
-    half = head_dim // 2
-    if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
-        raise ValueError("rotate_in_place: x, cos and sin need a contiguous last dimension")
-    if half != triton.next_power_of_2(half) or cos.shape != (num_tokens, half) or sin.shape != (num_tokens, half):
-        raise ValueError(f"rotate_in_place: head_dim {head_dim} must be twice a power of two, with cos and sin "
-                         f"of shape ({num_tokens}, {half})")
-    if num_tokens == 0:
-        return x
-    block_h = min(64, triton.next_power_of_2(num_heads))
-    _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, cos, sin,
-        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), num_heads,
-        HALF=half, BLOCK_H=block_h, USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
-    )
+    _check(x, cos, sin, "rotate_in_place")
+    _launch(x, cos, sin, None)
     return x
+
+
+def rotate_and_store_kv(
+    qk: torch.Tensor,  # [T, heads + kv_heads, head_dim]: q's heads then k's, as in the fused qkv output
+    value: torch.Tensor,  # [T, kv_heads, head_dim]
+    cos: torch.Tensor,  # [T, head_dim // 2] float32
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], contiguous
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
+) -> None:
+    """`rotate_in_place(qk)`, then `store_kv` of the rotated k heads and `value`, in one launch: a decoder layer
+    stores its committed blocks' K/V without a launch of its own."""
+    _check(qk, cos, sin, "rotate_and_store_kv")
+    if value.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("rotate_and_store_kv: value needs a contiguous head_dim and the caches must be contiguous")
+    _launch(qk, cos, sin, (value, k_cache, v_cache, slot_mapping))

@@ -3,12 +3,13 @@ reference and the CPU path), in fewer launches.
 
 - Each residual add is folded into the RMSNorm that follows it (`fused_add_rmsnorm`), and the final norm into
   the last layer's, so the residual stream is read and written once per norm.
-- RoPE rotates q and k in place in one launch, inside the fused qkv projection's output.
+- RoPE rotates q and k in place in one launch, inside the fused qkv projection's output; without per-head q/k
+  norms that launch also stores the K/V of tokens with a cache slot, so the attention does not launch a store.
 - SiLU-and-mul of the gated MLP is one launch.
 - Up to `MAX_TOKENS` tokens the matmuls are the weight-streaming kernel of `diffulex_kernels.linear`; o_proj and
   down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up.
-At batch 1 a layer is then nine launches, four of them weight-streaming matmuls: small kernels would
-otherwise cost more than the weights take to stream. Roundings differ from the torch modules only where a
+At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
+small kernels would otherwise cost more than the weights take to stream. Roundings differ from the torch modules only where a
 kernel keeps float32 between two ops that the modules round in between.
 """
 from __future__ import annotations
@@ -18,10 +19,10 @@ import torch
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
-from diffulex_kernels import fused_add_rmsnorm, rmsnorm
+from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
 from diffulex_kernels.activation import silu_and_mul
 from diffulex_kernels.linear import linear, linear_partials
-from diffulex_kernels.rotary import rotate_in_place
+from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 
 
 def fused_forward(
@@ -64,10 +65,16 @@ def _self_attention(
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
+    kv_stored = attn.q_norm is None and k_cache is not None
     if attn.q_norm is None:
-        # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both.
-        rotate_in_place(qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim), cos, sin)
+        # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both, and the
+        # same launch stores the rotated k and v of the tokens that have a cache slot.
+        qk = qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
+        if kv_stored:
+            rotate_and_store_kv(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
+        else:
+            rotate_in_place(qk, cos, sin)
     else:
         q, k = rotate_in_place(attn.q_norm(q), cos, sin), rotate_in_place(attn.k_norm(k), cos, sin)
-    out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale)  # [T, heads, head_dim]
+    out = paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)  # [T, heads, head_dim]
     return linear_partials(out.reshape(tokens, q_size), attn.o_proj.weight)

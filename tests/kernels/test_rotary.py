@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from diffulex_backend.layers.rotary import apply_rotary, rotary_angles
-from diffulex_kernels.rotary import rotate_in_place
+from diffulex_kernels.kv_store import store_kv
+from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
 # (tokens, heads, kv_heads, head_dim): LLaDA-8B and Dream-7B, or small ones with a ragged head tile.
@@ -56,3 +57,32 @@ def test_bfloat16_rotation_rounds_like_the_reference():
     # The float32 arithmetic may fuse a multiply-add, so allow one unit in the last place of bfloat16.
     one_ulp = expected.float().abs() * 2.0**-7 + 1e-30
     assert ((x.float() - expected.float()).abs() <= one_ulp).all()
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_rotate_and_store_kv_equals_rotate_then_store(shape):
+    tokens, heads, kv_heads, head_dim = shape
+    gen = generator(tokens * heads + 1)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, gen=gen)
+    cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), head_dim, 10000.0)
+    page_size = 16
+    num_pages = tokens // page_size + 2  # room for every token's slot, and slots no token writes
+    caches = [randn(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    slots = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
+    slots[::2] = -1  # every other token keeps no K/V (a block still in flight)
+    slot_mapping = slots.to(DEVICE)
+
+    def split(buffer):
+        qk = buffer[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+        return qk, qk[:, heads:], buffer[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+
+    expected_qkv, (expected_k_cache, expected_v_cache) = qkv.clone(), [c.clone() for c in caches]
+    qk, k, v = split(expected_qkv)
+    rotate_in_place(qk, cos, sin)
+    store_kv(k, v, expected_k_cache, expected_v_cache, slot_mapping)
+
+    qk, _, v = split(qkv)
+    rotate_and_store_kv(qk, v, cos, sin, caches[0], caches[1], slot_mapping)
+    assert torch.equal(qkv, expected_qkv)
+    assert torch.equal(caches[0], expected_k_cache)  # stored slots hold the rotated k, the others are untouched
+    assert torch.equal(caches[1], expected_v_cache)
