@@ -9,8 +9,8 @@ reference and the CPU path), in fewer launches.
 - Up to `MAX_TOKENS` tokens the matmuls are the weight-streaming kernel of `diffulex_kernels.linear`; o_proj and
   down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
-small kernels would otherwise cost more than the weights take to stream. Roundings differ from the torch modules only where a
-kernel keeps float32 between two ops that the modules round in between.
+small kernels would otherwise cost more than the weights take to stream. Roundings differ from the torch modules
+only where a kernel keeps float32 between two ops that the modules round in between.
 """
 from __future__ import annotations
 
