@@ -4,7 +4,7 @@ partial sums. Every matrix of every layer is its own tensor, so each one is read
 the whole chain is one CUDA graph, timed by its replays; `MAX_TOKENS` is where the kernel stops paying.
 
     PYTHONPATH=. python benchmarks/linear.py --out DIR      # GPU: LLaDA-8B and Dream-7B layer shapes
-    PYTHONPATH=. python benchmarks/linear.py --smoke --out DIR   # anywhere: tiny shapes, eager, checked against F.linear
+    PYTHONPATH=. python benchmarks/linear.py --smoke --out DIR   # anywhere: tiny, eager, checked against F.linear
 """
 from __future__ import annotations
 

@@ -56,7 +56,8 @@ def _launch(x, residual, weight, eps, out, residual_out):
     add = residual is not None
     _rmsnorm_kernel[(num_rows,)](
         x, residual if add else x, weight, out, residual_out if add else out,
-        partials.stride(0), x.stride(0), residual.stride(0) if add else 0, out.stride(0), residual_out.stride(0) if add else 0,
+        partials.stride(0), x.stride(0), residual.stride(0) if add else 0, out.stride(0),
+        residual_out.stride(0) if add else 0,
         hidden_size, eps,
         NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block,
         USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=min(16, max(4, block // 512)),
