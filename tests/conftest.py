@@ -6,15 +6,34 @@ the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so sh
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_bad_path` and
 `diffulex_failing` (an engine that fails at every step) are loaded by the tests that need them, which is
 why the server runs with explicit model control. Stopping the server is checked when the session ends.
+
+Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
+bare GPU machine) the import name `diffulex_kernels` is mapped onto `kernels/`, as pyproject's package-dir does.
 """
 
+import importlib.util
+import os
+import sys
 from pathlib import Path
 
-import pytest
-from triton_server import SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model
+import torch
 
-from diffulex_backend import Diffulex
-from diffulex_backend.checkpoint import write_random_checkpoint
+if not torch.cuda.is_available():
+    # Must be set before any kernel is defined: triton.jit reads it at decoration time.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if importlib.util.find_spec("diffulex_kernels") is None:
+    _kernels = Path(__file__).resolve().parents[1] / "kernels"
+    _spec = importlib.util.spec_from_file_location("diffulex_kernels", _kernels / "__init__.py",
+                                                   submodule_search_locations=[str(_kernels)])
+    sys.modules["diffulex_kernels"] = importlib.util.module_from_spec(_spec)
+    _spec.loader.exec_module(sys.modules["diffulex_kernels"])
+
+import pytest  # noqa: E402
+from triton_server import SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model  # noqa: E402
+
+from diffulex_backend import Diffulex  # noqa: E402
+from diffulex_backend.checkpoint import write_random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

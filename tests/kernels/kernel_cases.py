@@ -1,4 +1,7 @@
-"""Inputs for the kernel tests: random data, poisoned outputs, and the size of the shapes."""
+"""Inputs for the kernel tests: random data, poisoned outputs, and the size of the shapes.
+
+Without a GPU the kernels run under Triton's interpreter at small shapes; `DIFFULEX_FULL_SHAPES=1` (on a GPU machine)
+runs the same tests at the shapes of the served models."""
 from __future__ import annotations
 
 import os
