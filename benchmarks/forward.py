@@ -172,9 +172,7 @@ class RandomWeightEngine(DiffulexEngine):
         self.prebuilt = model
         super().__init__(model_dir, **kwargs)
 
-    def _load_model(self, attention_fn):
-        for layer in self.prebuilt.layers:
-            layer.attn.attention_fn = attention_fn
+    def _load_model(self):
         return self.prebuilt
 
 

@@ -53,16 +53,21 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_attention(name: str, device: torch.device):
-    if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
-    if name == "torch":
+def resolve_attention(name: str, device: torch.device, head_dim: int):
+    """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
+    the model's head size, else the torch reference."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return paged_attention_reference
     if device.type != "cuda":
         raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
-    from diffulex_kernels import paged_attention
+    from diffulex_kernels.attention import HEAD_DIMS, paged_attention
 
-    return paged_attention
+    if head_dim in HEAD_DIMS:
+        return paged_attention
+    if name == "auto":
+        return paged_attention_reference
+    raise ValueError(f"config field 'attention_backend' is 'triton', whose kernels take head_dim {HEAD_DIMS}; "
+                     f"this model's is {head_dim}: use 'torch' or 'auto'")
 
 
 class DiffulexEngine:
@@ -70,8 +75,10 @@ class DiffulexEngine:
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        attention_fn = resolve_attention(config.attention_backend, self.device)
-        self.model = self._load_model(attention_fn)
+        self.model = self._load_model()
+        attention_fn = resolve_attention(config.attention_backend, self.device, self.model.arch.head_dim)
+        for layer in self.model.layers:
+            layer.attn.attention_fn = attention_fn
         # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
         self.model.fused_kernels = attention_fn is not paged_attention_reference
         arch = self.model.arch
@@ -104,10 +111,9 @@ class DiffulexEngine:
         self.num_forward_tokens = 0
         self.model_flops = 0.0
 
-    def _load_model(self, attention_fn):
+    def _load_model(self):
         config = self.config
-        return load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device,
-                          attention_fn=attention_fn)
+        return load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device)
 
     def _num_kv_pages(self) -> int:
         config = self.config

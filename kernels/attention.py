@@ -34,6 +34,7 @@ LOG2_E = 1.4426950408889634
 # Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
 MIN_SPLIT_CHUNK = 128
 MAX_SPLITS = 64  # the merge holds every split of a row in registers
+HEAD_DIMS = (64, 128)  # the head sizes the kernel is built and tested for
 
 
 @triton.jit
@@ -228,8 +229,8 @@ def paged_attention(
     num_kv_heads = key.shape[1]
     if num_heads % num_kv_heads:
         raise ValueError(f"paged_attention: {num_heads} query heads is not a multiple of {num_kv_heads} kv heads")
-    if head_dim not in (64, 128):
-        raise ValueError(f"paged_attention: head_dim {head_dim} is not supported (64 or 128)")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"paged_attention: head_dim {head_dim} is not supported {HEAD_DIMS}")
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("paged_attention: query, key and value need a contiguous head_dim")
     out = torch.empty_like(query) if out is None else out

@@ -136,3 +136,18 @@ def test_explicit_cpu_device_and_torch_attention_give_the_automatic_choice(llada
     auto = run_requests(tiny_engine(llada_checkpoint), ["hello"], params)[0]
     explicit = run_requests(tiny_engine(llada_checkpoint, device="cpu", attention_backend="torch"), ["hello"], params)[0]
     assert explicit.token_ids == auto.token_ids
+
+
+def test_auto_attention_takes_the_kernels_on_a_gpu_only_for_the_head_sizes_they_serve():
+    from diffulex_backend.attention import paged_attention_reference
+    from diffulex_backend.engine import resolve_attention
+    from diffulex_kernels.attention import HEAD_DIMS, paged_attention
+
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only compared by type: nothing runs on them here
+    assert resolve_attention("auto", cuda, HEAD_DIMS[-1]) is paged_attention
+    assert resolve_attention("auto", cuda, 16) is paged_attention_reference  # a tiny model on a GPU still serves
+    assert resolve_attention("auto", cpu, HEAD_DIMS[-1]) is paged_attention_reference
+    assert resolve_attention("torch", cuda, HEAD_DIMS[-1]) is paged_attention_reference
+    with raises_exactly("config field 'attention_backend' is 'triton', whose kernels take head_dim (64, 128); "
+                        "this model's is 16: use 'torch' or 'auto'"):
+        resolve_attention("triton", cuda, 16)
