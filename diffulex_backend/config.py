@@ -34,7 +34,7 @@ class Config:
     kv_cache_layout: str = "unified"
     enable_prefix_caching: bool | None = None  # None: on where the strategy allows it (multi_bd)
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # "auto": triton kernels on GPU, torch on CPU
+    attention_backend: str = "auto"  # "auto": triton kernels on GPU (head_dim 64 or 128), else torch
     device: str = "auto"
     dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
     accept_threshold: float = 0.9
