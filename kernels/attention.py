@@ -173,16 +173,19 @@ class AttentionLaunch:
     num_stages: int
 
 
-def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int) -> int:
+def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, num_warps: int) -> int:
     """How many chunks to cut the cached context into when the launch cannot fill `num_sms` multiprocessors.
 
     `base_programs` is q tiles x sequences x kv heads. One split (no merge pass) when that already fills the
-    GPU or the context is too short for a chunk to pay for its partial round trip. Otherwise aim at two
-    programs per multiprocessor: on the H100, LLaDA-8B at batch 1 ran 10% faster with 10 splits than with 5.
+    GPU or the context is too short for a chunk to pay for its partial round trip. Otherwise aim at about eight
+    resident warps per multiprocessor: two 4-warp programs or one 8-warp program. On the H100 more splits than
+    that lost to their partials' round trip (Dream-7B's 8-warp tiles at batch 2-8 ran fastest at one program
+    per multiprocessor), and fewer left the context reads latency-bound (LLaDA-8B's 4-warp tiles at batch 1).
     """
     if base_programs >= num_sms:
         return 1
-    return max(1, min(triton.cdiv(2 * num_sms, base_programs), max_context_len // MIN_SPLIT_CHUNK))
+    target_programs = num_sms * 8 // num_warps
+    return max(1, min(target_programs // base_programs, max_context_len // MIN_SPLIT_CHUNK))
 
 
 def multiprocessor_count(device: torch.device) -> int:
@@ -197,14 +200,22 @@ def plan_launch(
     """The launch `paged_attention` uses by default; `num_splits` forces split-KV on (> 1) or off (1)."""
     group = query.shape[1] // key.shape[1]
     rows = meta.max_seqlen_q * group
-    # One sequence's block in one tile where it fits, within an MMA-friendly tile.
+    num_seqs, num_kv_heads = meta.cu_seqlens_q.shape[0] - 1, key.shape[1]
+    num_sms = multiprocessor_count(query.device)
+    # A GQA group wider than 128 rows (Dream-7B: 7 heads x 32 tokens) in one 256-row tile reads each K/V tile
+    # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits; on the
+    # H100 it made Dream-7B's attention at batch 64 about 10% faster than two 128-row tiles.
+    if num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms:
+        return AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
+    # Otherwise one sequence's block in one tile where it fits, within an MMA-friendly tile.
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
+    # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which leaves
+    # room for more programs per multiprocessor.
+    split_warps = 8 if block_m >= 128 else 4
     if num_splits is None:
-        base_programs = triton.cdiv(rows, block_m) * (meta.cu_seqlens_q.shape[0] - 1) * key.shape[1]
-        num_splits = choose_num_splits(base_programs, meta.max_context_len, multiprocessor_count(query.device))
-    # Measured on the H100 with Dream-7B's GQA tiles (128 rows): 8 warps win when the context is split
-    # (short programs, 30% faster at batch 1), 4 warps when it is not (more programs per SM, 15% at batch 64).
-    num_warps = 8 if block_m >= 128 and num_splits > 1 else 4
+        base_programs = triton.cdiv(rows, block_m) * num_seqs * num_kv_heads
+        num_splits = choose_num_splits(base_programs, meta.max_context_len, num_sms, split_warps)
+    num_warps = split_warps if num_splits > 1 else 4
     return AttentionLaunch(block_m=block_m, block_n=64, num_splits=num_splits, num_warps=num_warps, num_stages=2)
 
 

@@ -169,8 +169,25 @@ def test_without_cache_attends_in_forward_only():
 
 
 def test_split_kv_is_chosen_for_long_context_at_small_batch_only():
-    # LLaDA-8B at batch 1: one 32-token tile per kv head, 32 programs for 132 multiprocessors.
-    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132) == 9
+    # LLaDA-8B at batch 1: one 32-token tile per kv head, 32 programs of 4 warps for 132 multiprocessors.
+    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132, num_warps=4) == 8
+    # Dream-7B at batch 4: two 128-row tiles per kv head, 32 programs of 8 warps: one program per multiprocessor.
+    assert choose_num_splits(base_programs=32, max_context_len=2048, num_sms=132, num_warps=8) == 4
     # Batch 8 already launches 256 programs; short contexts are not worth a merge pass.
-    assert choose_num_splits(base_programs=256, max_context_len=2048, num_sms=132) == 1
-    assert choose_num_splits(base_programs=32, max_context_len=100, num_sms=132) == 1
+    assert choose_num_splits(base_programs=256, max_context_len=2048, num_sms=132, num_warps=4) == 1
+    assert choose_num_splits(base_programs=32, max_context_len=100, num_sms=132, num_warps=4) == 1
+
+
+def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
+    # Dream-7B's group of 7 heads over a 32-token block is 224 rows: one tile, so each K/V tile is read once.
+    # Planned on the CPU, whose one "multiprocessor" every batch fills.
+    query, key = torch.empty(32, 28, 128), torch.empty(32, 4, 128)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor([0, 32], dtype=torch.int32), context_lens=torch.tensor([512], dtype=torch.int32),
+        page_tables=torch.zeros(1, 34, dtype=torch.int32), slot_mapping=torch.zeros(32, dtype=torch.int64),
+        block_ids=torch.zeros(32, dtype=torch.int32), max_seqlen_q=32, max_context_len=512,
+    )
+    assert plan_launch(query, key, meta).block_m == 256
+    assert plan_launch(query, key, meta, num_splits=1).block_m == 256
+    split = plan_launch(query, key, meta, num_splits=4)
+    assert (split.block_m, split.num_splits, split.num_warps) == (128, 4, 8)
