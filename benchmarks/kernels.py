@@ -208,7 +208,9 @@ def sweep_attention_launches(models, batches, context, device, grid: dict[str, t
             args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
             base = plan_launch(t["query"], t["key"], meta)
             variants = [base] + [
-                dataclasses.replace(base, block_n=block_n, num_warps=warps, num_stages=stages, num_splits=splits)
+                dataclasses.replace(base, block_m=block_m, block_n=block_n, num_warps=warps, num_stages=stages,
+                                    num_splits=splits)
+                for block_m in sorted({base.block_m, *grid["block_m"]})
                 for block_n in grid["block_n"]
                 for warps in grid["num_warps"]
                 for stages in grid["num_stages"]
@@ -349,11 +351,11 @@ def main() -> None:
     torch.manual_seed(0)
     if args.smoke:
         models, batches, contexts, sweep_batches = SMOKE_MODELS, [1], [40], [1]
-        sweep_grid = {"block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
+        sweep_grid = {"block_m": (), "block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
         sampler_grid = {"block_v": (1024,), "num_warps": (4,)}
     else:
-        models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
-        sweep_grid = {"block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2,)}
+        models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 8, 64]
+        sweep_grid = {"block_m": (128, 256), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
         sampler_grid = {"block_v": (2048, 4096, 8192), "num_warps": (4, 8, 16)}
 
     ceilings = measure_ceilings(device, args.smoke)

@@ -10,7 +10,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_kernels.attention import choose_num_splits, plan_launch
+from diffulex_kernels.attention import AttentionLaunch, choose_num_splits, plan_launch
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
 
 # Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
@@ -176,6 +176,23 @@ def test_split_kv_is_chosen_for_long_context_at_small_batch_only():
     # Batch 8 already launches 256 programs; short contexts are not worth a merge pass.
     assert choose_num_splits(base_programs=256, max_context_len=2048, num_sms=132, num_warps=4) == 1
     assert choose_num_splits(base_programs=32, max_context_len=100, num_sms=132, num_warps=4) == 1
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+def test_256_row_tiles_match_reference(num_splits):
+    # The tile plan_launch gives a wide GQA group at large batch, forced here at any batch.
+    heads, kv_heads = HEAD_SHAPES[7]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=13)
+    scale = 128**-0.5
+    k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
+    out = diffulex_kernels.paged_attention(
+        batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
+        out=poisoned_like(batch.query), launch=AttentionLaunch(256, 64, num_splits, 8, 3),
+    )
+    assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
+    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
 
 
 def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
