@@ -7,7 +7,7 @@ with the L2 cache cleared before every call, so each call reads its inputs from 
 Kernels are timed twice: replayed from a CUDA graph (device time, as the engine's graphs run them) and
 launched from Python (what an eager forward pays); the torch references are timed eagerly.
 
-    python benchmarks/kernels.py [--out DIR]   # on a GPU: LLaDA-8B and Dream-7B shapes
+    python benchmarks/kernels.py [--out DIR] [--sections attention,attention_sweep]   # on a GPU: LLaDA-8B, Dream-7B
     python benchmarks/kernels.py --smoke       # anywhere: tiny shapes, one call each (CPU: interpreter)
 """
 from __future__ import annotations
@@ -342,11 +342,18 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+SECTIONS = ("attention", "store_kv", "sampler", "rmsnorm", "attention_sweep", "sampler_sweep")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each")
     parser.add_argument("--out", type=pathlib.Path, help="folder for kernels.md and kernels.csv")
+    parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
     args = parser.parse_args()
+    unknown = set(args.sections.split(",")) - set(SECTIONS)
+    if unknown:
+        parser.error(f"unknown sections {sorted(unknown)}; choose from {list(SECTIONS)}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     if args.smoke:
@@ -366,17 +373,17 @@ def main() -> None:
         f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
     )
     print(header, flush=True)
-    sections = [
-        lambda: bench_attention(models, batches, contexts, device),
-        lambda: bench_store_kv(models, batches, device),
-        lambda: bench_sampler(models, batches, device),
-        lambda: bench_rmsnorm(models, batches, device),
-        lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
-        lambda: sweep_sampler_launches(models[0], sweep_batches, device, sampler_grid),
-    ]
+    sections = {
+        "attention": lambda: bench_attention(models, batches, contexts, device),
+        "store_kv": lambda: bench_store_kv(models, batches, device),
+        "sampler": lambda: bench_sampler(models, batches, device),
+        "rmsnorm": lambda: bench_rmsnorm(models, batches, device),
+        "attention_sweep": lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
+        "sampler_sweep": lambda: sweep_sampler_launches(models[0], sweep_batches, device, sampler_grid),
+    }
     rows = []
-    for section in sections:
-        section_rows = section()
+    for name in args.sections.split(","):
+        section_rows = sections[name]()
         for row in section_rows:
             row.floor_ms = ceilings.floor_ms(row.bytes_moved, row.flops)
         print(format_table(section_rows), flush=True)  # as it goes, so a later failure keeps the earlier tables
