@@ -361,8 +361,8 @@ def main() -> None:
         sweep_grid = {"block_m": (), "block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
         sampler_grid = {"block_v": (1024,), "num_warps": (4,)}
     else:
-        models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 8, 64]
-        sweep_grid = {"block_m": (128, 256), "block_n": (32, 64, 128), "num_warps": (4, 8), "num_stages": (2, 3)}
+        models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
+        sweep_grid = {"block_m": (128, 256), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2,)}
         sampler_grid = {"block_v": (2048, 4096, 8192), "num_warps": (4, 8, 16)}
 
     ceilings = measure_ceilings(device, args.smoke)
