@@ -94,12 +94,12 @@ def make_batch(
     )
 
 
-def assert_matches_reference(batch: Batch, num_splits: int | None) -> None:
+def assert_matches_reference(batch: Batch, num_splits: int | None, launch: AttentionLaunch | None = None) -> None:
     head_dim = batch.query.shape[-1]
     scale = head_dim**-0.5
     k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
     ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
-    launch = plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits)
+    launch = launch or plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits)
     out = diffulex_kernels.paged_attention(
         batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
         out=poisoned_like(batch.query), launch=launch,
@@ -184,15 +184,7 @@ def test_256_row_tiles_match_reference(num_splits):
     heads, kv_heads = HEAD_SHAPES[7]
     batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=16, dtype=torch.bfloat16,
                        pattern="blocks", seed=13)
-    scale = 128**-0.5
-    k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
-    ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
-    out = diffulex_kernels.paged_attention(
-        batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, scale,
-        out=poisoned_like(batch.query), launch=AttentionLaunch(256, 64, num_splits, 8, 3),
-    )
-    assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
-    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
+    assert_matches_reference(batch, num_splits, launch=AttentionLaunch(256, 64, num_splits, 8, 3))
 
 
 def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
