@@ -203,8 +203,8 @@ def plan_launch(
     num_seqs, num_kv_heads = meta.cu_seqlens_q.shape[0] - 1, key.shape[1]
     num_sms = multiprocessor_count(query.device)
     # A GQA group wider than 128 rows (Dream-7B: 7 heads x 32 tokens) in one 256-row tile reads each K/V tile
-    # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits; on the
-    # H100 it made Dream-7B's attention at batch 64 about 10% faster than two 128-row tiles.
+    # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits
+    # (`benchmarks/kernels.py --sections attention_sweep` compares it with 128-row tiles at batch 64).
     if num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms:
         return AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
     # Otherwise one sequence's block in one tile where it fits, within an MMA-friendly tile.
