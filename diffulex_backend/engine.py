@@ -6,6 +6,7 @@ import random
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from . import strategies  # noqa: F401  (registers every strategy)
@@ -196,8 +197,9 @@ class DiffulexEngine:
         for plan in sched.plans:
             plan.req.after_forward(plan)
             self.kv_cache.register_prefix(plan.req)
+        tokens = result.tokens.numpy()
         for plan, block, at in result.blocks:
-            plan.req.tokens[block.start:block.end] = result.tokens[at:at + block.end - block.start]
+            plan.req.tokens[block.start:block.end] = tokens[at:at + block.end - block.start]
         outputs = []
         for plan in sched.plans:
             if not plan.blocks:
@@ -213,9 +215,9 @@ class DiffulexEngine:
         stop_ids = req.params.stop_token_ids + ([] if req.params.ignore_eos else self.eos_token_ids)
         reason = None
         if stop_ids:
-            hits = torch.isin(new, torch.tensor(stop_ids)).nonzero()
-            if hits.numel():
-                new, reason = new[: int(hits[0])], FinishReason.STOP
+            hits = np.flatnonzero(np.isin(new, stop_ids))
+            if hits.size:
+                new, reason = new[: hits[0]], FinishReason.STOP
         ids = new.tolist()
         req.num_output_tokens += len(ids)
         if reason is None and req.num_committed >= req.params.max_tokens:

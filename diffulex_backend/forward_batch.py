@@ -151,11 +151,6 @@ def ranges(starts: list[int], ends: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.repeat(shift, counts) + np.arange(first_out[-1]))
 
 
-def host_cat(tensors: list[torch.Tensor]) -> np.ndarray:
-    """cat(tensors) as a numpy array: one tensor's own memory, or torch.cat's, which walks a long list in C++."""
-    return tensors[0].numpy() if len(tensors) == 1 else torch.cat(tensors).numpy()
-
-
 def build_forward_batch(plans: list[SeqPlan], page_size: int) -> ForwardBatch:
     num_seqs = len(plans)
     counts = [p.end - p.start for p in plans]
@@ -185,13 +180,13 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int) -> ForwardBatch:
     page_tables[:num_seqs, :max_pages] = lookup[:, :max_pages]
     cu_seqlens_out[:] = cu_seqlens_q + [num_tokens] * (layout.num_seqs - num_seqs)
     context_lens_out[:num_seqs] = context_lens
-    input_ids[:num_tokens] = host_cat([p.req.tokens[p.start:p.end] for p in plans])
-    block_ids[:num_tokens] = host_cat([p.block_ids for p in plans])
+    input_ids[:num_tokens] = np.concatenate([p.req.tokens[p.start:p.end] for p in plans])
+    block_ids[:num_tokens] = np.concatenate([p.block_ids for p in plans])
     seq_of_token = np.arange(num_seqs).repeat(counts)
     first_position = np.array([p.start - first for p, first in zip(plans, cu_seqlens_q)], dtype=np.int64)
     np.add(first_position[seq_of_token], np.arange(num_tokens), out=positions[:num_tokens])
     # Logical cache index -> flat slot through each token's own page table row.
-    page, offset = np.divmod(host_cat([p.cache_index for p in plans]), page_size)
+    page, offset = np.divmod(np.concatenate([p.cache_index for p in plans]), page_size)
     slots = slot_mapping[:num_tokens]
     np.multiply(lookup[seq_of_token, page], page_size, out=slots)
     slots += offset

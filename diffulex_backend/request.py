@@ -7,10 +7,12 @@ final and streamed; tokens whose K/V sit in the paged cache are counted by `num_
 from __future__ import annotations
 
 import enum
+import functools
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from .config import SamplingMode
@@ -58,15 +60,15 @@ class SeqPlan:
     start: int  # feed positions [start, end)
     end: int
     context_len: int  # cached tokens this sequence attends to
-    cache_index: torch.Tensor  # [end - start] int64: logical cache slot of each fed token, -1 = not stored
-    block_ids: torch.Tensor  # [end - start] int32: the block mask (see attention.py)
+    cache_index: np.ndarray  # [end - start] int64: logical cache slot of each fed token, -1 = not stored
+    block_ids: np.ndarray  # [end - start] int32: the block mask (see attention.py)
     blocks: list[LogitBlock]  # predicted spans, in position order; empty for a prefill-only chunk
 
     @property
     def num_tokens(self) -> int:
         return self.end - self.start
 
-    @property
+    @functools.cached_property
     def cache_need(self) -> int:
         """Logical cache slots the plan touches, i.e. how far the page table must reach."""
         stored = int(self.cache_index.max()) + 1 if self.num_tokens else 0
@@ -99,8 +101,10 @@ class Request:
         self.mask_token_id = mask_token_id
         self.seed = seed
         self.num_prompt_tokens = len(prompt_ids)
-        self.tokens = torch.full((len(prompt_ids) + params.max_tokens,), mask_token_id, dtype=torch.int64)
-        self.tokens[: len(prompt_ids)] = torch.tensor(prompt_ids, dtype=torch.int64)
+        # numpy, not torch: the scheduler reads and writes a few slices of it per step, where a torch op costs
+        # several microseconds and a numpy one well under one.
+        self.tokens = np.full(len(prompt_ids) + params.max_tokens, mask_token_id, dtype=np.int64)
+        self.tokens[: len(prompt_ids)] = prompt_ids
         self.accept_threshold = config.accept_threshold if params.accept_threshold is None else params.accept_threshold
         self.remask_threshold = config.remask_threshold if params.remask_threshold is None else params.remask_threshold
         self.status = RequestStatus.WAITING

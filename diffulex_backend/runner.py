@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .acceptance import AcceptanceBatch, AcceptanceSampler
@@ -178,7 +179,7 @@ class ModelRunner:
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
-            torch.cat([p.req.tokens[b.start:b.end] for p, b in blocks]),
+            torch.from_numpy(np.concatenate([p.req.tokens[b.start:b.end] for p, b in blocks])),
             row_keys(row_ints[:, 0], positions, row_ints[:, 1]),
             row_floats[:, 0],
             row_ints[:, 2],

@@ -9,7 +9,7 @@ One forward feeds, contiguously from the first uncached position: the rest of th
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from ..config import Config
 from ..kv_cache import KVCacheManager
@@ -42,11 +42,15 @@ class BlockDiffusionRequest(Request):
             return BlockState.ACTIVE
         return BlockState.IN_CACHE if self.block_span(k)[1] <= self.num_cached else BlockState.TO_CACHE
 
-    def block_ids(self, positions: torch.Tensor) -> torch.Tensor:
-        gen = positions - self.gen_start
-        prompt_ids = positions if self.causal_prompt else torch.zeros_like(positions)
-        block_start = self.gen_start + gen.div(self.config.block_size, rounding_mode="floor") * self.config.block_size
-        return torch.where(gen < 0, prompt_ids, block_start).to(torch.int32)
+    def block_ids(self, positions: np.ndarray) -> np.ndarray:
+        """Each position's block id: its block's first position in the generation area; in the prompt, the
+        position itself (causal) or 0 (bidirectional)."""
+        bs, gen_start = self.config.block_size, self.gen_start
+        ids = ((positions - gen_start) // bs * bs + gen_start).astype(np.int32)
+        num_prompt = gen_start - int(positions[0]) if positions.size else 0
+        if num_prompt > 0:
+            ids[:num_prompt] = positions[:num_prompt] if self.causal_prompt else 0
+        return ids
 
     def _chunk_end(self, start: int, limit: int) -> int:
         """The furthest legal end of a prefill chunk: never inside a block, nor inside a d2f prompt."""
@@ -60,7 +64,7 @@ class BlockDiffusionRequest(Request):
 
     def fill_ratio(self, k: int) -> float:
         start, end = self.block_span(k)
-        return float((self.tokens[start:end] != self.mask_token_id).sum()) / (end - start)
+        return int(np.count_nonzero(self.tokens[start:end] != self.mask_token_id)) / (end - start)
 
     def plan(self, token_budget: int) -> SeqPlan | None:
         start = self.num_cached
@@ -68,7 +72,7 @@ class BlockDiffusionRequest(Request):
         end = active_end if active_end - start <= token_budget else self._chunk_end(start, start + token_budget)
         if end <= start:
             return None
-        positions = torch.arange(start, end)
+        positions = np.arange(start, end)
         write_end = min(end, self.committed_end)
         blocks = []
         if end == active_end:
@@ -79,7 +83,7 @@ class BlockDiffusionRequest(Request):
                 blocks.append(LogitBlock(b0, b1, first, enabled, self.transfer_count(b1 - b0)))
         return SeqPlan(
             req=self, start=start, end=end, context_len=self.num_cached,
-            cache_index=torch.where(positions < write_end, positions, -1),
+            cache_index=np.where(positions < write_end, positions, -1),
             block_ids=self.block_ids(positions), blocks=blocks,
         )
 

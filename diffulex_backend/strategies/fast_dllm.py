@@ -8,7 +8,7 @@ predicts the block's first token and changes as the block fills.
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from ..acceptance import AcceptanceSampler
 from ..kv_cache import KVCacheManager
@@ -40,17 +40,17 @@ class FastDLLMRequest(FullAttentionRequest):
         if self.refreshing:
             if self.seq_len > token_budget:
                 return None
-            pos = torch.arange(self.seq_len)
-            suffix = torch.where(pos >= end, pos - (end - first_fed), -1) if dual else torch.full_like(pos, -1)
-            return self.full_plan(torch.where(pos < first_fed, pos, suffix))
+            pos = np.arange(self.seq_len)
+            suffix = np.where(pos >= end, pos - (end - first_fed), -1) if dual else -1
+            return self.full_plan(np.where(pos < first_fed, pos, suffix))
         fed_end = end if dual else self.seq_len
         if fed_end - first_fed > token_budget:
             return None
         context = first_fed + (self.seq_len - end if dual else 0)
         n = fed_end - first_fed
         return SeqPlan(req=self, start=first_fed, end=fed_end, context_len=context,
-                       cache_index=torch.full((n,), -1, dtype=torch.int64),
-                       block_ids=torch.zeros(n, dtype=torch.int32), blocks=[self.current_block()])
+                       cache_index=np.full(n, -1, dtype=np.int64),
+                       block_ids=np.zeros(n, dtype=np.int32), blocks=[self.current_block()])
 
     def after_forward(self, plan: SeqPlan) -> None:
         if self.refreshing:

@@ -4,7 +4,7 @@ low-confidence remasking). Slow by design: it is the oracle for full-attention m
 """
 from __future__ import annotations
 
-import torch
+import numpy as np
 
 from ..acceptance import AcceptanceSampler
 from ..config import SamplingMode
@@ -26,10 +26,9 @@ class FullAttentionRequest(Request):
         start, end = self.block_span(self.num_committed_blocks)
         return LogitBlock(start, end, is_first=True, enabled=True, num_transfer=self.transfer_count(end - start))
 
-    def full_plan(self, cache_index: torch.Tensor) -> SeqPlan:
-        positions = torch.arange(self.seq_len)
+    def full_plan(self, cache_index: np.ndarray) -> SeqPlan:
         return SeqPlan(req=self, start=0, end=self.seq_len, context_len=0, cache_index=cache_index,
-                       block_ids=torch.zeros_like(positions, dtype=torch.int32), blocks=[self.current_block()])
+                       block_ids=np.zeros(self.seq_len, dtype=np.int32), blocks=[self.current_block()])
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.nfe += 1
@@ -43,7 +42,7 @@ class VanillaRequest(FullAttentionRequest):
     def plan(self, token_budget: int) -> SeqPlan | None:
         if self.seq_len > token_budget:
             return None
-        return self.full_plan(torch.full((self.seq_len,), -1, dtype=torch.int64))
+        return self.full_plan(np.full(self.seq_len, -1, dtype=np.int64))
 
 
 class NoKVCacheManager(KVCacheManager):

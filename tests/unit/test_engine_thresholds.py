@@ -31,7 +31,7 @@ def trace(path, prompts=PROMPTS, params=PARAMS, **config):
             streams[delta.request_id].deltas.append(delta)
         blocks_per_forward += [len(p.blocks) for p in llm.last_schedule.plans]
         bs = llm.config.block_size
-        snapshots.append([r.tokens[r.num_prompt_tokens:].view(-1, bs).clone() for r in reqs])  # [blocks, bs]
+        snapshots.append([torch.tensor(r.tokens[r.num_prompt_tokens:]).view(-1, bs) for r in reqs])  # [blocks, bs]
         assert len(snapshots) < 300
     return list(streams.values()), snapshots, blocks_per_forward
 

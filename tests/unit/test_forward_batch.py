@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,11 +18,11 @@ MAX_MODEL_LEN = 40  # 10 page columns
 def make_plan(start: int, end: int, context_len: int, cache_index: list[int], page_table: list[int],
               seed: int) -> SeqPlan:
     config = SimpleNamespace(max_model_len=MAX_MODEL_LEN, device="cpu")
-    tokens = torch.randint(0, 1000, (MAX_MODEL_LEN,), generator=torch.Generator().manual_seed(seed))
+    tokens = np.random.default_rng(seed).integers(0, 1000, MAX_MODEL_LEN, dtype=np.int64)
     req = SimpleNamespace(tokens=tokens, page_table=page_table, config=config)
-    block_ids = torch.arange(start, end, dtype=torch.int32) // 8 * 8
+    block_ids = np.arange(start, end, dtype=np.int32) // 8 * 8
     return SeqPlan(req=req, start=start, end=end, context_len=context_len,
-                   cache_index=torch.tensor(cache_index, dtype=torch.int64), block_ids=block_ids, blocks=[])
+                   cache_index=np.array(cache_index, dtype=np.int64), block_ids=block_ids, blocks=[])
 
 
 def reference(plans: list[SeqPlan]) -> dict[str, list]:
