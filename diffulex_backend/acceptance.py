@@ -6,6 +6,9 @@ its most confident position, so every step makes progress. Under SamplingMode.TO
 `num_transfer` most confident masked positions (LLaDA's low-confidence remasking). Filled positions of later
 blocks whose token has fallen under the remask threshold go back to mask; the first block is never remasked,
 which is what guarantees that decoding ends.
+
+This module is the reference and the CPU path; on CUDA the runner asks for the one-launch kernel
+(`diffulex_kernels.accept_tokens`), which computes the same tokens.
 """
 from __future__ import annotations
 
@@ -21,8 +24,11 @@ class AcceptanceBatch:
     current: torch.Tensor  # [A] int64: tokens before this step (mask where undecided)
     predicted: torch.Tensor  # [A] int64: the sampler's choice
     confidence: torch.Tensor  # [A] float32: the sampler's confidence in it
-    current_prob: torch.Tensor  # [A] float32: the model's probability of the current token
+    current_logit: torch.Tensor  # [A]: the model's logit of the current token, in the logits' dtype
+    logsumexp: torch.Tensor  # [A] float32: of each row's logits, so exp(current_logit - logsumexp) is its probability
     segment: torch.Tensor  # [A] int64: segment (block) of each position
+    seg_offsets: torch.Tensor  # [S + 1] int64: where each segment's positions start; a segment is contiguous
+    max_segment_len: int
     seg_first: torch.Tensor  # [S] bool: the request's first block in flight
     seg_enabled: torch.Tensor  # [S] bool: may accept this step
     seg_accept_threshold: torch.Tensor  # [S] float32
@@ -35,7 +41,12 @@ class AcceptanceSampler:
         self.mode = config.mode
         self.mask_token_id = mask_token_id
 
-    def __call__(self, batch: AcceptanceBatch) -> torch.Tensor:  # [A] int64: the tokens after this step
+    def __call__(self, batch: AcceptanceBatch, use_kernel: bool = False) -> torch.Tensor:
+        """[A] int64: the tokens after this step; `use_kernel` takes the Triton kernel (CUDA tensors)."""
+        if use_kernel:
+            from diffulex_kernels import accept_tokens
+
+            return accept_tokens(batch, self.mask_token_id, self.mode == SamplingMode.TOPK, batch.max_segment_len)
         masked = batch.current == self.mask_token_id
         seg = batch.segment
         num_segs = batch.seg_first.numel()
@@ -48,7 +59,9 @@ class AcceptanceSampler:
         else:
             rank = _segment_rank(batch.confidence, eligible, seg, num_segs)
             accept = eligible & (rank < batch.seg_num_transfer[seg])
-        remask = ~masked & ~batch.seg_first[seg] & (batch.current_prob < batch.seg_remask_threshold[seg])
+        # Gather, then upcast: the same values as upcasting all logits first, without an [A, vocab] copy.
+        current_prob = torch.exp(batch.current_logit.to(batch.logsumexp.dtype) - batch.logsumexp)
+        remask = ~masked & ~batch.seg_first[seg] & (current_prob < batch.seg_remask_threshold[seg])
         out = torch.where(accept, batch.predicted, batch.current)
         return torch.where(remask, torch.full_like(out, self.mask_token_id), out)
 

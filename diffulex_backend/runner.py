@@ -8,7 +8,8 @@ On CUDA with the Triton kernels (`model.fused_kernels`):
   * host inputs travel through pinned memory with non-blocking copies (upload.py);
   * the forward is launched first, and the sampler and acceptance inputs are built on the host while the GPU
     runs it: they depend on the plans only, not on the forward's result;
-  * the fused sampler scores rows without top-k/top-p in one pass over the logits;
+  * the fused sampler scores rows without top-k/top-p in one pass over the logits, and the acceptance rule is
+    one launch (diffulex_kernels.accept_tokens) where its torch form is some forty;
   * the step's one device-to-host sync fetches the accepted tokens.
 The next step's scheduling needs those tokens (acceptance decides what the plans feed), so it cannot start
 before the sync.
@@ -175,9 +176,11 @@ class ModelRunner:
         row_ints = seg_ints[:, :4].repeat_interleave(lengths, dim=0)  # [A, 4]
         row_floats = seg_floats[:, :2].repeat_interleave(lengths, dim=0)  # [A, 2]
         positions = ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
+        seg_offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
+        torch.cumsum(lengths, 0, out=seg_offsets[1:])
         filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
-        (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_first, seg_enabled,
-         seg_accept, seg_remask, seg_num_transfer) = upload([
+        (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_offsets, seg_first,
+         seg_enabled, seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
             torch.from_numpy(np.concatenate([p.req.tokens[b.start:b.end] for p, b in blocks])),
             row_keys(row_ints[:, 0], positions, row_ints[:, 1]),
@@ -186,6 +189,7 @@ class ModelRunner:
             row_ints[:, 3],
             row_floats[:, 1],
             torch.repeat_interleave(torch.arange(len(blocks)), lengths),
+            seg_offsets,
             torch.tensor([b.is_first for _, b in blocks]),
             torch.tensor([b.enabled for _, b in blocks]),
             seg_floats[:, 2],
@@ -200,18 +204,19 @@ class ModelRunner:
         logits[:, self.sampler.mask_token_id] = float("-inf")
         result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
                         use_kernel=self.use_kernels, filtered=filtered)
-        # Gather, then upcast: the same values as upcasting all logits first, without an [A, vocab] copy.
-        current_logit = logits.gather(1, current[:, None]).squeeze(1).to(result.logsumexp.dtype)
         batch = AcceptanceBatch(
             current=current,
             predicted=result.tokens,
             confidence=result.confidence,
-            current_prob=torch.exp(current_logit - result.logsumexp),
+            current_logit=logits.gather(1, current[:, None]).squeeze(1),
+            logsumexp=result.logsumexp,
             segment=segment,
+            seg_offsets=seg_offsets,
+            max_segment_len=int(lengths.max()),
             seg_first=seg_first,
             seg_enabled=seg_enabled,
             seg_accept_threshold=seg_accept,
             seg_remask_threshold=seg_remask,
             seg_num_transfer=seg_num_transfer,
         )
-        return self.sampler(batch).cpu()  # the step's one device-to-host sync
+        return self.sampler(batch, use_kernel=self.use_kernels).cpu()  # the step's one device-to-host sync

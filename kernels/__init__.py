@@ -3,9 +3,10 @@
 Imported as `diffulex_kernels`. Under `TRITON_INTERPRET=1` they also run on CPU tensors (slowly), which is
 how CI checks them.
 """
+from .acceptance import accept_tokens
 from .attention import paged_attention
 from .kv_store import store_kv
 from .norm import fused_add_rmsnorm, rmsnorm
 from .sampling import sample_and_confidence
 
-__all__ = ["fused_add_rmsnorm", "paged_attention", "rmsnorm", "sample_and_confidence", "store_kv"]
+__all__ = ["accept_tokens", "fused_add_rmsnorm", "paged_attention", "rmsnorm", "sample_and_confidence", "store_kv"]
