@@ -50,7 +50,7 @@ from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
 from diffulex_backend.request import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
-from diffulex_kernels.linear import linear  # noqa: E402
+from diffulex_kernels.linear import linear, linear_silu_and_mul  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
@@ -479,6 +479,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                          max_num_reqs=max(batches), num_kv_pages=max(batches) * -(-(context + BLOCK) // PAGE_SIZE))
     fill_cache(engine, seed=7)
     arch, dtype = model.arch, model.embed_tokens.weight.dtype
+    gate_ups = {id(layer.mlp.gate_up_proj.weight) for layer in model.layers}
     weights = [w for layer in model.layers for w in (layer.attn.qkv_proj.weight, layer.attn.o_proj.weight,
                                                       layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
     weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
@@ -488,10 +489,10 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         inputs = {size: torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
                   for size in (arch.hidden_size, arch.q_size, arch.intermediate_size)}
 
-        def matmuls():  # as the fused forward runs them: the weight-streaming kernel at a few tokens
-            for weight in weights:
+        def matmuls():  # as the fused forward runs them: the weight-streaming kernel at a few tokens, gate_up
+            for weight in weights:  # with SiLU-and-mul in its epilogue
                 if model.fused_kernels:
-                    linear(inputs[weight.shape[1]], weight)
+                    (linear_silu_and_mul if id(weight) in gate_ups else linear)(inputs[weight.shape[1]], weight)
                 else:
                     torch.nn.functional.linear(inputs[weight.shape[1]], weight)
 

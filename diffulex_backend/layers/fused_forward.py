@@ -5,9 +5,9 @@ reference and the CPU path), in fewer launches.
   the last layer's, so the residual stream is read and written once per norm.
 - RoPE rotates q and k in place in one launch, inside the fused qkv projection's output; without per-head q/k
   norms that launch also stores the K/V of tokens with a cache slot, so the attention does not launch a store.
-- SiLU-and-mul of the gated MLP is one launch.
 - Up to `MAX_TOKENS` tokens the matmuls are the weight-streaming kernel of `diffulex_kernels.linear`; o_proj and
-  down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up.
+  down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up, and the
+  gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
 small kernels would otherwise cost more than the weights take to stream. Roundings differ from the torch modules
 only where a kernel keeps float32 between two ops that the modules round in between.
@@ -20,8 +20,7 @@ from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
-from diffulex_kernels.activation import silu_and_mul
-from diffulex_kernels.linear import linear, linear_partials
+from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 
 
@@ -44,7 +43,7 @@ def fused_forward(
         attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache)
         x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
-        mlp_out = linear_partials(silu_and_mul(linear(x, mlp.gate_up_proj.weight)), mlp.down_proj.weight)
+        mlp_out = linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
 

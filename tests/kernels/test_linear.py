@@ -1,5 +1,5 @@
-"""The weight-streaming matmul equals x @ w.T (+ bias), whole or as split-K partial sums, and the residual-add
-RMSNorm that consumes the partial sums equals the one fed the whole product."""
+"""The weight-streaming matmul equals x @ w.T (+ bias), whole, as split-K partial sums, or with SiLU-and-mul in its
+epilogue; and the residual-add RMSNorm that consumes the partial sums equals the one fed the whole product."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import diffulex_kernels
-from diffulex_kernels.linear import BLOCK_K, MAX_TOKENS, choose_split_k, linear, linear_partials
+from diffulex_kernels.activation import silu_and_mul
+from diffulex_kernels.linear import BLOCK_K, MAX_TOKENS, choose_split_k, linear, linear_partials, linear_silu_and_mul
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
 # (tokens, out features, in features): LLaDA-8B's and Dream-7B's projections at one block, or small shapes with
@@ -44,6 +45,31 @@ def test_partial_sums_add_up_to_the_product(shape):
     assert partials.shape == (choose_split_k(n, k), m, n) and partials.dtype == torch.float32
     # Each partial is a float32 sum of exact bf16 products: the total is close to float64 far below bf16 rounding.
     assert relative_error(partials.sum(0), reference(x, weight)) < 1e-5
+
+
+# (tokens, intermediate size, hidden): LLaDA-8B's and Dream-7B's gate_up at one block, or small shapes whose
+# intermediate size leaves a ragged row tile.
+GATED_SHAPES = ([(32, 12288, 4096), (32, 18944, 3584), (64, 12288, 4096)] if FULL_SHAPES
+                else [(1, 64, 128), (5, 100, 200), (64, 70, 384)])
+
+
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=str)
+def test_gated_projection_equals_silu_and_mul_of_the_product(shape):
+    m, inter, k = shape
+    gen = generator(m + inter)
+    x, gate_up = randn(m, k, dtype=torch.bfloat16, gen=gen), randn(2 * inter, k, dtype=torch.bfloat16, gen=gen)
+    out = linear_silu_and_mul(x, gate_up)
+    assert out.shape == (m, inter) and out.dtype == torch.bfloat16
+    # Rounded where the two launches round: the same bits.
+    assert torch.equal(out, silu_and_mul(linear(x, gate_up)))
+    product = reference(x, gate_up)
+    assert relative_error(out, F.silu(product[:, :inter]) * product[:, inter:]) < 2e-2
+
+
+def test_gated_projection_past_the_kernel_goes_to_the_library_matmul():
+    gen = generator(4)
+    x, gate_up = randn(MAX_TOKENS + 1, 64, dtype=torch.bfloat16, gen=gen), randn(64, 64, dtype=torch.bfloat16, gen=gen)
+    assert torch.equal(linear_silu_and_mul(x, gate_up), silu_and_mul(F.linear(x, gate_up)))
 
 
 def test_split_k_gives_every_multiprocessor_a_program():
