@@ -32,7 +32,9 @@ from source_checkout import map_kernels_package  # noqa: E402
 map_kernels_package()
 
 import diffulex_kernels  # noqa: E402
+from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceSampler  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
+from diffulex_backend.config import SamplingMode  # noqa: E402
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
@@ -277,6 +279,42 @@ def bench_sampler(models, batches, device) -> list[Row]:
     return rows
 
 
+def acceptance_batch(num_segs: int, device: torch.device) -> AcceptanceBatch:
+    """One 32-position segment per block: a few positions still masked, thresholds that accept some of them."""
+    n = num_segs * BLOCK_LEN
+    mask_token = 0
+    current = torch.randint(1, 1000, (n,), device=device)
+    current[torch.rand(n, device=device) < 0.5] = mask_token
+    logsumexp = torch.rand(n, device=device) * 2
+    return AcceptanceBatch(
+        current=current, predicted=torch.randint(1, 1000, (n,), device=device), confidence=torch.rand(n, device=device),
+        current_logit=(logsumexp - torch.rand(n, device=device)).to(torch.bfloat16), logsumexp=logsumexp,
+        segment=torch.arange(num_segs, device=device).repeat_interleave(BLOCK_LEN),
+        seg_offsets=torch.arange(num_segs + 1, device=device) * BLOCK_LEN, max_segment_len=BLOCK_LEN,
+        seg_first=torch.arange(num_segs, device=device) % 2 == 0, seg_enabled=torch.ones(num_segs, dtype=torch.bool, device=device),
+        seg_accept_threshold=torch.full((num_segs,), 0.9, device=device),
+        seg_remask_threshold=torch.full((num_segs,), 0.1, device=device),
+        seg_num_transfer=torch.full((num_segs,), 2, device=device),
+    )
+
+
+def bench_acceptance(batches, device) -> list[Row]:
+    """The acceptance rule over one block per request (and four, as d2f with four blocks in flight runs it)."""
+    rows = []
+    for blocks_per_request in (1, 4):
+        for batch in batches:
+            accept_batch = acceptance_batch(batch * blocks_per_request, device)
+            # Read: current, predicted, confidence, logit, logsumexp; written: the tokens.
+            bytes_moved = accept_batch.current.numel() * (8 + 8 + 4 + 2 + 4 + 8)
+            for mode in SamplingMode:
+                rule = AcceptanceSampler(type("Config", (), {"mode": mode})(), mask_token_id=0)
+                rows.append(kernel_row(
+                    "accept_tokens", f"{mode.value} {batch} requests x {blocks_per_request} blocks",
+                    lambda: rule(accept_batch, use_kernel=True), lambda: rule(accept_batch), bytes_moved,
+                ))
+    return rows
+
+
 def sweep_sampler_launches(model: ModelShape, batches, device, grid: dict[str, tuple[int, ...]]) -> list[Row]:
     rows = []
     for batch in batches:
@@ -342,7 +380,7 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("attention", "store_kv", "sampler", "rmsnorm", "attention_sweep", "sampler_sweep")
+SECTIONS = ("attention", "store_kv", "sampler", "acceptance", "rmsnorm", "attention_sweep", "sampler_sweep")
 
 
 def main() -> None:
@@ -377,6 +415,7 @@ def main() -> None:
         "attention": lambda: bench_attention(models, batches, contexts, device),
         "store_kv": lambda: bench_store_kv(models, batches, device),
         "sampler": lambda: bench_sampler(models, batches, device),
+        "acceptance": lambda: bench_acceptance(batches, device),
         "rmsnorm": lambda: bench_rmsnorm(models, batches, device),
         "attention_sweep": lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
         "sampler_sweep": lambda: sweep_sampler_launches(models[0], sweep_batches, device, sampler_grid),
