@@ -50,6 +50,7 @@ from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
 from diffulex_backend.request import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
+from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.linear import linear, linear_silu_and_mul  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
@@ -254,7 +255,9 @@ def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, 
         hidden = runner.forward(batch)
         if carry:
             hidden = torch.cat([hidden, torch.stack(carry)])
-        return engine.model.compute_logits(hidden[rows.to(engine.device)])
+        # Through pinned memory, as the runner uploads them: a pageable copy would hold the host until the
+        # forward ends, and the LM head's launch would then leave the GPU idle.
+        return engine.model.compute_logits(hidden[upload([rows], engine.device)[0]])
 
 
 # ---- sections ------------------------------------------------------------------------------------------------
