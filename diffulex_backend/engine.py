@@ -219,12 +219,12 @@ class DiffulexEngine:
             if hits.size:
                 new, reason = new[: hits[0]], FinishReason.STOP
         ids = new.tolist()
-        req.num_output_tokens += len(ids)
         if reason is None and req.num_committed >= req.params.max_tokens:
             reason = FinishReason.LENGTH
-        text, stopped = self.detokenizers[req.request_id].add(ids, final=reason is not None)
-        if stopped:
-            reason = FinishReason.STOP
+        text, keep = self.detokenizers[req.request_id].add(ids, final=reason is not None)
+        if keep is not None:
+            ids, reason = ids[:keep], FinishReason.STOP
+        req.num_output_tokens += len(ids)
         now = time.monotonic()
         if req.first_token_time is None:
             req.first_token_time = now

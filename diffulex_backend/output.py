@@ -44,7 +44,8 @@ class RequestOutput:
 class Detokenizer:
     """Turns committed tokens into append-only text. A multi-byte character split across blocks decodes to
     U+FFFD until its last byte arrives, so trailing replacement characters are held back until then. Stop
-    strings end the text at their first match."""
+    strings end the text at their first match, and the tokens at the one that completes it: a block commits
+    whole, and the tokens after the match are not output."""
 
     def __init__(self, tokenizer, stop: list[str]):
         self.tokenizer = tokenizer
@@ -52,22 +53,42 @@ class Detokenizer:
         self.ids: list[int] = []
         self.sent = 0  # characters already handed out
 
-    def add(self, ids: list[int], final: bool) -> tuple[str, bool]:
-        """Returns the text delta and whether a stop string matched."""
+    def add(self, ids: list[int], final: bool) -> tuple[str, int | None]:
+        """Returns the text delta, and when a stop string matched, how many of `ids` are output (None: all)."""
+        num_before = len(self.ids)
         self.ids.extend(ids)
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
-        stopped = False
+        text = self._decode(len(self.ids))
+        keep = None
         if self.stop:
             # A match may straddle the previous delta; it cannot start before what was already sent.
-            hits = [i for i in (text.find(s, max(0, self.sent - len(s) + 1)) for s in self.stop) if i >= 0]
+            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(0, self.sent - len(s) + 1)), s) for s in self.stop)
+                    if i >= 0]
             if hits:
-                text, stopped = text[: min(hits)], True
-        if not (final or stopped):
+                start, end = min(hits)
+                text = text[:start]
+                keep = self._tokens_through(end, num_before) - num_before
+                del self.ids[num_before + keep:]
+        if not (final or keep is not None):
             text = text.rstrip("\ufffd")
             text = text[: len(text) - self._stop_prefix_len(text)]
         delta = text[self.sent:]
         self.sent = max(self.sent, len(text))
-        return delta, stopped
+        return delta, keep
+
+    def _decode(self, num_ids: int) -> str:
+        return self.tokenizer.decode(self.ids[:num_ids], skip_special_tokens=True)
+
+    def _tokens_through(self, num_chars: int, low: int) -> int:
+        """The fewest tokens (more than `low`) whose text reaches `num_chars` characters. Bisection: a stop is rare
+        and a block is at most a few dozen tokens."""
+        high = len(self.ids)
+        while high - low > 1:
+            mid = (low + high) // 2
+            if len(self._decode(mid)) >= num_chars:
+                high = mid
+            else:
+                low = mid
+        return high
 
     def _stop_prefix_len(self, text: str) -> int:
         """Length of the longest end of `text` that begins a stop string: it may yet become a match."""

@@ -9,7 +9,7 @@ import pytest
 
 from diffulex_backend import FinishReason, SamplingParams
 from diffulex_backend.checkpoint import EOS_TOKEN_ID
-from engine_driver import run_requests, tiny_engine
+from engine_driver import TINY_LIMITS, run_requests, tiny_engine
 
 PROMPTS = ["hello world", "the quick brown fox", "ab", "diffusion"]
 FREE = SamplingParams(max_tokens=24, ignore_eos=True)
@@ -75,7 +75,7 @@ def test_stop_token_ids_end_the_request_before_the_stop_token(llada_checkpoint):
 def test_stop_string_ends_the_text_at_its_first_match_even_across_deltas(llada_checkpoint):
     free = free_run(llada_checkpoint)
     llm = tiny_engine(llada_checkpoint, **CONFIG)
-    straddling = 0
+    straddling = cut_blocks = 0
     for prompt, want in zip(PROMPTS, free):
         boundaries = {sum(len(d.text) for d in want.deltas[:n]) for n in range(1, len(want.deltas))}
         text = want.text
@@ -85,10 +85,18 @@ def test_stop_string_ends_the_text_at_its_first_match_even_across_deltas(llada_c
         split = [k for k in candidates if k + 1 in boundaries]
         k = (split or candidates)[0]
         straddling += bool(split)
-        out = run_requests(llm, [prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[text[k:k + 2]]))[0]
+        stop = text[k:k + 2]
+        out = run_requests(llm, [prompt], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
         assert out.text == text[:k]
         assert out.finish_reason == FinishReason.STOP
+        # The tokens end with the one that completes the match: none of the block after it is output.
+        through = next(n for n in range(len(want.token_ids) + 1)
+                       if stop in llm.tokenizer.decode(want.token_ids[:n], skip_special_tokens=True))
+        assert out.token_ids == want.token_ids[:through]
+        assert out.deltas[-1].num_output_tokens == through
+        cut_blocks += bool(through % TINY_LIMITS["block_size"])
     assert straddling, "no stop string straddled two deltas; pick other prompts"
+    assert cut_blocks, "every stop string ended a block, so no tokens had to be dropped; pick other prompts"
 
 
 def test_streamed_text_is_append_only_and_holds_back_split_utf8(llada_checkpoint):
