@@ -7,7 +7,7 @@ import sys
 REPO = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = [
     "paged_attention", "paged_attention sweep", "store_kv", "sample_and_confidence", "sample_and_confidence sweep",
-    "rmsnorm", "fused_add_rmsnorm",
+    "accept_tokens", "rmsnorm", "fused_add_rmsnorm",
 ]
 
 
