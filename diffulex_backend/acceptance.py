@@ -46,7 +46,7 @@ class AcceptanceSampler:
         if use_kernel:
             from diffulex_kernels import accept_tokens
 
-            return accept_tokens(batch, self.mask_token_id, self.mode == SamplingMode.TOPK, batch.max_segment_len)
+            return accept_tokens(batch, self.mask_token_id, self.mode == SamplingMode.TOPK)
         masked = batch.current == self.mask_token_id
         seg = batch.segment
         num_segs = batch.seg_first.numel()

@@ -66,14 +66,15 @@ def _accept_kernel(
     tl.store(out_ptr + i, out, mask=valid)
 
 
-def accept_tokens(batch, mask_token_id: int, topk: bool, max_segment_len: int) -> torch.Tensor:
+def accept_tokens(batch, mask_token_id: int, topk: bool) -> torch.Tensor:
     """[A] int64: the tokens after this step, as `AcceptanceSampler` computes them from `batch` (an
-    AcceptanceBatch). Segments are contiguous: `batch.seg_offsets` [S + 1] says where each starts."""
+    AcceptanceBatch). Segments are contiguous: `batch.seg_offsets` [S + 1] says where each starts, and
+    `batch.max_segment_len` (host) sizes the grid."""
     out = torch.empty_like(batch.current)
     num_segs = batch.seg_first.numel()
-    if num_segs == 0 or max_segment_len == 0:
+    if num_segs == 0 or batch.max_segment_len == 0:
         return out
-    grid = (num_segs, triton.cdiv(max_segment_len, BLOCK_I))
+    grid = (num_segs, triton.cdiv(batch.max_segment_len, BLOCK_I))
     _accept_kernel[grid](
         batch.current, batch.predicted, batch.confidence, batch.current_logit, batch.logsumexp, batch.seg_offsets,
         batch.seg_first, batch.seg_enabled, batch.seg_accept_threshold, batch.seg_remask_threshold,
