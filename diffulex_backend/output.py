@@ -61,8 +61,11 @@ class Detokenizer:
         keep = None
         if self.stop:
             # A match may straddle the previous delta; it cannot start before what was already sent.
-            hits = [(i, i + len(s)) for i, s in ((text.find(s, max(0, self.sent - len(s) + 1)), s) for s in self.stop)
-                    if i >= 0]
+            hits = []  # (start, end) of each stop string's first match
+            for stop in self.stop:
+                start = text.find(stop, max(0, self.sent - len(stop) + 1))
+                if start >= 0:
+                    hits.append((start, start + len(stop)))
             if hits:
                 start, end = min(hits)
                 text = text[:start]
