@@ -289,7 +289,6 @@ def acceptance_batch(num_segs: int, device: torch.device) -> AcceptanceBatch:
     return AcceptanceBatch(
         current=current, predicted=torch.randint(1, 1000, (n,), device=device), confidence=torch.rand(n, device=device),
         current_logit=(logsumexp - torch.rand(n, device=device)).to(torch.bfloat16), logsumexp=logsumexp,
-        segment=torch.arange(num_segs, device=device).repeat_interleave(BLOCK_LEN),
         seg_offsets=torch.arange(num_segs + 1, device=device) * BLOCK_LEN, max_segment_len=BLOCK_LEN,
         seg_first=torch.arange(num_segs, device=device) % 2 == 0, seg_enabled=torch.ones(num_segs, dtype=torch.bool, device=device),
         seg_accept_threshold=torch.full((num_segs,), 0.9, device=device),

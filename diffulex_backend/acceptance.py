@@ -26,8 +26,7 @@ class AcceptanceBatch:
     confidence: torch.Tensor  # [A] float32: the sampler's confidence in it
     current_logit: torch.Tensor  # [A]: the model's logit of the current token, in the logits' dtype
     logsumexp: torch.Tensor  # [A] float32: of each row's logits, so exp(current_logit - logsumexp) is its probability
-    segment: torch.Tensor  # [A] int64: segment (block) of each position
-    seg_offsets: torch.Tensor  # [S + 1] int64: where each segment's positions start; a segment is contiguous
+    seg_offsets: torch.Tensor  # [S + 1] int64: where each segment (block) starts; its positions are contiguous
     max_segment_len: int
     seg_first: torch.Tensor  # [S] bool: the request's first block in flight
     seg_enabled: torch.Tensor  # [S] bool: may accept this step
@@ -48,8 +47,10 @@ class AcceptanceSampler:
 
             return accept_tokens(batch, self.mask_token_id, self.mode == SamplingMode.TOPK)
         masked = batch.current == self.mask_token_id
-        seg = batch.segment
         num_segs = batch.seg_first.numel()
+        # The segment of each position; output_size spares the device a sync on the total.
+        seg = torch.repeat_interleave(torch.arange(num_segs, device=masked.device), batch.seg_offsets.diff(),
+                                      output_size=masked.numel())
         eligible = masked & batch.seg_enabled[seg]
         if self.mode == SamplingMode.THRESHOLD:
             accept = eligible & (batch.confidence >= batch.seg_accept_threshold[seg])

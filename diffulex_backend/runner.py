@@ -179,8 +179,8 @@ class ModelRunner:
         seg_offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=seg_offsets[1:])
         filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
-        (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, segment, seg_offsets, seg_first,
-         seg_enabled, seg_accept, seg_remask, seg_num_transfer) = upload([
+        (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, seg_offsets, seg_first, seg_enabled,
+         seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
             torch.from_numpy(np.concatenate([p.req.tokens[b.start:b.end] for p, b in blocks])),
             row_keys(row_ints[:, 0], positions, row_ints[:, 1]),
@@ -188,7 +188,6 @@ class ModelRunner:
             row_ints[:, 2],
             row_ints[:, 3],
             row_floats[:, 1],
-            torch.repeat_interleave(torch.arange(len(blocks)), lengths),
             seg_offsets,
             torch.tensor([b.is_first for _, b in blocks]),
             torch.tensor([b.enabled for _, b in blocks]),
@@ -210,7 +209,6 @@ class ModelRunner:
             confidence=result.confidence,
             current_logit=logits.gather(1, current[:, None]).squeeze(1),
             logsumexp=result.logsumexp,
-            segment=segment,
             seg_offsets=seg_offsets,
             max_segment_len=int(lengths.max()),
             seg_first=seg_first,

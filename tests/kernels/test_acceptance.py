@@ -38,8 +38,7 @@ def make_batch(lengths: list[int], seed: int, *, ties: bool, accept: float = 0.6
     offsets[1:] = lengths_t.cumsum(0)
     return AcceptanceBatch(
         current=current, predicted=predicted, confidence=confidence, current_logit=current_logit,
-        logsumexp=logsumexp, segment=torch.repeat_interleave(torch.arange(num_segs, device=DEVICE), lengths_t),
-        seg_offsets=offsets, max_segment_len=max(lengths, default=0),
+        logsumexp=logsumexp, seg_offsets=offsets, max_segment_len=max(lengths, default=0),
         seg_first=uniform(num_segs) < 0.5, seg_enabled=uniform(num_segs) < 0.8,
         seg_accept_threshold=torch.full((num_segs,), accept, device=DEVICE),
         seg_remask_threshold=torch.full((num_segs,), remask, device=DEVICE),
