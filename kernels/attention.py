@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .device import multiprocessor_count
 from .dtypes import dot_dtype
 from .kv_store import store_kv
 from .pdl import use_pdl, wait_for_previous_kernel
@@ -186,12 +187,6 @@ def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, nu
         return 1
     target_programs = num_sms * 8 // num_warps
     return max(1, min(target_programs // base_programs, max_context_len // MIN_SPLIT_CHUNK))
-
-
-def multiprocessor_count(device: torch.device) -> int:
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one by one: splitting only adds work
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def plan_launch(
