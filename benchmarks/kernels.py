@@ -38,6 +38,7 @@ from diffulex_backend.config import SamplingMode  # noqa: E402
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
+from diffulex_kernels.device import multiprocessor_count  # noqa: E402
 from diffulex_kernels.sampling import SamplerLaunch, plan_sampler_launch  # noqa: E402
 
 
@@ -314,24 +315,27 @@ def bench_acceptance(batches, device) -> list[Row]:
     return rows
 
 
-def sweep_sampler_launches(model: ModelShape, batches, device, grid: dict[str, tuple[int, ...]]) -> list[Row]:
+def sweep_sampler_launches(model: ModelShape, row_counts, device, grid: dict[str, tuple[int, ...]]) -> list[Row]:
+    """Every tile width, warp count and chunk count of the grid, at row counts from a few masked positions of one
+    block up to past the multiprocessor count."""
     rows = []
-    for batch in batches:
-        n = BLOCK_LEN * batch
+    for n in row_counts:
         logits = randn(n, model.vocab, device=device) * 3
         steps = torch.arange(n, device=device)
         keys = row_keys(torch.full((n,), 1234, device=device), steps, steps)
+        default = plan_sampler_launch(n, model.vocab, multiprocessor_count(device))
         for mode, temp in (("greedy", 0.0), ("sampled", 1.0)):
             args = (logits, torch.full((n,), temp, device=device), keys, steps % 3)
             for block_v in grid["block_v"]:
                 for warps in grid["num_warps"]:
-                    launch = SamplerLaunch(block_v=block_v, num_warps=warps)
-                    ms = time_graph_ms(lambda: diffulex_kernels.sample_and_confidence(*args, launch=launch))
-                    rows.append(Row(
-                        "sample_and_confidence sweep", f"{model.name} {mode} N={n}", ms, math.nan, math.nan,
-                        logits.numel() * 2, 0.0,
-                        note=("default " if launch == plan_sampler_launch(n, device) else "") + f"block_v {block_v} w{warps}",
-                    ))
+                    for chunks in grid["num_chunks"]:
+                        launch = SamplerLaunch(block_v=block_v, num_warps=warps, num_chunks=chunks)
+                        ms = time_graph_ms(lambda: diffulex_kernels.sample_and_confidence(*args, launch=launch))
+                        rows.append(Row(
+                            "sample_and_confidence sweep", f"{model.name} {mode} N={n}", ms, math.nan, math.nan,
+                            logits.numel() * 2, 0.0,
+                            note=("default " if launch == default else "") + f"block_v {block_v} w{warps} chunks {chunks}",
+                        ))
         del logits
     return rows
 
@@ -396,11 +400,13 @@ def main() -> None:
     if args.smoke:
         models, batches, contexts, sweep_batches = SMOKE_MODELS, [1], [40], [1]
         sweep_grid = {"block_m": (), "block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
-        sampler_grid = {"block_v": (1024,), "num_warps": (4,)}
+        sampler_grid = {"block_v": (256,), "num_warps": (4,), "num_chunks": (1, 3)}
+        sampler_rows = (2,)
     else:
         models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
         sweep_grid = {"block_m": (128, 256), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2,)}
-        sampler_grid = {"block_v": (2048, 4096, 8192), "num_warps": (4, 8, 16)}
+        sampler_grid = {"block_v": (4096, 8192), "num_warps": (4, 8), "num_chunks": (1, 2, 4, 8, 16, 32)}
+        sampler_rows = (8, 32, 128, 256)
 
     ceilings = measure_ceilings(device, args.smoke)
     header = (
@@ -417,7 +423,7 @@ def main() -> None:
         "acceptance": lambda: bench_acceptance(batches, device),
         "rmsnorm": lambda: bench_rmsnorm(models, batches, device),
         "attention_sweep": lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
-        "sampler_sweep": lambda: sweep_sampler_launches(models[0], sweep_batches, device, sampler_grid),
+        "sampler_sweep": lambda: sweep_sampler_launches(models[0], sampler_rows, device, sampler_grid),
     }
     rows = []
     for name in args.sections.split(","):

@@ -108,6 +108,10 @@ class ModelRunner:
         self.padded_forward: PaddedForward | None = None
         if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
             self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device)
+        if self.use_kernels:
+            from diffulex_kernels.sampling import compile_launches
+
+            compile_launches(model.arch.vocab_size, dtype, device)  # else the first steps of each size compile it
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

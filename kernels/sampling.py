@@ -1,10 +1,14 @@
 """Fused sampling and confidence: the kernel twin of `diffulex_backend.sampling.sample_reference`.
 
-One program per row streams the logits once, in vocabulary tiles, and keeps running statistics: the
-max and sum of exponentials (online softmax, base 2), the top-2 logits with the first argmax, the entropy
-accumulator, and for sampled rows the Gumbel-max candidate. The softmax over the vocabulary is never
-written out. The Gumbel noise is the reference's counter hash of (row key, vocab index), so the kernel draws
-the same token as the reference; only a near-tie within float rounding of the tempered scores may differ.
+A program streams a row's logits once, in vocabulary tiles, and keeps running statistics: the max and sum of
+exponentials (online softmax, base 2), the top-2 logits with the first argmax, the entropy accumulator, and for
+sampled rows the Gumbel-max candidate. The softmax over the vocabulary is never written out. The Gumbel noise is
+the reference's counter hash of (row key, vocab index), so the kernel draws the same token as the reference; only
+a near-tie within float rounding of the tempered scores may differ.
+
+With fewer rows than multiprocessors, one program per row would leave most of the GPU idle, so each row's
+vocabulary is cut into chunks: a program per (row, chunk) writes its statistics, and a second kernel merges a
+row's chunks in vocabulary order, which keeps the first-index tie rule.
 
 Top-k and top-p need the vocabulary sorted, which one streaming pass cannot do: rows that ask for them are
 recomputed by the reference and written over the kernel's answer.
@@ -19,24 +23,45 @@ import triton.language as tl
 
 from diffulex_backend.sampling import Confidence, SampleResult, sample_reference
 
+from .device import multiprocessor_count
+
 LOG2_E = tl.constexpr(1.4426950408889634)
 LN_2 = tl.constexpr(0.6931471805599453)
 PROB = tl.constexpr(int(Confidence.PROB))
 MARGIN = tl.constexpr(int(Confidence.MARGIN))
+# The running statistics of a (row, chunk), in the order of the partials' last dimension.
+NUM_STATS = 6  # base-2 max, sum of exponentials, entropy accumulator, top-1, top-2, best Gumbel score
+MAX_CHUNKS = 64  # the merge holds every chunk of a row in registers
 
 
 @dataclass(frozen=True)
 class SamplerLaunch:
     block_v: int  # vocabulary entries per loop step
     num_warps: int
+    num_chunks: int = 1  # programs per row; above 1, a merge kernel combines their statistics
 
 
-def plan_sampler_launch(num_rows: int, device: torch.device) -> SamplerLaunch:
-    """Measured on the H100 over a 126k vocabulary: with fewer rows than multiprocessors each row's program is
-    alone on its SM and wide 8192-entry tiles keep the most bytes in flight (30% faster at 32 rows); with
-    many rows, 4096-entry tiles on 4 warps let more programs share an SM (25% faster at 2048 rows)."""
-    num_sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    return SamplerLaunch(block_v=8192, num_warps=8) if num_rows < num_sms else SamplerLaunch(block_v=4096, num_warps=4)
+def plan_sampler_launch(num_rows: int, vocab_size: int, num_sms: int) -> SamplerLaunch:
+    """Measured on the H100 over a 126k vocabulary (`benchmarks/kernels.py --sections sampler_sweep`): 4096-entry
+    tiles on 4 warps. With fewer rows than multiprocessors, each row is cut into chunks so that about two programs
+    run on every multiprocessor. The chunk count comes from a power of two of tiles per chunk, which keeps the
+    distinct launches few: each is compiled once, by `compile_launches`."""
+    if num_rows >= num_sms:
+        return SamplerLaunch(block_v=4096, num_warps=4)
+    tiles = triton.cdiv(vocab_size, 4096)
+    tiles_per_chunk = triton.next_power_of_2(triton.cdiv(tiles, triton.cdiv(2 * num_sms, num_rows)))
+    return SamplerLaunch(block_v=4096, num_warps=4, num_chunks=min(MAX_CHUNKS, triton.cdiv(tiles, tiles_per_chunk)))
+
+
+def compile_launches(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
+    """Runs every launch `plan_sampler_launch` can pick for this vocabulary once, so that none is compiled while
+    requests wait."""
+    num_sms = multiprocessor_count(device)
+    launches = {plan_sampler_launch(rows, vocab_size, num_sms): rows for rows in range(num_sms, 0, -1)}
+    for rows in launches.values():
+        zeros = torch.zeros(rows, dtype=torch.int64, device=device)
+        sample_and_confidence(torch.zeros(rows, vocab_size, dtype=dtype, device=device),
+                              torch.zeros(rows, device=device), zeros, zeros)
 
 
 @triton.jit
@@ -51,20 +76,41 @@ def _mix32(x):
 
 
 @triton.jit
+def _finish_row(
+    row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
+    run_max, run_sum, run_ent, top1, top2, token,
+):
+    """The row's confidence measure and logsumexp from its whole-vocabulary statistics, and its token."""
+    lse2 = run_max + tl.log2(run_sum)
+    token_logit = tl.load(row_ptr + token).to(tl.float32)
+    prob = tl.exp2(token_logit * LOG2_E - lse2)
+    margin = tl.exp2(top1 * LOG2_E - lse2) - tl.exp2(top2 * LOG2_E - lse2)
+    neg_entropy = LN_2 * (run_ent / run_sum - tl.log2(run_sum))
+    kind = tl.load(kind_ptr + row)
+    confidence = tl.where(kind == PROB, prob, tl.where(kind == MARGIN, margin, neg_entropy))
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(confidence_ptr + row, confidence)
+    tl.store(logsumexp_ptr + row, lse2 * LN_2)
+
+
+@triton.jit
 def _sample_and_confidence_kernel(
     logits_ptr, temperature_ptr, keys_ptr, kind_ptr,
-    tokens_ptr, confidence_ptr, logsumexp_ptr,
-    stride_row, vocab_size,
-    BLOCK_V: tl.constexpr,
+    tokens_ptr, confidence_ptr, logsumexp_ptr, part_stats_ptr, part_index_ptr,
+    stride_row, vocab_size, chunk_size,
+    BLOCK_V: tl.constexpr, CHUNKED: tl.constexpr, STATS: tl.constexpr,
 ):
     row = tl.program_id(0)
+    chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    chunk_begin = chunk * chunk_size
+    chunk_end = tl.minimum(vocab_size, chunk_begin + chunk_size)
     temperature = tl.load(temperature_ptr + row)
     sampled = temperature > 0
     key = tl.load(keys_ptr + row).to(tl.uint32)
     offsets = tl.arange(0, BLOCK_V)
     # The next tile is requested before the current one is reduced, so a load is always in flight.
-    next_tile = tl.load(row_ptr + offsets, mask=offsets < vocab_size, other=float("-inf"))
+    next_tile = tl.load(row_ptr + chunk_begin + offsets, mask=chunk_begin + offsets < chunk_end, other=float("-inf"))
 
     run_max = -1.0e30  # base-2 running max; finite so that the first rescale is exp2(-huge) = 0, not NaN
     run_sum = 0.0  # sum of 2^(y - run_max)
@@ -74,11 +120,11 @@ def _sample_and_confidence_kernel(
     top2 = float("-inf")
     best_score = float("-inf")
     best_index = 0
-    for start in range(0, vocab_size, BLOCK_V):
+    for start in range(chunk_begin, chunk_end, BLOCK_V):
         index = start + offsets
-        valid = index < vocab_size
+        valid = index < chunk_end
         x = next_tile.to(tl.float32)  # [BLOCK_V]
-        next_tile = tl.load(row_ptr + BLOCK_V + index, mask=index + BLOCK_V < vocab_size, other=float("-inf"))
+        next_tile = tl.load(row_ptr + BLOCK_V + index, mask=index + BLOCK_V < chunk_end, other=float("-inf"))
 
         tile_top1, tile_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         tile_top2 = tl.max(tl.where(offsets == tile_arg, float("-inf"), x), axis=0)
@@ -104,17 +150,57 @@ def _sample_and_confidence_kernel(
             best_index = tl.where(tile_best > best_score, start + tile_best_arg, best_index)
             best_score = tl.maximum(best_score, tile_best)
 
-    lse2 = run_max + tl.log2(run_sum)
-    token = tl.where(sampled, best_index, top1_index)
-    token_logit = tl.load(row_ptr + token).to(tl.float32)
-    prob = tl.exp2(token_logit * LOG2_E - lse2)
-    margin = tl.exp2(top1 * LOG2_E - lse2) - tl.exp2(top2 * LOG2_E - lse2)
-    neg_entropy = LN_2 * (run_ent / run_sum - tl.log2(run_sum))
-    kind = tl.load(kind_ptr + row)
-    confidence = tl.where(kind == PROB, prob, tl.where(kind == MARGIN, margin, neg_entropy))
-    tl.store(tokens_ptr + row, token.to(tl.int64))
-    tl.store(confidence_ptr + row, confidence)
-    tl.store(logsumexp_ptr + row, lse2 * LN_2)
+    if CHUNKED:
+        # Partials are [rows, chunks, STATS] float32 and [rows, chunks, 2] int32; the merge kernel reads them.
+        part = row * tl.num_programs(1) + chunk
+        stats_ptr = part_stats_ptr + part * STATS
+        tl.store(stats_ptr + 0, run_max)
+        tl.store(stats_ptr + 1, run_sum)
+        tl.store(stats_ptr + 2, run_ent)
+        tl.store(stats_ptr + 3, top1)
+        tl.store(stats_ptr + 4, top2)
+        tl.store(stats_ptr + 5, best_score)
+        tl.store(part_index_ptr + part * 2, top1_index)
+        tl.store(part_index_ptr + part * 2 + 1, best_index)
+    else:
+        token = tl.where(sampled, best_index, top1_index)
+        _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
+                    run_max, run_sum, run_ent, top1, top2, token)
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _merge_chunks_kernel(
+    logits_ptr, temperature_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
+    part_stats_ptr, part_index_ptr, stride_row, num_chunks,
+    CHUNKS: tl.constexpr, STATS: tl.constexpr,
+):
+    """One program per row: every chunk's statistics in one load, combined as one program's loop would."""
+    row = tl.program_id(0)
+    chunks = tl.arange(0, CHUNKS)
+    valid = chunks < num_chunks
+    stats_ptr = part_stats_ptr + (row * num_chunks + chunks) * STATS
+    index_ptr = part_index_ptr + (row * num_chunks + chunks) * 2
+    chunk_max = tl.load(stats_ptr + 0, mask=valid, other=-1.0e30)
+    chunk_sum = tl.load(stats_ptr + 1, mask=valid, other=0.0)
+    chunk_ent = tl.load(stats_ptr + 2, mask=valid, other=0.0)
+    chunk_top1 = tl.load(stats_ptr + 3, mask=valid, other=float("-inf"))
+    chunk_top2 = tl.load(stats_ptr + 4, mask=valid, other=float("-inf"))
+    chunk_best = tl.load(stats_ptr + 5, mask=valid, other=float("-inf"))
+
+    run_max = tl.max(chunk_max, axis=0)
+    weight = tl.exp2(chunk_max - run_max)  # [CHUNKS]
+    run_sum = tl.sum(chunk_sum * weight, axis=0)
+    run_ent = tl.sum(weight * (chunk_ent + (chunk_max - run_max) * chunk_sum), axis=0)
+    # Ties go to the earliest chunk, as they go to the earliest tile inside one.
+    top1, top1_chunk = tl.max(chunk_top1, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    top2 = tl.maximum(tl.max(chunk_top2, axis=0), tl.max(tl.where(chunks == top1_chunk, float("-inf"), chunk_top1), axis=0))
+    _, best_chunk = tl.max(chunk_best, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    sampled = tl.load(temperature_ptr + row) > 0
+    token_chunk = tl.where(sampled, best_chunk, top1_chunk)
+    token = tl.load(part_index_ptr + (row * num_chunks + token_chunk) * 2 + tl.where(sampled, 1, 0))
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
+                run_max, run_sum, run_ent, top1, top2, token)
 
 
 def sample_and_confidence(
@@ -144,13 +230,30 @@ def sample_and_confidence(
         )
     if num_rows == 0:
         return out
-    launch = plan_sampler_launch(num_rows, logits.device) if launch is None else launch
-    _sample_and_confidence_kernel[(num_rows,)](
+    if launch is None:
+        launch = plan_sampler_launch(num_rows, vocab_size, multiprocessor_count(logits.device))
+    block_v = min(launch.block_v, triton.next_power_of_2(vocab_size))
+    # Whole tiles per chunk, and no empty chunk: the chunk count is recomputed from the tiles each one gets.
+    tiles_per_chunk = triton.cdiv(triton.cdiv(vocab_size, block_v), min(launch.num_chunks, MAX_CHUNKS))
+    chunk_size = tiles_per_chunk * block_v
+    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    chunked = num_chunks > 1
+    part_stats = part_index = out.confidence  # unused placeholders when one program covers a row
+    if chunked:
+        part_stats = torch.empty(num_rows, num_chunks, NUM_STATS, dtype=torch.float32, device=logits.device)
+        part_index = torch.empty(num_rows, num_chunks, 2, dtype=torch.int32, device=logits.device)
+    _sample_and_confidence_kernel[(num_rows, num_chunks)](
         logits, temperature, keys, confidence_kind,
-        out.tokens, out.confidence, out.logsumexp,
-        logits.stride(0), vocab_size,
-        BLOCK_V=min(launch.block_v, triton.next_power_of_2(vocab_size)), num_warps=launch.num_warps,
+        out.tokens, out.confidence, out.logsumexp, part_stats, part_index,
+        logits.stride(0), vocab_size, chunk_size,
+        BLOCK_V=block_v, CHUNKED=chunked, STATS=NUM_STATS, num_warps=launch.num_warps,
     )
+    if chunked:
+        _merge_chunks_kernel[(num_rows,)](
+            logits, temperature, confidence_kind, out.tokens, out.confidence, out.logsumexp,
+            part_stats, part_index, logits.stride(0), num_chunks,
+            CHUNKS=triton.next_power_of_2(num_chunks), STATS=NUM_STATS,
+        )
     if top_k is not None or top_p is not None:
         _resample_filtered_rows(logits, temperature, keys, confidence_kind, top_k, top_p, out)
     return out

@@ -6,7 +6,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.sampling import Confidence, SampleResult, row_keys, sample_reference
-from diffulex_kernels.sampling import SamplerLaunch
+from diffulex_kernels.sampling import SamplerLaunch, plan_sampler_launch
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
 
 # Vocabularies that are not a multiple of the kernel's tile, so the last tile is ragged.
@@ -47,11 +47,18 @@ def assert_same_result(out: SampleResult, ref: SampleResult) -> None:
     torch.testing.assert_close(out.logsumexp, ref.logsumexp, rtol=1e-5, atol=1e-5)
 
 
-# Both launch shapes the planner picks (few rows: wide tiles; many rows: narrow tiles on fewer warps).
-LAUNCHES = [SamplerLaunch(block_v=8192, num_warps=8), SamplerLaunch(block_v=4096, num_warps=4)]
+# One program per row, at two tile widths, and each row cut into three chunks merged by a second kernel (the
+# planner's choice with fewer rows than multiprocessors). 512-entry tiles give every vocabulary here at least two
+# chunks, the last one ragged.
+CHUNKED = SamplerLaunch(block_v=512, num_warps=4, num_chunks=3)
+LAUNCHES = [SamplerLaunch(block_v=8192, num_warps=8), SamplerLaunch(block_v=4096, num_warps=4), CHUNKED]
 
 
-@pytest.mark.parametrize("launch", LAUNCHES, ids=lambda launch: f"tile{launch.block_v}")
+def launch_id(launch: SamplerLaunch) -> str:
+    return f"tile{launch.block_v}" + (f"x{launch.num_chunks}chunks" if launch.num_chunks > 1 else "")
+
+
+@pytest.mark.parametrize("launch", LAUNCHES, ids=launch_id)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("vocab", VOCABS)
 def test_tokens_and_confidences_match_reference(vocab, dtype, launch):
@@ -69,14 +76,15 @@ def test_sampled_rows_draw_different_tokens_than_greedy():
     assert (out.tokens != logits.argmax(-1)).sum() > NUM_ROWS // 2
 
 
-def test_ties_take_the_first_index_and_give_zero_margin():
+@pytest.mark.parametrize("launch", [None, CHUNKED], ids=["default", "chunked"])
+def test_ties_take_the_first_index_and_give_zero_margin(launch):
     vocab = VOCABS[0]
     logits, _, keys, _ = make_rows(2, vocab, torch.float32, seed=9)
-    # The maximum appears twice, in different vocabulary tiles.
+    # The maximum appears twice, in different vocabulary tiles (and chunks).
     logits[:, [17, vocab - 3]] = logits.max() + 1.0
     temperature = torch.zeros(2, device=DEVICE)
     kinds = torch.tensor([int(Confidence.PROB), int(Confidence.MARGIN)], device=DEVICE)
-    out = run_kernel(logits, temperature, keys, kinds)
+    out = run_kernel(logits, temperature, keys, kinds, launch=launch)
     assert out.tokens.tolist() == [17, 17]
     assert out.confidence[1].item() == 0.0
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
@@ -90,11 +98,24 @@ def test_top_k_and_top_p_rows_follow_the_reference():
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds, top_k, top_p))
 
 
-def test_confidences_match_when_the_peak_is_in_the_last_tile():
-    # The running statistics are rescaled whenever a later vocabulary tile raises the maximum.
+@pytest.mark.parametrize("launch", [None, CHUNKED], ids=["default", "chunked"])
+def test_confidences_match_when_the_peak_is_in_the_last_tile(launch):
+    # The running statistics are rescaled whenever a later vocabulary tile (or chunk) raises the maximum.
     vocab = VOCABS[0]
     logits, temperature, keys, _ = make_rows(3, vocab, torch.float32, seed=6)
     logits[:, vocab - 5] = logits.max() + 2.0
     kinds = torch.tensor([int(k) for k in Confidence], device=DEVICE)
-    out = run_kernel(logits, temperature, keys, kinds)
+    out = run_kernel(logits, temperature, keys, kinds, launch=launch)
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
+
+
+@pytest.mark.parametrize("vocab", [126464, 152064])
+def test_few_rows_are_cut_into_chunks_that_fill_the_gpu(vocab):
+    # An H100's 132 multiprocessors: below that many rows each row is cut into chunks so that the programs cover
+    # the GPU, and the launches stay few (each one is compiled before serving).
+    num_sms, tiles = 132, -(-vocab // 4096)
+    launches = {rows: plan_sampler_launch(rows, vocab, num_sms) for rows in range(1, 400)}
+    assert all(launch.num_chunks == 1 for rows, launch in launches.items() if rows >= num_sms)
+    assert all(rows * launch.num_chunks >= num_sms or launch.num_chunks == tiles
+               for rows, launch in launches.items() if rows < num_sms)
+    assert len(set(launches.values())) <= 7
