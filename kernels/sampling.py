@@ -43,22 +43,37 @@ class SamplerLaunch:
 
 def plan_sampler_launch(num_rows: int, vocab_size: int, num_sms: int) -> SamplerLaunch:
     """Measured on the H100 over a 126k vocabulary (`benchmarks/kernels.py --sections sampler_sweep`): 4096-entry
-    tiles on 4 warps. With fewer rows than multiprocessors, each row is cut into chunks so that about two programs
-    run on every multiprocessor. The chunk count comes from a power of two of tiles per chunk, which keeps the
-    distinct launches few: each is compiled once, by `compile_launches`."""
+    tiles on 4 warps, and with fewer rows than multiprocessors each row cut into chunks so that about two programs
+    run on every multiprocessor."""
     if num_rows >= num_sms:
         return SamplerLaunch(block_v=4096, num_warps=4)
     tiles = triton.cdiv(vocab_size, 4096)
-    tiles_per_chunk = triton.next_power_of_2(triton.cdiv(tiles, triton.cdiv(2 * num_sms, num_rows)))
-    return SamplerLaunch(block_v=4096, num_warps=4, num_chunks=min(MAX_CHUNKS, triton.cdiv(tiles, tiles_per_chunk)))
+    return SamplerLaunch(block_v=4096, num_warps=4, num_chunks=min(tiles, MAX_CHUNKS, triton.cdiv(2 * num_sms, num_rows)))
+
+
+def chunk_layout(vocab_size: int, launch: SamplerLaunch) -> tuple[int, int, int]:
+    """(tile width, entries per chunk, chunks) of a launch over this vocabulary: whole tiles per chunk, and no empty
+    chunk, so the chunk count is recomputed from the tiles each chunk gets."""
+    block_v = min(launch.block_v, triton.next_power_of_2(vocab_size))
+    tiles_per_chunk = triton.cdiv(triton.cdiv(vocab_size, block_v), min(launch.num_chunks, MAX_CHUNKS))
+    chunk_size = tiles_per_chunk * block_v
+    return block_v, chunk_size, triton.cdiv(vocab_size, chunk_size)
+
+
+def compiled_variant(vocab_size: int, launch: SamplerLaunch) -> tuple[int, int, int]:
+    """What Triton compiles a launch into: its tile and warps, and the merge's width (a power of two of chunks;
+    the chunk count itself is a runtime argument)."""
+    block_v, _, num_chunks = chunk_layout(vocab_size, launch)
+    return block_v, launch.num_warps, triton.next_power_of_2(num_chunks)
 
 
 def compile_launches(vocab_size: int, dtype: torch.dtype, device: torch.device) -> None:
-    """Runs every launch `plan_sampler_launch` can pick for this vocabulary once, so that none is compiled while
-    requests wait."""
+    """Runs the launches `plan_sampler_launch` picks for this vocabulary once per compiled variant, so that none is
+    compiled while requests wait."""
     num_sms = multiprocessor_count(device)
-    launches = {plan_sampler_launch(rows, vocab_size, num_sms): rows for rows in range(num_sms, 0, -1)}
-    for rows in launches.values():
+    rows_of_variant = {compiled_variant(vocab_size, plan_sampler_launch(rows, vocab_size, num_sms)): rows
+                       for rows in range(num_sms, 0, -1)}
+    for rows in rows_of_variant.values():
         zeros = torch.zeros(rows, dtype=torch.int64, device=device)
         sample_and_confidence(torch.zeros(rows, vocab_size, dtype=dtype, device=device),
                               torch.zeros(rows, device=device), zeros, zeros)
@@ -232,11 +247,7 @@ def sample_and_confidence(
         return out
     if launch is None:
         launch = plan_sampler_launch(num_rows, vocab_size, multiprocessor_count(logits.device))
-    block_v = min(launch.block_v, triton.next_power_of_2(vocab_size))
-    # Whole tiles per chunk, and no empty chunk: the chunk count is recomputed from the tiles each one gets.
-    tiles_per_chunk = triton.cdiv(triton.cdiv(vocab_size, block_v), min(launch.num_chunks, MAX_CHUNKS))
-    chunk_size = tiles_per_chunk * block_v
-    num_chunks = triton.cdiv(vocab_size, chunk_size)
+    block_v, chunk_size, num_chunks = chunk_layout(vocab_size, launch)
     chunked = num_chunks > 1
     part_stats = part_index = out.confidence  # unused placeholders when one program covers a row
     if chunked:

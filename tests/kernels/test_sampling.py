@@ -6,7 +6,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.sampling import Confidence, SampleResult, row_keys, sample_reference
-from diffulex_kernels.sampling import SamplerLaunch, plan_sampler_launch
+from diffulex_kernels.sampling import SamplerLaunch, chunk_layout, compiled_variant, plan_sampler_launch
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
 
 # Vocabularies that are not a multiple of the kernel's tile, so the last tile is ragged.
@@ -112,10 +112,10 @@ def test_confidences_match_when_the_peak_is_in_the_last_tile(launch):
 @pytest.mark.parametrize("vocab", [126464, 152064])
 def test_few_rows_are_cut_into_chunks_that_fill_the_gpu(vocab):
     # An H100's 132 multiprocessors: below that many rows each row is cut into chunks so that the programs cover
-    # the GPU, and the launches stay few (each one is compiled before serving).
+    # the GPU, and the compiled variants stay few (each one is compiled before serving).
     num_sms, tiles = 132, -(-vocab // 4096)
     launches = {rows: plan_sampler_launch(rows, vocab, num_sms) for rows in range(1, 400)}
-    assert all(launch.num_chunks == 1 for rows, launch in launches.items() if rows >= num_sms)
-    assert all(rows * launch.num_chunks >= num_sms or launch.num_chunks == tiles
-               for rows, launch in launches.items() if rows < num_sms)
-    assert len(set(launches.values())) <= 7
+    chunks = {rows: chunk_layout(vocab, launch)[2] for rows, launch in launches.items()}
+    assert all(chunks[rows] == 1 for rows in launches if rows >= num_sms)
+    assert all(rows * chunks[rows] >= num_sms or chunks[rows] == tiles for rows in launches if rows < num_sms)
+    assert len({compiled_variant(vocab, launch) for launch in launches.values()}) <= 7
