@@ -110,9 +110,10 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         m, n, k, x.stride(0), weight.stride(0), out.stride(0), out.stride(1), k_per_split,
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=even_k,
         HAS_BIAS=bias is not None, GATED=gated, DOT_DTYPE=dot_dtype(x), USE_PDL=pdl, launch_pdl=pdl,
-        # Three stages leave room for the 64-token tile (or the gated pair of weight tiles) in shared memory;
-        # four keep more loads in flight.
-        num_warps=4, num_stages=4 if block_m <= 32 else 3,
+        # As many loads in flight as shared memory holds at 64 tokens: five stages of one weight tile, four of the
+        # gated pair. Measured on the H100 against three and four stages at 48 and 64 tokens, this saved 1.3-1.8%
+        # of the layer matmuls (LLaDA-8B, Dream-7B), and changed nothing at 32.
+        num_warps=4, num_stages=4 if gated else 5,
     )
 
 
