@@ -111,8 +111,8 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=even_k,
         HAS_BIAS=bias is not None, GATED=gated, DOT_DTYPE=dot_dtype(x), USE_PDL=pdl, launch_pdl=pdl,
         # As many loads in flight as shared memory holds at 64 tokens: five stages of one weight tile, four of the
-        # gated pair. Measured on the H100 against three and four stages at 48 and 64 tokens, this saved 1.3-1.8%
-        # of the layer matmuls (LLaDA-8B, Dream-7B), and changed nothing at 32.
+        # gated pair. Against the three stages it had at 48 and 64 tokens this ran the layer matmuls 1-2% faster,
+        # and against four at 16 and 32 no slower (benchmarks/linear.py on an H100, docs/performance.md).
         num_warps=4, num_stages=4 if gated else 5,
     )
 
