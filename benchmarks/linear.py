@@ -1,7 +1,8 @@
 """The layer matmuls of one forward at a few tokens: cuBLAS (`F.linear`) against the engine's weight-streaming kernel
 (`diffulex_kernels.linear`), each product in the engine's form: qkv whole, gate_up with SiLU-and-mul in its epilogue
-(against cuBLAS followed by the SiLU-and-mul kernel), o_proj and down_proj as split-K partial sums. Every matrix of every layer is its own tensor, so each one is read from HBM, as in a forward. On a GPU
-the whole chain is one CUDA graph, timed by its replays; `MAX_TOKENS` is where the kernel stops paying.
+(against cuBLAS followed by the SiLU-and-mul kernel), o_proj and down_proj as split-K partial sums. Every matrix of
+every layer is its own tensor, so each one is read from HBM, as in a forward. On a GPU the whole chain is one CUDA
+graph, timed by its replays; `MAX_TOKENS` is where the kernel stops paying.
 
     PYTHONPATH=. python benchmarks/linear.py --out DIR      # GPU: LLaDA-8B and Dream-7B layer shapes
     PYTHONPATH=. python benchmarks/linear.py --smoke --out DIR   # anywhere: tiny, eager, checked against F.linear
