@@ -15,6 +15,7 @@ recomputed by the reference and written over the kernel's answer.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -45,10 +46,11 @@ def plan_sampler_launch(num_rows: int, vocab_size: int, num_sms: int) -> Sampler
     """Measured on the H100 over a 126k vocabulary (`benchmarks/kernels.py --sections sampler_sweep`): 4096-entry
     tiles on 4 warps, and with fewer rows than multiprocessors each row cut into chunks so that about two programs
     run on every multiprocessor."""
+    one_per_row = SamplerLaunch(block_v=4096, num_warps=4)
     if num_rows >= num_sms:
-        return SamplerLaunch(block_v=4096, num_warps=4)
-    tiles = triton.cdiv(vocab_size, 4096)
-    return SamplerLaunch(block_v=4096, num_warps=4, num_chunks=min(tiles, MAX_CHUNKS, triton.cdiv(2 * num_sms, num_rows)))
+        return one_per_row
+    tiles = triton.cdiv(vocab_size, one_per_row.block_v)
+    return dataclasses.replace(one_per_row, num_chunks=min(tiles, MAX_CHUNKS, triton.cdiv(2 * num_sms, num_rows)))
 
 
 def chunk_layout(vocab_size: int, launch: SamplerLaunch) -> tuple[int, int, int]:
