@@ -1,6 +1,7 @@
 """DiffulexEngine: requests in, committed tokens out, one scheduler step at a time."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import time
@@ -20,7 +21,16 @@ from .request import FinishReason, Request, RequestStatus
 from .runner import kv_cache_shape, profile_peak_memory
 from .sampling import SamplingParams
 from .scheduler import SchedulerOutput
-from .tokenizer import load_tokenizer, resolve_eos_token_ids, resolve_mask_token_id
+from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    """A request that passed every check that does not depend on engine state: ready to queue."""
+
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
 
 
 @dataclass
@@ -94,6 +104,7 @@ class DiffulexEngine:
             raise ValueError(f"config field 'mask_token_id' must be < vocab_size ({arch.vocab_size}), "
                              f"got {config.mask_token_id}")
         self.eos_token_ids = list(resolve_eos_token_ids(arch, self.tokenizer))
+        self.max_token_chars = longest_token_chars(self.tokenizer)
 
         strategy = config.decoding_strategy
         self.req_cls: type[Request] = AutoReq.get(strategy)
@@ -139,22 +150,34 @@ class DiffulexEngine:
         return int(budget // page_bytes)
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def add_request(self, prompt: str | list[int], params: SamplingParams | None = None,
-                    request_id: str | None = None) -> str:
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:
+        """Tokenize and check a request without touching engine state, so any thread may call it and a request
+        that cannot be served is refused here, alone, before it could reach a step. Raises ValueError."""
         params = params or SamplingParams()
         if not isinstance(params, SamplingParams):
             raise ValueError(f"params must be SamplingParams, got {type(params).__name__}")
+        vocab, mask, limit = self.model.arch.vocab_size, self.config.mask_token_id, self.config.max_model_len
         if isinstance(prompt, str):
+            # Every token covers at most max_token_chars characters, so a longer text cannot fit: it is refused
+            # before the tokenizer spends seconds on it.
+            if len(prompt) > limit * self.max_token_chars:
+                raise ValueError(f"prompt has {len(prompt)} characters; at most {limit * self.max_token_chars} "
+                                 f"can fit max_model_len ({limit}) tokens")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
-            vocab = self.model.arch.vocab_size
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
         if not prompt_ids:
             raise ValueError("prompt is empty")
-        n, m, limit = len(prompt_ids), params.max_tokens, self.config.max_model_len
+        if mask in prompt_ids:
+            raise ValueError(f"prompt holds the mask token ({mask}) at position {prompt_ids.index(mask)}; "
+                             "the engine decodes masked positions only in the generation area")
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:
+            raise ValueError(f"sampling parameter 'stop_token_ids' holds {bad[0]}, outside the vocabulary [0, {vocab})")
+        n, m = len(prompt_ids), params.max_tokens
         if n + m > limit:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
                              f"max_model_len ({limit})")
@@ -162,14 +185,25 @@ class DiffulexEngine:
         pages = -(-(n + m) // self.config.page_size)
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
             raise ValueError(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}")
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
+        # The step packs both into int64 tensors: the noise hash takes a 32-bit seed (the two halves of a 64-bit
+        # one folded together; a seed below 2**32 is unchanged), and a top_k past the vocabulary keeps all of it.
+        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
+        if params.top_k > vocab:
+            params = dataclasses.replace(params, top_k=vocab)
+        return PreparedRequest(prompt_ids, params, seed)
+
+    def add_request(self, prompt: str | list[int] | PreparedRequest, params: SamplingParams | None = None,
+                    request_id: str | None = None) -> str:
+        """Queue a request; returns its id. A PreparedRequest (from prepare_request) is queued as it is."""
+        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        req = self.req_cls(request_id, prompt_ids, params, self.config, self.config.mask_token_id, seed,
-                           self.model.arch.shifted)
+        req = self.req_cls(request_id, prepared.prompt_ids, prepared.params, self.config, self.config.mask_token_id,
+                           prepared.seed, self.model.arch.shifted)
         self.requests[request_id] = req
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, params.stop)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop)
         self.scheduler.add(req)
         return request_id
 

@@ -55,3 +55,9 @@ def resolve_eos_token_ids(arch: ModelArch, tokenizer: PreTrainedTokenizerBase) -
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)
     return tuple(dict.fromkeys(ids))
+
+
+def longest_token_chars(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most characters of text one token can stand for: its vocabulary string's length, which is at least
+    what it decodes to (byte-level and SentencePiece markers replace a character one for one)."""
+    return max(1, max(map(len, tokenizer.get_vocab())))
