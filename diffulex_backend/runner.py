@@ -50,15 +50,23 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, 
            top_k: torch.Tensor, top_p: torch.Tensor, *, use_kernel: bool, filtered: bool) -> SampleResult:
     """Token, confidence and logsumexp per row: the fused kernel on CUDA, else the reference.
 
-    `filtered` says whether any row asks for top-k/top-p; the kernel then hands those rows to the reference,
-    which costs a sync, so it is told only when needed."""
-    if use_kernel:
-        from diffulex_kernels import sample_and_confidence
+    The kernel streams each row once and cannot sort it for top-k/top-p, so the sampled rows that ask for them
+    are recomputed by the reference and written over its answer. `filtered` says whether any row asks; finding
+    the rows costs a sync, so it is paid only then."""
+    if not use_kernel:
+        return sample_reference(logits, temperature=temperature, keys=keys, confidence_kind=confidence_kind,
+                                top_k=top_k, top_p=top_p)
+    from diffulex_kernels import sample_and_confidence
 
-        return sample_and_confidence(logits, temperature, keys, confidence_kind,
-                                     top_k if filtered else None, top_p if filtered else None)
-    return sample_reference(logits, temperature=temperature, keys=keys, confidence_kind=confidence_kind,
-                            top_k=top_k, top_p=top_p)
+    result = SampleResult(*sample_and_confidence(logits, temperature, keys, confidence_kind))
+    if filtered:
+        rows = (((top_k > 0) | (top_p < 1)) & (temperature > 0)).nonzero().squeeze(1)
+        if rows.numel():
+            ref = sample_reference(logits[rows], temperature[rows], keys[rows], confidence_kind[rows],
+                                   top_k[rows], top_p[rows])
+            result.tokens[rows] = ref.tokens
+            result.confidence[rows] = ref.confidence
+    return result
 
 
 def profile_peak_memory(model, config: Config, device: torch.device) -> int:

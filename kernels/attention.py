@@ -17,7 +17,7 @@ chunks.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import triton
@@ -27,9 +27,6 @@ from .device import multiprocessor_count
 from .dtypes import dot_dtype
 from .kv_store import store_kv
 from .pdl import use_pdl, wait_for_previous_kernel
-
-if TYPE_CHECKING:
-    from diffulex_backend.attention import AttentionMetadata
 
 LOG2_E = 1.4426950408889634
 # Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
@@ -161,6 +158,19 @@ def _merge_splits_kernel(
     weight = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS]; empty splits (max -1e30) weigh 0
     out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(s * weight, axis=0)
     tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+
+
+class AttentionMetadata(Protocol):
+    """What the kernels read of a forward's metadata: the fields of the engine's
+    `diffulex_backend.attention.AttentionMetadata`, which is passed as it is."""
+
+    cu_seqlens_q: torch.Tensor  # [B + 1] int32: sequence b owns query rows cu_seqlens_q[b]:cu_seqlens_q[b+1]
+    context_lens: torch.Tensor  # [B] int32: cached tokens each sequence attends to
+    page_tables: torch.Tensor  # [B, max_pages] int32, -1 where unused
+    slot_mapping: torch.Tensor  # [T] int64: flat cache slot of each token's K/V, -1 to skip the store
+    block_ids: torch.Tensor  # [T] int32: key visible to query when block_ids[key] <= block_ids[query]
+    max_seqlen_q: int  # host upper bounds, which size the grid
+    max_context_len: int
 
 
 @dataclass(frozen=True)

@@ -10,29 +10,43 @@ With fewer rows than multiprocessors, one program per row would leave most of th
 vocabulary is cut into chunks: a program per (row, chunk) writes its statistics, and a second kernel merges a
 row's chunks in vocabulary order, which keeps the first-index tie rule.
 
-Top-k and top-p need the vocabulary sorted, which one streaming pass cannot do: rows that ask for them are
-recomputed by the reference and written over the kernel's answer.
+Top-k and top-p need the vocabulary sorted, which one streaming pass cannot do: this module ignores them, and the
+engine's caller (`sample` in `diffulex_backend/runner.py`) recomputes the rows that ask for them with the reference
+and writes them over the kernel's answer. The module imports nothing from the engine.
 """
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from diffulex_backend.sampling import Confidence, SampleResult, sample_reference
-
 from .device import multiprocessor_count
+
+# The confidence kinds a row asks for: the values of the engine's `Confidence` IntEnum
+# (diffulex_backend/sampling.py), which tests/kernels/test_sampling.py checks.
+CONFIDENCE_PROB = 0  # probability of the chosen token
+CONFIDENCE_MARGIN = 1  # top-1 minus top-2 probability
+CONFIDENCE_NEG_ENTROPY = 2  # sum p log p
 
 LOG2_E = tl.constexpr(1.4426950408889634)
 LN_2 = tl.constexpr(0.6931471805599453)
-PROB = tl.constexpr(int(Confidence.PROB))
-MARGIN = tl.constexpr(int(Confidence.MARGIN))
+PROB = tl.constexpr(CONFIDENCE_PROB)
+MARGIN = tl.constexpr(CONFIDENCE_MARGIN)
 # The running statistics of a (row, chunk), in the order of the partials' last dimension.
 NUM_STATS = 6  # base-2 max, sum of exponentials, entropy accumulator, top-1, top-2, best Gumbel score
 MAX_CHUNKS = 64  # the merge holds every chunk of a row in registers
+
+
+class SamplerOutput(NamedTuple):
+    """The fields of the engine's `SampleResult`, in its order."""
+
+    tokens: torch.Tensor  # [N] int64: the sampled (or greedy) token
+    confidence: torch.Tensor  # [N] float32: the row's confidence measure, on the untempered distribution
+    logsumexp: torch.Tensor  # [N] float32: p(t) = exp(logit_t - logsumexp)
 
 
 @dataclass(frozen=True)
@@ -223,24 +237,18 @@ def _merge_chunks_kernel(
 def sample_and_confidence(
     logits: torch.Tensor,  # [N, V] bf16/fp16/fp32
     temperature: torch.Tensor,  # [N] float32, 0 for greedy
-    keys: torch.Tensor,  # [N] int64 noise keys (uint32 values) from `row_keys`
-    confidence_kind: torch.Tensor,  # [N] int64 Confidence values
-    top_k: torch.Tensor | None = None,  # [N] int64, 0 = off
-    top_p: torch.Tensor | None = None,  # [N] float32, 1 = off
+    keys: torch.Tensor,  # [N] int64 noise keys (uint32 values), the engine's `row_keys`
+    confidence_kind: torch.Tensor,  # [N] int64, one of the CONFIDENCE_* values
     *,
-    out: SampleResult | None = None,  # preallocated outputs, e.g. a CUDA graph's static buffers
+    out: SamplerOutput | None = None,  # preallocated outputs, e.g. a CUDA graph's static buffers
     launch: SamplerLaunch | None = None,  # default: plan_sampler_launch
-) -> SampleResult:
-    """Same result as `sample_reference`: token, confidence on the untempered distribution, logsumexp.
-
-    Pass `top_k`/`top_p` only when some row uses them: their rows go through the reference, which costs a
-    device sync to find them.
-    """
+) -> SamplerOutput:
+    """The result of the engine's `sample_reference` without top-k/top-p: token, confidence, logsumexp."""
     num_rows, vocab_size = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("sample_and_confidence: logits need a contiguous vocabulary dimension")
     if out is None:
-        out = SampleResult(
+        out = SamplerOutput(
             tokens=torch.empty(num_rows, dtype=torch.int64, device=logits.device),
             confidence=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
             logsumexp=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
@@ -267,24 +275,4 @@ def sample_and_confidence(
             part_stats, part_index, logits.stride(0), num_chunks,
             CHUNKS=triton.next_power_of_2(num_chunks), STATS=NUM_STATS,
         )
-    if top_k is not None or top_p is not None:
-        _resample_filtered_rows(logits, temperature, keys, confidence_kind, top_k, top_p, out)
     return out
-
-
-def _resample_filtered_rows(logits, temperature, keys, confidence_kind, top_k, top_p, out: SampleResult) -> None:
-    filtered = torch.zeros_like(temperature, dtype=torch.bool)
-    if top_k is not None:
-        filtered |= top_k > 0
-    if top_p is not None:
-        filtered |= top_p < 1
-    rows = (filtered & (temperature > 0)).nonzero().squeeze(1)
-    if rows.numel() == 0:
-        return
-    ref = sample_reference(
-        logits[rows], temperature[rows], keys[rows], confidence_kind[rows],
-        None if top_k is None else top_k[rows], None if top_p is None else top_p[rows],
-    )
-    out.tokens[rows] = ref.tokens
-    out.confidence[rows] = ref.confidence
-

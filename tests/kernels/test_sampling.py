@@ -1,12 +1,17 @@
-"""The fused sampler picks the reference's tokens and reports the reference's confidences."""
+"""The fused sampler picks the reference's tokens and reports the reference's confidences; with the engine's
+caller, rows with top-k/top-p follow the reference's filter, which is checked against hand-computed sets."""
 from __future__ import annotations
+
+import math
 
 import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend.sampling import Confidence, SampleResult, row_keys, sample_reference
-from diffulex_kernels.sampling import SamplerLaunch, chunk_layout, compiled_variant, plan_sampler_launch
+from diffulex_backend.runner import sample
+from diffulex_backend.sampling import Confidence, _filter_top_k_top_p, row_keys, sample_reference
+from diffulex_kernels import sampling as kernel_sampling
+from diffulex_kernels.sampling import SamplerLaunch, SamplerOutput, chunk_layout, compiled_variant, plan_sampler_launch
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
 
 # Vocabularies that are not a multiple of the kernel's tile, so the last tile is ragged.
@@ -14,8 +19,8 @@ VOCABS = [126464, 152064] if FULL_SHAPES else [5000, 1000]
 NUM_ROWS = 64 if FULL_SHAPES else 12
 
 
-def poisoned_result(num_rows: int) -> SampleResult:
-    return SampleResult(
+def poisoned_result(num_rows: int) -> SamplerOutput:
+    return SamplerOutput(
         tokens=torch.full((num_rows,), -7, dtype=torch.int64, device=DEVICE),
         confidence=torch.full((num_rows,), float("nan"), device=DEVICE),
         logsumexp=torch.full((num_rows,), float("nan"), device=DEVICE),
@@ -37,11 +42,11 @@ def make_rows(num_rows: int, vocab: int, dtype: torch.dtype, seed: int):
     return logits, temperature, keys, kinds
 
 
-def run_kernel(*args, **kwargs) -> SampleResult:
+def run_kernel(*args, **kwargs) -> SamplerOutput:
     return diffulex_kernels.sample_and_confidence(*args, **kwargs, out=poisoned_result(args[0].shape[0]))
 
 
-def assert_same_result(out: SampleResult, ref: SampleResult) -> None:
+def assert_same_result(out, ref) -> None:
     assert torch.equal(out.tokens, ref.tokens)
     torch.testing.assert_close(out.confidence, ref.confidence, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(out.logsumexp, ref.logsumexp, rtol=1e-5, atol=1e-5)
@@ -90,12 +95,63 @@ def test_ties_take_the_first_index_and_give_zero_margin(launch):
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds))
 
 
-def test_top_k_and_top_p_rows_follow_the_reference():
+def test_confidence_kinds_are_the_engines():
+    assert kernel_sampling.CONFIDENCE_PROB == Confidence.PROB
+    assert kernel_sampling.CONFIDENCE_MARGIN == Confidence.MARGIN
+    assert kernel_sampling.CONFIDENCE_NEG_ENTROPY == Confidence.NEG_ENTROPY
+
+
+def test_kernel_with_the_runners_top_k_top_p_rows_matches_the_reference():
     logits, temperature, keys, kinds = make_rows(NUM_ROWS, VOCABS[1], torch.float32, seed=4)
-    top_k = cycled([0, 5], NUM_ROWS)
+    temperature = torch.where(temperature > 0, 5.0, 0.0)  # hot enough that the filter changes the draws
+    top_k = cycled([0, 1, 0, 5], NUM_ROWS)
     top_p = cycled([0.8, 1.0, 1.0], NUM_ROWS)
-    out = run_kernel(logits, temperature, keys, kinds, top_k, top_p)
+    out = sample(logits, temperature, keys, kinds, top_k, top_p, use_kernel=True, filtered=True)
     assert_same_result(out, sample_reference(logits, temperature, keys, kinds, top_k, top_p))
+    # The filtered rows were rewritten: the kernel alone, which ignores top-k/top-p, draws other tokens there.
+    filtered_rows = ((top_k > 0) | (top_p < 1)) & (temperature > 0)
+    unfiltered = run_kernel(logits, temperature, keys, kinds)
+    assert (out.tokens != unfiltered.tokens)[filtered_rows].any()
+    assert torch.equal(out.tokens[~filtered_rows], unfiltered.tokens[~filtered_rows])
+
+
+# Probabilities that are powers of two, so the softmax and its cumulative sums are exact and a top-p can land
+# exactly on a boundary: by index 0.125, 0.5, 0.0625, 0.25, 0.0625 (indices 2 and 4 tie). In descending order
+# 1, 3, 0, then 2 and 4; the mass strictly ahead of each is 0, 0.5, 0.75, 0.875, 0.9375.
+FILTER_LOGITS = -math.log(2) * torch.tensor([2.0, 0.0, 3.0, 1.0, 3.0])
+TIED = {2, 4}
+# (top_k, top_p) -> (indices certainly kept, how many of the tied pair are kept)
+FILTER_CASES = {
+    (0, 1.0): ({0, 1, 3}, 2),  # both off
+    (1, 1.0): ({1}, 0),
+    (2, 1.0): ({1, 3}, 0),
+    (3, 1.0): ({0, 1, 3}, 0),
+    (4, 1.0): ({0, 1, 3}, 1),  # k cuts between the tied pair: one of them stays
+    (9, 1.0): ({0, 1, 3}, 2),  # k beyond the vocabulary
+    (0, 0.01): ({1}, 0),  # the top token always stays
+    (0, 0.5): ({1}, 0),  # exactly on a boundary: a token whose mass ahead reaches p is dropped
+    (0, 0.51): ({1, 3}, 0),
+    (0, 0.75): ({1, 3}, 0),  # on a boundary
+    (0, 0.875): ({0, 1, 3}, 0),  # on a boundary, in front of the tied pair
+    (0, 0.9): ({0, 1, 3}, 1),  # between the tied pair
+    (0, 0.95): ({0, 1, 3}, 2),
+    (2, 0.9): ({1, 3}, 0),
+    # top-p measures the mass after top-k: among the top 2 the second is ahead by 2/3 >= 0.6, so it is dropped,
+    # though over the whole vocabulary only 0.5 is ahead of it.
+    (2, 0.6): ({1}, 0),
+}
+
+
+def test_top_k_top_p_filter_keeps_the_hand_computed_sets():
+    cases = list(FILTER_CASES)
+    top_k = torch.tensor([k for k, _ in cases])
+    top_p = torch.tensor([p for _, p in cases], dtype=torch.float32)
+    filtered = _filter_top_k_top_p(FILTER_LOGITS.repeat(len(cases), 1), top_k, top_p)
+    for (k, p), row in zip(cases, filtered):
+        kept = set(torch.isfinite(row).nonzero().flatten().tolist())
+        certain, num_tied = FILTER_CASES[k, p]
+        assert kept - TIED == certain and len(kept & TIED) == num_tied, (k, p, kept)
+        assert torch.equal(row[list(kept)], FILTER_LOGITS[list(kept)])  # kept logits are left as they were
 
 
 @pytest.mark.parametrize("launch", [None, CHUNKED], ids=["default", "chunked"])
