@@ -44,7 +44,7 @@ from source_checkout import map_kernels_package  # noqa: E402
 map_kernels_package()
 
 from diffulex_backend import SamplingParams  # noqa: E402
-from diffulex_backend.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402

@@ -32,7 +32,7 @@ from source_checkout import map_kernels_package  # noqa: E402
 map_kernels_package()
 
 import diffulex_kernels  # noqa: E402
-from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceSampler  # noqa: E402
+from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
 from diffulex_backend.config import SamplingMode  # noqa: E402
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
@@ -307,7 +307,7 @@ def bench_acceptance(batches, device) -> list[Row]:
             # Read: current, predicted, confidence, logit, logsumexp; written: the tokens.
             bytes_moved = accept_batch.current.numel() * (8 + 8 + 4 + 2 + 4 + 8)
             for mode in SamplingMode:
-                rule = AcceptanceSampler(type("Config", (), {"mode": mode})(), mask_token_id=0)
+                rule = AcceptanceRule(mode, mask_token_id=0)
                 rows.append(kernel_row(
                     "accept_tokens", f"{mode.value} {batch} requests x {blocks_per_request} blocks",
                     lambda: rule(accept_batch, use_kernel=True), lambda: rule(accept_batch), bytes_moved,

@@ -2,12 +2,12 @@
 from .config import Config, SamplingMode
 from .engine import DiffulexEngine, EngineMetrics
 from .output import RequestOutput, StepOutput
-from .request import BlockState, FinishReason, RequestStatus
+from .request import FinishReason, RequestStatus
 from .sampling import Confidence, SamplingParams
 
 Diffulex = DiffulexEngine
 
 __all__ = [
-    "BlockState", "Confidence", "Config", "Diffulex", "DiffulexEngine", "EngineMetrics", "FinishReason",
+    "Confidence", "Config", "Diffulex", "DiffulexEngine", "EngineMetrics", "FinishReason",
     "RequestOutput", "RequestStatus", "SamplingMode", "SamplingParams", "StepOutput",
 ]

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import Config, SamplingMode
+from .config import SamplingMode
 
 
 @dataclass
@@ -35,9 +35,11 @@ class AcceptanceBatch:
     seg_num_transfer: torch.Tensor  # [S] int64 (TOPK mode)
 
 
-class AcceptanceSampler:
-    def __init__(self, config: Config, mask_token_id: int):
-        self.mode = config.mode
+class AcceptanceRule:
+    """Decides which predictions a step keeps. It samples nothing: the sampler has chosen every token already."""
+
+    def __init__(self, mode: SamplingMode, mask_token_id: int):
+        self.mode = mode
         self.mask_token_id = mask_token_id
 
     def __call__(self, batch: AcceptanceBatch, use_kernel: bool = False) -> torch.Tensor:

@@ -38,13 +38,6 @@ def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def pad_batch(batch: ForwardBatch, bucket: GraphBucket, num_page_columns: int, max_context_len: int) -> ForwardBatch:
-    """The batch padded to the bucket's sizes, on the host (see the module docstring)."""
-    layout = flat_layout(bucket.num_tokens, bucket.num_seqs, num_page_columns)
-    return ForwardBatch(batch.padded_flat(layout), layout, bucket.num_tokens, bucket.num_seqs, bucket.max_seqlen_q,
-                        max_context_len)
-
-
 class PaddedForward:
     """The model forward over a batch padded into static buffers, run eagerly."""
 

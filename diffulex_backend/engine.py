@@ -110,8 +110,9 @@ class DiffulexEngine:
         self.req_cls: type[Request] = AutoReq.get(strategy)
         kv_cls: type[KVCacheManager] = AutoKVCacheManager.get(strategy)
         self.kv_cache = kv_cls(self._num_kv_pages(), config.page_size, config.enable_prefix_caching)
-        sampler = AutoSampler.get(strategy)(config, config.mask_token_id)
-        self.runner = AutoModelRunner.get(strategy)(config, self.model, self.kv_cache, sampler, self.device, self.dtype)
+        acceptance = AutoSampler.get(strategy)(config.mode, config.mask_token_id)
+        self.runner = AutoModelRunner.get(strategy)(config, self.model, self.kv_cache, acceptance, self.device,
+                                                    self.dtype)
         self.scheduler = AutoScheduler.get(strategy)(config, self.kv_cache)
 
         self.requests: dict[str, Request] = {}

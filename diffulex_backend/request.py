@@ -34,13 +34,6 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
-class BlockState(enum.Enum):
-    DUMMY = enum.auto()  # not yet joined: all mask, not fed
-    ACTIVE = enum.auto()  # in flight: fed every step, accepting tokens
-    TO_CACHE = enum.auto()  # committed: fed once more so that its final K/V reach the cache
-    IN_CACHE = enum.auto()  # committed and cached
-
-
 @dataclass
 class LogitBlock:
     """A span of positions whose predictions the acceptance rule decides on this step."""

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .acceptance import AcceptanceBatch, AcceptanceSampler
+from .acceptance import AcceptanceBatch, AcceptanceRule
 from .attention import AttentionMetadata
 from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
@@ -100,12 +100,12 @@ def profile_peak_memory(model, config: Config, device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model, kv_cache: KVCacheManager, sampler: AcceptanceSampler,
+    def __init__(self, config: Config, model, kv_cache: KVCacheManager, acceptance: AcceptanceRule,
                  device: torch.device, dtype: torch.dtype):
         self.config = config
         self.model = model
         self.kv_manager = kv_cache
-        self.sampler = sampler
+        self.acceptance = acceptance
         self.device = device
         self.shift = 1 if model.arch.shifted else 0
         shape = kv_cache_shape(model, kv_cache.num_pages, config.page_size)
@@ -212,7 +212,7 @@ class ModelRunner:
             hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
         logits = self.model.compute_logits(hidden[logit_rows])  # [A, vocab]
         # Predicting the mask token would leave a position masked after "accepting" it, forever.
-        logits[:, self.sampler.mask_token_id] = float("-inf")
+        logits[:, self.acceptance.mask_token_id] = float("-inf")
         result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
                         use_kernel=self.use_kernels, filtered=filtered)
         batch = AcceptanceBatch(
@@ -229,4 +229,4 @@ class ModelRunner:
             seg_remask_threshold=seg_remask,
             seg_num_transfer=seg_num_transfer,
         )
-        return self.sampler(batch, use_kernel=self.use_kernels).cpu()  # the step's one device-to-host sync
+        return self.acceptance(batch, use_kernel=self.use_kernels).cpu()  # the step's one device-to-host sync

@@ -33,7 +33,7 @@ import pytest  # noqa: E402
 from triton_server import SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model  # noqa: E402
 
 from diffulex_backend import Diffulex  # noqa: E402
-from diffulex_backend.checkpoint import write_random_checkpoint  # noqa: E402
+from diffulex_backend.testing.checkpoint import write_random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")

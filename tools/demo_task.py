@@ -12,7 +12,7 @@ Training never draws a held-out pair, and every evaluation set is drawn from hel
 evaluation problem can never have been seen in training.
 
 Tokens are bytes: the demo tokenizer maps each byte to the token of the same id (see
-diffulex_backend.checkpoint), so a prompt's token ids are its ASCII codes.
+diffulex_backend.testing.checkpoint), so a prompt's token ids are its ASCII codes.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from diffulex_backend.checkpoint import EOS_TOKEN_ID
+from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID
 from diffulex_backend.sampling import mix32
 
 MAX_DIGITS = 4

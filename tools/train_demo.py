@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from demo_objectives import Objective, TrainingBatch, block_batch, full_batch
 from demo_task import GEN_LENGTH, encode_answers, encode_prompts, sample_training_pairs
-from diffulex_backend.checkpoint import MASK_TOKEN_ID, random_config, write_byte_tokenizer, write_weights
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_config, write_byte_tokenizer, write_weights
 from diffulex_backend.models.decoder_lm import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
 

@@ -1,9 +1,11 @@
 """Block diffusion with several blocks in flight (`multi_bd`), and D2F (`d2f`): the same with a prompt that
 attends bidirectionally within itself.
 
-Blocks of a request are, in order: IN_CACHE, TO_CACHE, ACTIVE, DUMMY. Three counters mark the borders, so
-block state is a pair of integer comparisons, never a per-block object:
-  [0, num_cached_blocks) IN_CACHE | [.., num_committed_blocks) TO_CACHE | [.., num_joined_blocks) ACTIVE | DUMMY
+A block goes DUMMY (not joined: all mask, not fed) -> ACTIVE (in flight: fed every step, accepting tokens) ->
+TO_CACHE (committed: fed once more so that its final K/V reach the cache) -> IN_CACHE. The blocks of a request
+are in that order from last to first, so three counters are the whole state, never a per-block object:
+  IN_CACHE: ends at or before position num_cached | TO_CACHE: the rest below num_committed_blocks |
+  ACTIVE: the rest below num_joined_blocks | DUMMY: the rest.
 One forward feeds, contiguously from the first uncached position: the rest of the prompt, the TO_CACHE blocks
 (their K/V are stored now; no extra forward per block), and the ACTIVE blocks (predicted, not stored).
 """
@@ -14,9 +16,9 @@ import numpy as np
 from ..config import Config
 from ..kv_cache import KVCacheManager
 from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
-from ..request import BlockState, LogitBlock, Request, SeqPlan
+from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
-from ..acceptance import AcceptanceSampler
+from ..acceptance import AcceptanceRule
 from ..scheduler import Scheduler
 
 
@@ -34,13 +36,6 @@ class BlockDiffusionRequest(Request):
         super().__init__(*args, **kwargs)
         self.num_joined_blocks = 1
         self._join_blocks()
-
-    def block_state(self, k: int) -> BlockState:
-        if k >= self.num_joined_blocks:
-            return BlockState.DUMMY
-        if k >= self.num_committed_blocks:
-            return BlockState.ACTIVE
-        return BlockState.IN_CACHE if self.block_span(k)[1] <= self.num_cached else BlockState.TO_CACHE
 
     def block_ids(self, positions: np.ndarray) -> np.ndarray:
         """Each position's block id: its block's first position in the generation area; in the prompt, the
@@ -128,4 +123,4 @@ for _name, _req, _aliases, _default in (
     AutoScheduler.register(_name, aliases=_aliases, default=_default)(Scheduler)
     AutoKVCacheManager.register(_name, aliases=_aliases, default=_default)(KVCacheManager)
     AutoModelRunner.register(_name, aliases=_aliases, default=_default)(ModelRunner)
-    AutoSampler.register(_name, aliases=_aliases, default=_default)(AcceptanceSampler)
+    AutoSampler.register(_name, aliases=_aliases, default=_default)(AcceptanceRule)

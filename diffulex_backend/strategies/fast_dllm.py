@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..acceptance import AcceptanceSampler
+from ..acceptance import AcceptanceRule
 from ..kv_cache import KVCacheManager
 from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
 from ..request import SeqPlan
@@ -66,4 +66,4 @@ AutoReq.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(FastDLLMRequest
 AutoScheduler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(Scheduler)
 AutoKVCacheManager.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(KVCacheManager)
 AutoModelRunner.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(ModelRunner)
-AutoSampler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(AcceptanceSampler)
+AutoSampler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(AcceptanceRule)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..acceptance import AcceptanceSampler
+from ..acceptance import AcceptanceRule
 from ..config import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
@@ -56,4 +56,4 @@ AutoReq.register("vanilla", aliases=("llada",))(VanillaRequest)
 AutoScheduler.register("vanilla", aliases=("llada",))(Scheduler)
 AutoKVCacheManager.register("vanilla", aliases=("llada",))(NoKVCacheManager)
 AutoModelRunner.register("vanilla", aliases=("llada",))(ModelRunner)
-AutoSampler.register("vanilla", aliases=("llada",))(AcceptanceSampler)
+AutoSampler.register("vanilla", aliases=("llada",))(AcceptanceRule)

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceSampler
+from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule
 from diffulex_backend.config import SamplingMode
 from kernel_cases import DEVICE, FULL_SHAPES, generator
 
@@ -46,8 +46,8 @@ def make_batch(lengths: list[int], seed: int, *, ties: bool, accept: float = 0.6
     )
 
 
-def sampler(mode: SamplingMode) -> AcceptanceSampler:
-    return AcceptanceSampler(type("Config", (), {"mode": mode})(), MASK)
+def sampler(mode: SamplingMode) -> AcceptanceRule:
+    return AcceptanceRule(mode, MASK)
 
 
 # Block-sized segments, ragged ones, one-position ones, and segments longer than a kernel tile (32 positions).

@@ -7,7 +7,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_backend.checkpoint import random_model
+from diffulex_backend.testing.checkpoint import random_model
 from kernel_cases import DEVICE, REL_TOL, relative_error
 
 PAGE_SIZE = 4

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex_backend.checkpoint import write_random_checkpoint
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
 FAMILIES = ("llada", "dream", "sdar")
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
-from diffulex_backend.checkpoint import (
+from diffulex_backend.testing.checkpoint import (
     EOS_TOKEN_ID, MASK_TOKEN_ID, main, random_model, write_random_checkpoint,
 )
 from diffulex_backend.loader import CheckpointError, load_model

@@ -23,7 +23,7 @@ from train_demo import RECIPES, MaskedAttention, build_model, main as train_demo
 
 from diffulex_backend import Diffulex, FinishReason, SamplingParams  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
-from diffulex_backend.checkpoint import MASK_TOKEN_ID  # noqa: E402
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID  # noqa: E402
 from diffulex_backend.registry import AutoModelForDiffusionLM  # noqa: E402
 
 DEMO_LLADA = REPO / "model_repository" / "diffulex" / "demo-llada"

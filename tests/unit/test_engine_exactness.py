@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.checkpoint import write_random_checkpoint
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 from diffulex_backend.loader import load_model
 
 PROMPTS = ["The quick brown fox", "hi", "diffusion language models decode blocks in parallel"]

@@ -6,7 +6,7 @@ import pytest
 
 from checkpoint_edits import edit_output_head
 from diffulex_backend import FinishReason, SamplingParams
-from diffulex_backend.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
 from engine_driver import run_requests, tiny_engine
 
 PARAMS = SamplingParams(max_tokens=8, ignore_eos=True)

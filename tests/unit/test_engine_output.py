@@ -8,7 +8,7 @@ import shutil
 import pytest
 
 from diffulex_backend import FinishReason, SamplingParams
-from diffulex_backend.checkpoint import EOS_TOKEN_ID
+from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID
 from engine_driver import TINY_LIMITS, run_requests, tiny_engine
 
 PROMPTS = ["hello world", "the quick brown fox", "ab", "diffusion"]

@@ -7,12 +7,20 @@ import numpy as np
 import pytest
 import torch
 
-from diffulex_backend.cuda_graph import GraphBucket, pad_batch
-from diffulex_backend.forward_batch import build_forward_batch, flat_layout, ranges, round_up_seqs, round_up_tokens
+from diffulex_backend.cuda_graph import GraphBucket
+from diffulex_backend.forward_batch import (ForwardBatch, build_forward_batch, flat_layout, ranges, round_up_seqs,
+                                           round_up_tokens)
 from diffulex_backend.request import SeqPlan
 
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 40  # 10 page columns
+
+
+def pad_batch(batch: ForwardBatch, bucket: GraphBucket, num_page_columns: int, max_context_len: int) -> ForwardBatch:
+    """The batch padded to the bucket's sizes on the host, as a replay sees it (cuda_graph.py's docstring)."""
+    layout = flat_layout(bucket.num_tokens, bucket.num_seqs, num_page_columns)
+    return ForwardBatch(batch.padded_flat(layout), layout, bucket.num_tokens, bucket.num_seqs, bucket.max_seqlen_q,
+                        max_context_len)
 
 
 def make_plan(start: int, end: int, context_len: int, cache_index: list[int], page_table: list[int],

@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffulex_backend.checkpoint import write_random_checkpoint
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 from diffulex_backend.loader import CheckpointError, detect_model_name, load_model
 
 

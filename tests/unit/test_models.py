@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 
 from diffulex_backend.attention import AttentionMetadata
-from diffulex_backend.checkpoint import RELEASED_SHAPES, write_random_checkpoint
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint
 from diffulex_backend.loader import load_model
 from diffulex_backend.models import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
@@ -282,7 +282,7 @@ def test_written_config_has_the_released_key_set(checkpoints, name):
 def test_num_params_counts_every_parameter(shape):
     spec = dict(RELEASED_SHAPES[shape])
     name = spec.pop("model_name")
-    from diffulex_backend.checkpoint import random_config
+    from diffulex_backend.testing.checkpoint import random_config
 
     family = AutoModelForDiffusionLM.get(name)
     arch = family.parse_config(random_config(name, **spec), "config.json")

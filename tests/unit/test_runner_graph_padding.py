@@ -10,11 +10,18 @@ import pytest
 import torch
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.checkpoint import write_random_checkpoint
-from diffulex_backend.cuda_graph import GraphBucket, PaddedForward, pad_batch, round_up_seqs, round_up_tokens
-from diffulex_backend.forward_batch import build_forward_batch
+from diffulex_backend.cuda_graph import GraphBucket, PaddedForward, round_up_seqs, round_up_tokens
+from diffulex_backend.forward_batch import ForwardBatch, build_forward_batch, flat_layout
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
 PROMPTS = ["The quick brown fox", "hi", "diffusion language models decode blocks in parallel", "abc"]
+
+
+def pad_batch(batch: ForwardBatch, bucket: GraphBucket, num_page_columns: int, max_context_len: int) -> ForwardBatch:
+    """The batch padded to the bucket's sizes on the host, as a replay sees it (cuda_graph.py's docstring)."""
+    layout = flat_layout(bucket.num_tokens, bucket.num_seqs, num_page_columns)
+    return ForwardBatch(batch.padded_flat(layout), layout, bucket.num_tokens, bucket.num_seqs, bucket.max_seqlen_q,
+                        max_context_len)
 
 
 class CountingPaddedForward(PaddedForward):

@@ -7,7 +7,7 @@ model in memory, on any device and dtype, for benchmarks at the released shapes 
 Both go through `random_config`, so a written checkpoint and an in-memory model of the same arguments and
 seed on the same device hold the same weights.
 
-CLI: python -m diffulex_backend.checkpoint OUT_DIR --model-name llada [--hidden-size 64 ...]
+CLI: python -m diffulex_backend.testing.checkpoint OUT_DIR --model-name llada [--hidden-size 64 ...]
 """
 from __future__ import annotations
 

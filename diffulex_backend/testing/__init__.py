@@ -1,0 +1,1 @@
+"""Helpers for tests, benchmarks and tools that the engine itself never imports: random-weight checkpoints."""
