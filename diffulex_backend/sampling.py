@@ -20,10 +20,21 @@ class Confidence(enum.IntEnum):
     NEG_ENTROPY = 2  # sum p log p: close to 0 when the distribution is peaked
 
 
+INT32_MAX = 2**31 - 1
+UINT64_MAX = 2**64 - 1
+FLOAT32_MAX = 3.4028234663852886e38
+MAX_STOP_STRINGS = 64
+MAX_STOP_TOKEN_IDS = 1024
+
+
 @dataclass
 class SamplingParams:
+    """Every value is checked against the range the engine can represent (int32 counts, a uint64 seed, finite
+    float32 numbers), so a request is refused here, with the field's name, rather than failing a step later."""
+
     max_tokens: int = 128
-    temperature: float = 0.0
+    min_tokens: int = 0  # EOS and stop tokens among the first min_tokens outputs do not end the request
+    temperature: float = 0.0  # 0 is greedy, and so is anything below GREEDY_TEMPERATURE
     top_k: int = 0  # 0 keeps the whole vocabulary
     top_p: float = 1.0
     seed: int | None = None
@@ -37,33 +48,36 @@ class SamplingParams:
 
     def __post_init__(self):
         def fail(name, allowed):
-            raise ValueError(f"sampling parameter '{name}' must be {allowed}, got {getattr(self, name)!r}")
+            raise ValueError(f"sampling parameter '{name}' must be {allowed}, got {_shown(getattr(self, name))}")
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
-        if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            fail("max_tokens", "an integer >= 1")
-        if not _is_num(self.temperature) or self.temperature < 0 or math.isnan(self.temperature):
-            fail("temperature", "a number >= 0")
-        if not _is_int(self.top_k) or self.top_k < 0:
-            fail("top_k", "an integer >= 0 (0 disables it)")
-        if not _is_num(self.top_p) or not 0 < self.top_p <= 1:
+        for name, low, high in (("max_tokens", 1, INT32_MAX), ("min_tokens", 0, INT32_MAX), ("top_k", 0, INT32_MAX)):
+            if not _is_int(getattr(self, name)) or not low <= getattr(self, name) <= high:
+                fail(name, f"an integer in [{low}, {high}]" + (" (0 disables it)" if name == "top_k" else ""))
+        if self.min_tokens > self.max_tokens:
+            fail("min_tokens", f"at most max_tokens ({self.max_tokens})")
+        if not _is_finite(self.temperature) or not 0 <= self.temperature <= FLOAT32_MAX:
+            fail("temperature", f"a finite number in [0, {FLOAT32_MAX:.7g}]")
+        if not _is_finite(self.top_p) or not 0 < self.top_p <= 1:
             fail("top_p", "a number in (0, 1]")
-        if self.seed is not None and (not _is_int(self.seed) or self.seed < 0):
-            fail("seed", "a non-negative integer or null")
-        if not isinstance(self.stop, list) or not all(isinstance(s, str) and s for s in self.stop):
-            fail("stop", "a list of non-empty strings")
-        if not isinstance(self.stop_token_ids, list) or not all(_is_int(t) and t >= 0 for t in self.stop_token_ids):
-            fail("stop_token_ids", "a list of non-negative integers")
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed <= UINT64_MAX):
+            fail("seed", f"an integer in [0, {UINT64_MAX}] or null")
+        if (not isinstance(self.stop, list) or len(self.stop) > MAX_STOP_STRINGS
+                or not all(isinstance(s, str) and s for s in self.stop)):
+            fail("stop", f"a list of at most {MAX_STOP_STRINGS} non-empty strings")
+        if (not isinstance(self.stop_token_ids, list) or len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS
+                or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in self.stop_token_ids)):
+            fail("stop_token_ids", f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]")
         if not isinstance(self.ignore_eos, bool):
             fail("ignore_eos", "true or false")
-        if self.confidence not in CONFIDENCE_NAMES:
+        if not isinstance(self.confidence, str) or self.confidence not in CONFIDENCE_NAMES:
             fail("confidence", f"one of {sorted(CONFIDENCE_NAMES)}")
-        if self.steps is not None and (not _is_int(self.steps) or self.steps < 1):
-            fail("steps", "an integer >= 1 or null")
+        if self.steps is not None and (not _is_int(self.steps) or not 1 <= self.steps <= INT32_MAX):
+            fail("steps", f"an integer in [1, {INT32_MAX}] or null")
         for name in ("accept_threshold", "remask_threshold"):
             value = getattr(self, name)
-            if value is not None and (not _is_num(value) or not 0 <= value <= 1):
+            if value is not None and (not _is_finite(value) or not 0 <= value <= 1):
                 fail(name, "a number in [0, 1] or null")
 
     @property
@@ -84,6 +98,10 @@ class SamplingParams:
         return cls(**values)
 
 
+# Temperatures below this are greedy: dividing logits by a smaller one overflows float32.
+GREEDY_TEMPERATURE = 1e-5
+
+
 CONFIDENCE_NAMES = {"prob": Confidence.PROB, "margin": Confidence.MARGIN, "neg_entropy": Confidence.NEG_ENTROPY}
 
 
@@ -91,8 +109,14 @@ def _is_int(x) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
+def _is_finite(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and (isinstance(x, int) or math.isfinite(x))
+
+
+def _shown(value) -> str:
+    """The value as a message quotes it, cut short: a huge value must not make a huge error response."""
+    text = repr(value)
+    return text if len(text) <= 80 else text[:60] + f"... ({len(text)} characters)"
 
 
 _MASK32 = 0xFFFFFFFF

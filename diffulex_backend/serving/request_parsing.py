@@ -3,11 +3,21 @@
 Pure functions over numpy arrays and JSON, so every rule here is tested without a server. The tensors
 arrive as Triton hands them to a batched model: with a leading batch dimension of 1, e.g. `text_input`
 of shape [1, 1]. A bad request raises `BadRequest` with a message that names the offending field.
+
+Sampling parameters may come from three places, as the clients of Triton's vLLM and TensorRT-LLM backends send
+them. They are merged key by key, a later source winning over an earlier one:
+  1. the request's parameters (the generate extension's "parameters");
+  2. the `sampling_parameters` input, a JSON object (the vLLM backend's);
+  3. TensorRT-LLM's tensor inputs (`max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `min_length`,
+     `end_id`, `stop_words`, `beam_width`).
+A string where a number or a boolean is expected is converted (the vLLM backend does the same; genai-perf sends
+`{"max_tokens": "16"}`). JSON is bounded in size and depth, and NaN and Infinity are refused.
 """
 
 from __future__ import annotations
 
 import json
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -24,7 +34,25 @@ FLAG_INPUTS = (
     "return_num_output_tokens",
     "return_nfe",
 )
-INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + FLAG_INPUTS
+# TensorRT-LLM's scalar tensor inputs and the sampling parameter each one sets.
+TENSOR_PARAMETERS = {
+    "max_tokens": "max_tokens",
+    "min_length": "min_tokens",
+    "temperature": "temperature",
+    "top_k": "top_k",
+    "top_p": "top_p",
+    "random_seed": "seed",
+}
+TENSOR_INPUTS = (*TENSOR_PARAMETERS, "end_id", "stop_words", "beam_width")
+INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + FLAG_INPUTS + TENSOR_INPUTS
+
+# A sampling-parameter object is a few dozen bytes; these bounds leave room for long stop lists and refuse
+# what could only be an attack on the parser.
+MAX_PARAMETERS_CHARS = 65536
+MAX_JSON_DEPTH = 8
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
 
 
 class BadRequest(ValueError):
@@ -45,8 +73,7 @@ class ParsedRequest:
 
 def parse_request(inputs: Mapping[str, np.ndarray], request_parameters: str = "") -> ParsedRequest:
     """`inputs` maps input names to the arrays that were sent; `request_parameters` is the request's
-    parameters as JSON (the generate extension's "parameters"), read when no `sampling_parameters` input
-    is given."""
+    parameters as JSON (the generate extension's "parameters")."""
     flags = {name: _read_bool(inputs, name) for name in FLAG_INPUTS}
     return ParsedRequest(prompt=_read_prompt(inputs), params=_read_sampling_params(inputs, request_parameters), **flags)
 
@@ -58,6 +85,8 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
         ids = np.asarray(inputs["input_ids"])
         if ids.dtype != np.int32:
             raise BadRequest(f"input 'input_ids' must be INT32, got {ids.dtype}")
+        if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
+            raise BadRequest(f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(ids.shape)}")
         if ids.size == 0:
             raise BadRequest("input 'input_ids' is empty")
         return ids.reshape(-1).tolist()
@@ -70,25 +99,111 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
 
 
 def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: str) -> SamplingParams:
+    values, sources = {}, []
+    if request_parameters and request_parameters.strip():
+        values.update(_parse_json_object(request_parameters, "request parameters"))
+        sources.append("request parameters")
     if "sampling_parameters" in inputs:
-        source, raw = "input 'sampling_parameters'", _read_string(inputs, "sampling_parameters")
-    else:
-        source, raw = "request parameters", request_parameters
-    values = _parse_json_object(raw, source) if raw.strip() else {}
+        raw = _read_string(inputs, "sampling_parameters")
+        if raw.strip():
+            values.update(_parse_json_object(raw, "input 'sampling_parameters'"))
+            sources.append("input 'sampling_parameters'")
+    tensor_values = _read_tensor_parameters(inputs)
+    if tensor_values:
+        values.update(tensor_values)
+        sources.append("tensor inputs")
     try:
-        return SamplingParams.from_dict(values)
+        return SamplingParams.from_dict({key: _converted(key, value) for key, value in values.items()})
     except (TypeError, ValueError) as err:
-        raise BadRequest(f"{source}: {err}") from None
+        raise BadRequest(f"{' + '.join(sources) or 'sampling parameters'}: {err}") from None
+
+
+def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:
+    values = {}
+    for name, key in TENSOR_PARAMETERS.items():
+        if name in inputs:
+            values[key] = _read_scalar(inputs, name)
+    if "beam_width" in inputs and _read_scalar(inputs, "beam_width") != 1:
+        raise BadRequest("input 'beam_width' must be 1: diffusion decoding has no beam search")
+    if "end_id" in inputs:
+        values["stop_token_ids"] = [_read_scalar(inputs, "end_id")]
+    if "stop_words" in inputs:
+        words = [_decoded(value, "stop_words") for value in np.asarray(inputs["stop_words"]).reshape(-1)]
+        values["stop"] = [word for word in words if word]  # TensorRT-LLM clients send "" for none
+    return values
+
+
+def _converted(key: str, value):
+    """A string where the field wants a number or a boolean, converted; anything else as it is, for
+    SamplingParams to accept or refuse with its own message."""
+    if not isinstance(value, str):
+        return value
+    base = FIELD_TYPES.get(key)
+    text = value.strip()
+    try:
+        if base is bool and text.lower() in TRUE_WORDS + FALSE_WORDS:
+            return text.lower() in TRUE_WORDS
+        if base is int:
+            return int(text)
+        if base is float:
+            return float(text)
+    except ValueError:
+        pass
+    return value
+
+
+def _field_types() -> dict[str, type]:
+    types_by_field = {}
+    for name, annotation in typing.get_type_hints(SamplingParams).items():
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        types_by_field[name] = args[0] if len(args) == 1 and typing.get_origin(annotation) is not list else annotation
+    return types_by_field
+
+
+FIELD_TYPES = _field_types()
 
 
 def _parse_json_object(raw: str, source: str) -> dict:
+    if len(raw) > MAX_PARAMETERS_CHARS:
+        raise BadRequest(f"{source} has {len(raw)} characters; at most {MAX_PARAMETERS_CHARS} are accepted")
+    if _json_depth(raw) > MAX_JSON_DEPTH:
+        raise BadRequest(f"{source} is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        values = json.loads(raw)
+        values = json.loads(raw, parse_constant=_refuse_constant)
     except json.JSONDecodeError as err:
         raise BadRequest(f"{source} is not valid JSON: {err}") from None
+    except ValueError as err:
+        raise BadRequest(f"{source}: {err}") from None
     if not isinstance(values, dict):
         raise BadRequest(f"{source} must be a JSON object, got {type(values).__name__}")
     return values
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} is not a number a sampling parameter can take")
+
+
+def _json_depth(raw: str) -> int:
+    """The deepest nesting of arrays and objects, counted without parsing (brackets inside strings do not count),
+    so that nesting too deep for the parser is refused before it recurses."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for char in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif char == "\\":
+                escaped = True
+            elif char == '"':
+                in_string = False
+        elif char == '"':
+            in_string = True
+        elif char in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char in "]}":
+            depth -= 1
+    return deepest
 
 
 def _read_string(inputs: Mapping[str, np.ndarray], name: str) -> str:
@@ -97,13 +212,25 @@ def _read_string(inputs: Mapping[str, np.ndarray], name: str) -> str:
         raise BadRequest(f"input '{name}' must be a STRING (BYTES) tensor, got {array.dtype}")
     if array.size != 1:
         raise BadRequest(f"input '{name}' must hold exactly one string, got {array.size}")
-    value = array.reshape(-1)[0]
+    return _decoded(array.reshape(-1)[0], name)
+
+
+def _decoded(value, name: str) -> str:
     if isinstance(value, bytes):
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as err:
             raise BadRequest(f"input '{name}' is not valid UTF-8: {err}") from None
     return str(value)
+
+
+def _read_scalar(inputs: Mapping[str, np.ndarray], name: str):
+    array = np.asarray(inputs[name])
+    if array.size != 1:
+        raise BadRequest(f"input '{name}' must hold exactly one value, got {array.size}")
+    if array.dtype.kind not in "iuf":
+        raise BadRequest(f"input '{name}' must be a number, got {array.dtype}")
+    return array.reshape(-1)[0].item()
 
 
 def _read_bool(inputs: Mapping[str, np.ndarray], name: str) -> bool:

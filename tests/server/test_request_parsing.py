@@ -69,14 +69,106 @@ def test_sampling_parameters_input_takes_precedence_over_request_parameters():
      "request parameters: unknown sampling parameter(s) ['max_token']; allowed: "
      f"{SamplingParams.field_names()}"),
     ({"text_input": text("a"), "sampling_parameters": text('{"max_tokens": -1}')}, "",
-     "input 'sampling_parameters': sampling parameter 'max_tokens' must be an integer >= 1, got -1"),
+     "input 'sampling_parameters': sampling parameter 'max_tokens' must be an integer in [1, 2147483647], got -1"),
     ({"text_input": text("a"), "sampling_parameters": text('{"temperature": "hot"}')}, "",
-     "input 'sampling_parameters': sampling parameter 'temperature' must be a number >= 0, got 'hot'"),
+     "input 'sampling_parameters': sampling parameter 'temperature' must be a finite number in [0, 3.402823e+38], "
+         "got 'hot'"),
 ])
 def test_bad_request_names_the_bad_field(inputs, parameters, message):
     with pytest.raises(BadRequest) as caught:
         parse_request(inputs, parameters)
     assert str(caught.value) == message
+
+
+# Every number at its type's limits, non-finite floats, wrong types: refused at parse time, naming the field.
+@pytest.mark.parametrize("values, message", [
+    ({"seed": 2**64}, "sampling parameter 'seed' must be an integer in [0, 18446744073709551615] or null, "
+                      "got 18446744073709551616"),
+    ({"seed": -1}, "sampling parameter 'seed' must be an integer in [0, 18446744073709551615] or null, got -1"),
+    ({"top_k": 2**63}, "sampling parameter 'top_k' must be an integer in [0, 2147483647] (0 disables it), "
+                       "got 9223372036854775808"),
+    ({"max_tokens": 2**31}, "sampling parameter 'max_tokens' must be an integer in [1, 2147483647], got 2147483648"),
+    ({"steps": 0}, "sampling parameter 'steps' must be an integer in [1, 2147483647] or null, got 0"),
+    ({"temperature": 1e39}, "sampling parameter 'temperature' must be a finite number in [0, 3.402823e+38], got 1e+39"),
+    ({"temperature": 10**400}, "sampling parameter 'temperature' must be a finite number in [0, 3.402823e+38], got "
+                               "1" + "0" * 59 + "... (401 characters)"),
+    ({"top_p": 0}, "sampling parameter 'top_p' must be a number in (0, 1], got 0"),
+    ({"accept_threshold": 1.5}, "sampling parameter 'accept_threshold' must be a number in [0, 1] or null, got 1.5"),
+    ({"stop_token_ids": [2**31]}, "sampling parameter 'stop_token_ids' must be a list of at most 1024 token ids in "
+                                  "[0, 2147483647], got [2147483648]"),
+    ({"stop": ["x"] * 65}, "sampling parameter 'stop' must be a list of at most 64 non-empty strings, got "
+                           "['x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x', 'x',... (325 characters)"),
+    ({"min_tokens": 9, "max_tokens": 8}, "sampling parameter 'min_tokens' must be at most max_tokens (8), got 9"),
+    ({"confidence": ["prob"]}, "sampling parameter 'confidence' must be one of ['margin', 'neg_entropy', 'prob'], "
+                               "got ['prob']"),
+])
+def test_out_of_range_sampling_parameter_is_refused_at_parse_time(values, message):
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps(values))})
+    assert str(caught.value) == f"input 'sampling_parameters': {message}"
+
+
+@pytest.mark.parametrize("raw", ['{"temperature": Infinity}', '{"temperature": -Infinity}', '{"top_p": NaN}'])
+def test_json_infinity_and_nan_are_refused(raw):
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a"), "sampling_parameters": text(raw)})
+    assert str(caught.value).startswith("input 'sampling_parameters': ")
+    assert "is not a number a sampling parameter can take" in str(caught.value)
+
+
+def test_deeply_nested_json_is_refused_without_recursing():
+    raw = "[" * 100000 + "]" * 100000
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a")}, '{"stop": ' + raw[:60000] + "}")
+    assert str(caught.value) == "request parameters is nested more than 8 levels deep"
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a"), "sampling_parameters": text(raw)})
+    assert str(caught.value) == "input 'sampling_parameters' has 200000 characters; at most 65536 are accepted"
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting():
+    parsed = parse_request({"text_input": text("a"), "sampling_parameters": text(json.dumps({"stop": ["[[[[[[[[[[{"]}))})
+    assert parsed.params.stop == ["[[[[[[[[[[{"]
+
+
+@pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3)])
+def test_input_ids_holding_more_than_one_prompt_are_refused(shape):
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"input_ids": np.ones(shape, dtype=np.int32)})
+    assert str(caught.value) == f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(shape)}"
+
+
+def test_string_values_are_converted_as_the_vllm_backend_does():
+    """genai-perf --backend vllm sends every value as a string."""
+    parsed = parse_request({"text_input": text("a"), "sampling_parameters": text(
+        '{"max_tokens": "16", "min_tokens": "16", "temperature": "0.5", "ignore_eos": "true", "seed": "7"}')})
+    assert parsed.params == SamplingParams(max_tokens=16, min_tokens=16, temperature=0.5, ignore_eos=True, seed=7)
+
+
+def test_request_parameters_and_sampling_parameters_merge_key_by_key():
+    parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4}')},
+                           json.dumps({"max_tokens": 9, "seed": 3}))
+    assert (parsed.params.max_tokens, parsed.params.seed) == (4, 3)
+
+
+def test_tensorrt_llm_tensor_inputs_set_sampling_parameters_and_win():
+    """genai-perf --backend tensorrtllm and TensorRT-LLM clients send these as tensors."""
+    parsed = parse_request({
+        "text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4, "temperature": 0.1}'),
+        "max_tokens": np.array([[32]], dtype=np.int32), "min_length": np.array([[8]], dtype=np.int32),
+        "temperature": np.array([[0.5]], dtype=np.float32), "top_k": np.array([[5]], dtype=np.int32),
+        "top_p": np.array([[0.75]], dtype=np.float32), "random_seed": np.array([[2**63]], dtype=np.uint64),
+        "end_id": np.array([[2]], dtype=np.int32), "stop_words": np.array([[b"\n\n", b""]], dtype=np.object_),
+        "beam_width": np.array([[1]], dtype=np.int32),
+    })
+    assert parsed.params == SamplingParams(max_tokens=32, min_tokens=8, temperature=0.5, top_k=5, top_p=0.75,
+                                           seed=2**63, stop_token_ids=[2], stop=["\n\n"])
+
+
+def test_beam_search_is_refused():
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("hi"), "beam_width": np.array([[4]], dtype=np.int32)})
+    assert str(caught.value) == "input 'beam_width' must be 1: diffusion decoding has no beam search"
 
 
 # ---- response building ------------------------------------------------------------------------------------
