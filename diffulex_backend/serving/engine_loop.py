@@ -26,7 +26,8 @@ from typing import TYPE_CHECKING, Protocol
 from .metrics import ServingMetrics
 
 if TYPE_CHECKING:
-    from .. import Diffulex, EngineMetrics, SamplingParams, StepOutput
+    from .. import Diffulex, EngineMetrics, StepOutput
+    from ..engine import PreparedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -60,8 +61,7 @@ class LoopState(enum.Enum):
 @dataclass(frozen=True)
 class Submit:
     request_id: str
-    prompt: str | list[int]
-    params: SamplingParams
+    prepared: PreparedRequest
     stream: ResponseStream
     arrival_time: float
 
@@ -148,25 +148,28 @@ class EngineLoop:
     def state(self) -> LoopState:
         return self._state
 
-    def submit(self, prompt: str | list[int], params: SamplingParams, stream: ResponseStream) -> None:
+    def submit(self, prepared: PreparedRequest, stream: ResponseStream) -> None:
+        """Hand a request the engine has prepared (engine.prepare_request) to the decoding thread."""
         with self._lock:
             if self._state is LoopState.RUNNING:
                 request_id = f"diffulex-{next(self._request_ids)}"
-                self._commands.put(Submit(request_id, prompt, params, stream, time.monotonic()))
+                self._commands.put(Submit(request_id, prepared, stream, time.monotonic()))
                 return
             message = self._refusal()
         _send_error(stream, ErrorKind.UNAVAILABLE, message)
 
-    def stop(self, timeout_s: float = 30.0) -> None:
-        """End both threads; requests still open end with UNAVAILABLE."""
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End both threads; requests still open end with UNAVAILABLE once the step under way has ended. A step
+        that outlasts `timeout_s` is left to finish on its (daemon) thread: the server must not wait on it."""
         with self._lock:
             if self._state is LoopState.RUNNING:
                 self._state = LoopState.STOPPED
                 self._commands.put(Stop())  # the decoding thread answers with Stopped
             else:
                 self._events.put(Stopped())  # the decoding thread has already ended
+        deadline = time.monotonic() + timeout_s
         self._decoding_thread.join(timeout_s)
-        self._response_thread.join(timeout_s)
+        self._response_thread.join(max(0.0, deadline - time.monotonic()))
 
     def _refusal(self) -> str:
         if self._state is LoopState.FAILED:
@@ -202,11 +205,8 @@ class EngineLoop:
     def _apply(self, command, live: set[str]) -> None:
         if isinstance(command, Submit):
             try:
-                self._engine.add_request(command.prompt, command.params, request_id=command.request_id)
-            except ValueError as err:  # the request itself is bad: too long, token out of range, ...
-                self._events.put(Rejected(command.stream, ErrorKind.INVALID_ARG, str(err)))
-                return
-            except Exception as err:
+                self._engine.add_request(command.prepared, request_id=command.request_id)
+            except Exception as err:  # refused alone: the engine's state is untouched
                 logger.exception("add_request failed")
                 self._events.put(Rejected(command.stream, ErrorKind.INTERNAL, f"{type(err).__name__}: {err}"))
                 return
@@ -236,8 +236,10 @@ class EngineLoop:
         open_requests: dict[str, OpenRequest] = {}
         next_poll = time.monotonic() + self._cancel_poll_interval_s
         while True:
+            # With nothing open there is nothing to poll: wait for the next event without waking up.
+            timeout = max(0.0, next_poll - time.monotonic()) if open_requests else None
             try:
-                event = self._events.get(timeout=max(0.0, next_poll - time.monotonic()))
+                event = self._events.get(timeout=timeout)
             except queue.Empty:
                 event = None
             if isinstance(event, Stopped):
@@ -248,10 +250,10 @@ class EngineLoop:
                 if event is not None:
                     self._handle(event, open_requests)
                 if time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self._cancel_poll_interval_s
                     self._poll_cancellations(open_requests)
             except Exception:
                 logger.exception("handling %r failed", event)
-                next_poll = time.monotonic() + self._cancel_poll_interval_s
 
     def _handle(self, event, open_requests: dict[str, OpenRequest]) -> None:
         if isinstance(event, Stepped):

@@ -28,6 +28,7 @@ class ServingMetrics:
             return family.Metric(labels=labels) if buckets is None else family.Metric(labels=labels, buckets=buckets)
 
         self._families = []
+        self._gauge_values: dict[int, float] = {}  # id(gauge) -> the value last set
         counter, gauge, histogram = metric_family.COUNTER, metric_family.GAUGE, metric_family.HISTOGRAM
         self.prompt_tokens = metric("diffulex_prompt_tokens_total", "Prompt tokens of served requests", counter)
         self.generation_tokens = metric("diffulex_generation_tokens_total", "Generated tokens sent", counter)
@@ -50,10 +51,18 @@ class ServingMetrics:
             gauge)
 
     def update_engine(self, snapshot: EngineMetrics) -> None:
-        self.running.set(snapshot.num_running)
-        self.waiting.set(snapshot.num_waiting)
-        self.preempted.set(snapshot.num_preempted)
-        self.kv_pages_used.set(snapshot.kv_pages_used)
-        self.kv_pages_free.set(snapshot.kv_pages_free)
+        """Set the gauges that changed since the last snapshot: each set is a round trip to the server, and most
+        steps change none of them."""
         queried = snapshot.prefix_cache_queried_tokens
-        self.prefix_cache_hit_ratio.set(snapshot.prefix_cache_hit_tokens / queried if queried else 0.0)
+        values = {
+            self.running: snapshot.num_running,
+            self.waiting: snapshot.num_waiting,
+            self.preempted: snapshot.num_preempted,
+            self.kv_pages_used: snapshot.kv_pages_used,
+            self.kv_pages_free: snapshot.kv_pages_free,
+            self.prefix_cache_hit_ratio: snapshot.prefix_cache_hit_tokens / queried if queried else 0.0,
+        }
+        for gauge, value in values.items():
+            if self._gauge_values.get(id(gauge)) != value:
+                gauge.set(value)
+                self._gauge_values[id(gauge)] = value

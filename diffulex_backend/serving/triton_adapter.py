@@ -15,7 +15,7 @@ from .. import Diffulex, StepOutput
 from .engine_loop import EngineLoop, ErrorKind, LoopState
 from .engine_settings import engine_settings
 from .metrics import ServingMetrics
-from .request_parsing import INPUT_NAMES, BadRequest, ParsedRequest, parse_request
+from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
 
 
@@ -62,21 +62,39 @@ class TritonAdapter:
         pb_utils.Logger.log_info(f"{self._model_name}: engine ready with {self._engine.config}")
 
     def execute(self, requests) -> None:
-        pb_utils = self._pb_utils
+        """Parse, tokenize and check each request here, on Triton's thread, and hand it to the engine loop. Each
+        request is handled on its own: whatever one raises ends that request alone, with its reason."""
         for request in requests:
-            sender = request.get_response_sender()
+            sender = None
             try:
-                inputs = {}
-                for name in INPUT_NAMES:
-                    tensor = pb_utils.get_input_tensor_by_name(request, name)
-                    if tensor is not None:
-                        inputs[name] = tensor.as_numpy()
-                parsed = parse_request(inputs, request.parameters())
-            except BadRequest as err:
-                send_error(pb_utils, sender, ErrorKind.INVALID_ARG, str(err))
+                sender = request.get_response_sender()
+                parsed = parse_request(self._read_inputs(request), request.parameters())
+                prepared = self._engine.prepare_request(parsed.prompt, parsed.params)
+            except ValueError as err:  # BadRequest, or a prompt the engine can never serve
+                self._refuse(sender, ErrorKind.INVALID_ARG, str(err))
                 continue
-            stream = TritonResponseStream(pb_utils, sender, ResponseAssembler(parsed, self._prompt_text(parsed)))
-            self._loop.submit(parsed.prompt, parsed.params, stream)
+            except Exception as err:  # a fault of ours, not the client's; still this request's alone
+                self._pb_utils.Logger.log_error(f"{self._model_name}: preparing a request failed: {err!r}")
+                self._refuse(sender, ErrorKind.INTERNAL, f"preparing the request failed: {type(err).__name__}: {err}")
+                continue
+            assembler = ResponseAssembler(parsed, self._prompt_text(parsed))
+            self._loop.submit(prepared, TritonResponseStream(self._pb_utils, sender, assembler))
+
+    def _read_inputs(self, request) -> dict:
+        inputs = {}
+        for name in INPUT_NAMES:
+            tensor = self._pb_utils.get_input_tensor_by_name(request, name)
+            if tensor is not None:
+                inputs[name] = tensor.as_numpy()
+        return inputs
+
+    def _refuse(self, sender, kind: ErrorKind, message: str) -> None:
+        if sender is None:
+            return  # no sender: Triton ends the request itself
+        try:
+            send_error(self._pb_utils, sender, kind, _bounded(message))
+        except Exception as err:  # the client may be gone
+            self._pb_utils.Logger.log_warn(f"{self._model_name}: sending an error response failed: {err!r}")
 
     def is_ready(self) -> bool:
         return self._loop.state is LoopState.RUNNING
@@ -107,3 +125,11 @@ class TritonAdapter:
                 pb_utils.Logger.log_warn(f"{self._model_name}: could not unload after the engine failed: {err}")
 
         threading.Thread(target=unload, name="diffulex-unload", daemon=True).start()
+
+
+MAX_ERROR_CHARS = 2000
+
+
+def _bounded(message: str) -> str:
+    """An error message cut to a size a client can take: some quote what the client sent."""
+    return message if len(message) <= MAX_ERROR_CHARS else message[:MAX_ERROR_CHARS] + " ... (cut)"

@@ -1,9 +1,10 @@
 """The engine loop's failure paths, with a real engine in this process: what the server cannot be made to do
 on demand (a response that cannot be sent, an engine that fails mid-step, an unload with requests open)."""
 
+import os
 import threading
+import time
 
-import pytest
 from triton_server import TEST_SETTINGS
 
 from diffulex_backend import Diffulex, SamplingParams
@@ -90,7 +91,7 @@ def test_a_response_that_cannot_be_sent_ends_with_internal_and_frees_its_pages(c
     streams = [RecordingStream(), RecordingStream(fail_sends=True), RecordingStream()]
     prompts = ["first", "second", "third"]
     for prompt, stream in zip(prompts, streams):
-        loop.submit(prompt, PARAMS, stream)
+        loop.submit(served.prepare_request(prompt, PARAMS), stream)
     wait_all(streams)
     loop.stop()
     expected = engine.generate(prompts, PARAMS)
@@ -103,17 +104,17 @@ def test_a_response_that_cannot_be_sent_ends_with_internal_and_frees_its_pages(c
 
 def test_an_engine_failure_ends_open_requests_and_refuses_new_ones(checkpoint):
     failures = []
-    loop, _ = start_loop(EngineFailingAtStep(str(checkpoint), failing_step=3, **TEST_SETTINGS),
-                         on_failure=failures.append)
+    failing = EngineFailingAtStep(str(checkpoint), failing_step=3, **TEST_SETTINGS)
+    loop, _ = start_loop(failing, on_failure=failures.append)
     open_streams = [RecordingStream(), RecordingStream()]
     for stream in open_streams:
-        loop.submit("a prompt", SamplingParams(max_tokens=200), stream)
+        loop.submit(failing.prepare_request("a prompt", SamplingParams(max_tokens=200)), stream)
     wait_all(open_streams)
     message = "the engine failed and this model can no longer serve: RuntimeError: device lost"
     assert [stream.error for stream in open_streams] == [(ErrorKind.INTERNAL, message)] * 2
     assert loop.state is LoopState.FAILED and failures == ["RuntimeError: device lost"]
     late = RecordingStream()
-    loop.submit("another", PARAMS, late)
+    loop.submit(failing.prepare_request("another", PARAMS), late)
     assert late.error == (ErrorKind.UNAVAILABLE, message)
     loop.stop()
 
@@ -122,22 +123,54 @@ def test_stop_ends_open_requests_with_unavailable_and_refuses_new_ones(checkpoin
     served = Diffulex(str(checkpoint), **TEST_SETTINGS)
     loop, _ = start_loop(served)
     stream = RecordingStream()
-    loop.submit("a long one", SamplingParams(max_tokens=400), stream)
+    loop.submit(served.prepare_request("a long one", SamplingParams(max_tokens=400)), stream)
     loop.stop()
     assert stream.done.is_set()
     assert stream.error == (ErrorKind.UNAVAILABLE, "the model is being unloaded")
     late = RecordingStream()
-    loop.submit("too late", PARAMS, late)
+    loop.submit(served.prepare_request("too late", PARAMS), late)
     assert late.error == (ErrorKind.UNAVAILABLE, "the model is being unloaded")
 
 
-@pytest.mark.parametrize("prompt", ["x" * 600, [10**6]], ids=["over-long prompt", "token id out of range"])
-def test_a_request_the_engine_refuses_ends_with_invalid_arg_and_its_message(checkpoint, engine, prompt):
-    with pytest.raises(ValueError) as refused:
-        engine.add_request(prompt, PARAMS)
-    loop, _ = start_loop(Diffulex(str(checkpoint), **TEST_SETTINGS))
-    stream = RecordingStream()
-    loop.submit(prompt, PARAMS, stream)
-    wait_all([stream])
+class EngineRefusingOnePrompt(Diffulex):
+    """An engine whose add_request raises for one prompt, as a fault of ours might, after preparation passed."""
+
+    def add_request(self, prompt, params=None, request_id=None):
+        if prompt.prompt_ids == self.tokenizer.encode("refused"):
+            raise RuntimeError("cannot queue this one")
+        return super().add_request(prompt, params, request_id)
+
+
+def test_a_request_that_cannot_join_the_engine_ends_alone_and_the_others_finish(checkpoint, engine):
+    served = EngineRefusingOnePrompt(str(checkpoint), **TEST_SETTINGS)
+    loop, _ = start_loop(served)
+    prompts = ["first", "refused", "third"]
+    streams = [RecordingStream() for _ in prompts]
+    for prompt, stream in zip(prompts, streams):
+        loop.submit(served.prepare_request(prompt, PARAMS), stream)
+    wait_all(streams)
     loop.stop()
-    assert stream.error == (ErrorKind.INVALID_ARG, str(refused.value))
+    assert streams[1].error == (ErrorKind.INTERNAL, "RuntimeError: cannot queue this one")
+    expected = engine.generate(["first", "third"], PARAMS)
+    assert [streams[0].token_ids, streams[2].token_ids] == [out.token_ids for out in expected]
+    assert loop.state is LoopState.STOPPED and served.metrics().kv_pages_used == 0
+
+
+def test_the_response_thread_sleeps_while_nothing_is_open(checkpoint):
+    """An idle model must not burn a core: the response thread waits for events instead of polling."""
+    served = Diffulex(str(checkpoint), **TEST_SETTINGS)
+    loop, _ = start_loop(served, cancel_poll_interval_s=0.001)
+    stream = RecordingStream()
+    loop.submit(served.prepare_request("one request first", PARAMS), stream)
+    wait_all([stream])
+    thread_ids = {loop._response_thread.native_id, loop._decoding_thread.native_id}
+    before = {tid: thread_cpu_seconds(tid) for tid in thread_ids}
+    time.sleep(2.0)
+    used = {tid: thread_cpu_seconds(tid) - before[tid] for tid in thread_ids}
+    loop.stop()
+    assert all(seconds < 0.05 for seconds in used.values()), used
+
+
+def thread_cpu_seconds(native_id: int) -> float:
+    fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
