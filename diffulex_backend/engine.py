@@ -19,7 +19,7 @@ from .output import Detokenizer, RequestOutput, StepOutput
 from .registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
 from .request import FinishReason, Request, RequestStatus
 from .runner import kv_cache_shape, profile_peak_memory
-from .sampling import SamplingParams
+from .sampling import GREEDY_TEMPERATURE, SamplingParams
 from .scheduler import SchedulerOutput
 from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
 
@@ -192,6 +192,8 @@ class DiffulexEngine:
         seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
         if params.top_k > vocab:
             params = dataclasses.replace(params, top_k=vocab)
+        if params.temperature < GREEDY_TEMPERATURE:
+            params = dataclasses.replace(params, temperature=0.0)
         return PreparedRequest(prompt_ids, params, seed)
 
     def add_request(self, prompt: str | list[int] | PreparedRequest, params: SamplingParams | None = None,
@@ -251,6 +253,7 @@ class DiffulexEngine:
         reason = None
         if stop_ids:
             hits = np.flatnonzero(np.isin(new, stop_ids))
+            hits = hits[hits >= req.params.min_tokens - (old_end - req.gen_start)]  # too early to stop
             if hits.size:
                 new, reason = new[: hits[0]], FinishReason.STOP
         ids = new.tolist()
