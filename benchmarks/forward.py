@@ -12,8 +12,9 @@ One run measures, and prints as it goes:
   * end-to-end decode steps with k = 1, 2, 4 tokens accepted per block per forward (the engine's top-k
     schedule, so random weights cannot change how much each step decodes): ms per step and tokens/s, for the
     engine and for the plain loop;
-  * the settings Diffulex was measured at (multi_bd buffer 1, d2f buffer 4; batch 1 and 32; 256-token
-    prompt, 256 new tokens, block 32, greedy): ms per step;
+  * the engine at the settings of Diffulex's own benchmark (multi_bd buffer 1, d2f buffer 4; batch 1 and 32;
+    256-token prompt, 256 new tokens, block 32, greedy): ms per step. Only the engine is measured: a comparison
+    with Diffulex holds only from one run that measures both on one machine;
   * a check: the engine's logits and greedy output with kernels and graphs against its torch path.
 It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
 
@@ -56,13 +57,9 @@ from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
 PAGE_SIZE = 32
-# Diffulex on the same H100, random-weight LLaDA-8B, greedy, block 32, 256-token prompt, 256 new tokens.
-DIFFULEX_MS_PER_STEP = {("multi_bd", 1, 1): 11.97, ("multi_bd", 1, 32): 79.5,  # (strategy, buffer, batch)
-                        ("d2f", 4, 1): 13.3, ("d2f", 4, 32): 188.0}
 FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms", "plain_ms",
           "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
-          "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s", "reference_ms",
-          "speedup_vs_reference", "note"]
+          "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s", "note"]
 
 
 @dataclass(frozen=True)
@@ -379,7 +376,7 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
 
 
 def diffulex_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
-    """The settings Diffulex was measured at; each generation runs twice and the second is timed, so every
+    """The settings of Diffulex's own benchmark; each generation runs twice and the second is timed, so every
     bucket's graph was captured by the first."""
     generator = torch.Generator().manual_seed(2)
     prompt, new = plan.diffulex_prompt, plan.diffulex_new_tokens
@@ -404,12 +401,9 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
                     fed.append(engine.last_schedule.num_tokens)
             decode = step_times[1:]  # the first step prefills every prompt
             ms = statistics.mean(decode)
-            reference = DIFFULEX_MS_PER_STEP.get((strategy, buffer_size, batch)) if name == "llada-8b" else None
             report.add(section="diffulex", model=name, case=f"{strategy}_buffer{buffer_size}_b{batch}", batch=batch,
                        context=prompt, engine_step_ms=ms, tokens=round(statistics.mean(fed[1:])),
                        engine_tokens_per_s=batch * new / (sum(step_times) * 1e-3),
-                       reference_ms=reference if reference else "",
-                       speedup_vs_reference=reference / ms if reference else "",
                        note=f"{len(step_times)} steps; ms/step over decode steps; "
                             f"with the prefill step {statistics.mean(step_times):.2f} ms/step; "
                             f"{batch * new / len(step_times):.2f} tokens decoded per step")
