@@ -190,8 +190,8 @@ def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, nu
     `base_programs` is q tiles x sequences x kv heads. One split (no merge pass) when that already fills the
     GPU or the context is too short for a chunk to pay for its partial round trip. Otherwise aim at about eight
     resident warps per multiprocessor: two 4-warp programs or one 8-warp program. On the H100 more splits than
-    that lost to their partials' round trip (Dream-7B's 8-warp tiles at batch 2-8 ran fastest at one program
-    per multiprocessor), and fewer left the context reads latency-bound (LLaDA-8B's 4-warp tiles at batch 1).
+    that lose to their partials' round trip (Dream-7B's 8-warp tiles at batch 2-8 run fastest at one program
+    per multiprocessor), and fewer leave the context reads latency-bound (LLaDA-8B's 4-warp tiles at batch 1).
     """
     if base_programs >= num_sms:
         return 1
