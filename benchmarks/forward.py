@@ -48,8 +48,7 @@ from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
-from diffulex_backend.forward_batch import build_forward_batch  # noqa: E402
-from diffulex_backend.request import SeqPlan  # noqa: E402
+from diffulex_backend.plan import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.linear import linear, linear_silu_and_mul  # noqa: E402
@@ -230,7 +229,8 @@ def cached_context_plans(engine, batch: int, context: int, generator: torch.Gene
         req.num_cached = context
         req.page_table = [(i * pages_per_request + p) % pool for p in range(pages_per_request)]
         if arch.shifted:  # the hidden state of the last prompt token predicts the block's first token
-            req.carry_hidden = torch.randn(arch.hidden_size, generator=generator).to(engine.device, engine.dtype)
+            hidden = torch.randn(arch.hidden_size, generator=generator).to(engine.device, engine.dtype)
+            engine.runner.carry_hidden[req.request_id] = hidden
         plans.append(req.plan(config.max_num_batched_tokens))
     return plans
 
@@ -246,7 +246,7 @@ def fill_cache(engine, seed: int) -> None:
 
 def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, vocab]
     runner = engine.runner
-    batch = build_forward_batch(plans, PAGE_SIZE)
+    batch = engine.runner.build_batch(plans)
     rows, carry = runner.logit_rows(plans)
     with torch.inference_mode():
         hidden = runner.forward(batch)
@@ -324,7 +324,7 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
                        engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
                        engine_vs_plain=forward_ms / plain_ms,
                        note=f"pool {pages} pages" + (" (page tables wrap)" if pages < len(plans) * len(
-                           plans[0].req.page_table) else ""))
+                           plans[0].page_table) else ""))
     del engine
     free_memory(device)
 
@@ -438,7 +438,7 @@ def check_section(report: Report, name: str, model, model_dir: str, device, plan
         logits[label] = engine_logits(engine, plans).float()
         forward = engine.runner.padded_forward
         if forward is not None:
-            batch_inputs = build_forward_batch(plans, PAGE_SIZE)
+            batch_inputs = engine.runner.build_batch(plans)
             bucket = forward.bucket_for(batch_inputs)
             with torch.inference_mode():
                 replayed = forward.run(bucket, batch_inputs).clone()
@@ -498,7 +498,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                 matmul_ms = graph_replay_ms(matmuls, device, plan.reps)
             else:
                 matmul_ms = wall_ms(matmuls, device)
-            input_ids, positions, meta = build_forward_batch(plans, PAGE_SIZE).to_device(device)
+            input_ids, positions, meta = engine.runner.build_batch(plans).to_device(device)
             model(input_ids, positions, meta, engine.runner.kv_cache)  # warm
             activity = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
                         else torch.profiler.ProfilerActivity.CPU)

@@ -6,6 +6,7 @@ import re
 import pytest
 
 from diffulex_backend import SamplingParams
+from diffulex_backend.sampling import FLOAT32_MAX, INT32_MAX, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, UINT64_MAX
 from engine_driver import run_requests, tiny_engine
 
 
@@ -69,16 +70,16 @@ def test_d2f_rejects_a_prompt_it_cannot_prefill_in_one_forward(llada_checkpoint)
 
 
 @pytest.mark.parametrize("field, value, allowed", [
-    ("max_tokens", 0, "an integer >= 1"),
-    ("temperature", -0.5, "a number >= 0"),
-    ("top_k", -1, "an integer >= 0 (0 disables it)"),
+    ("max_tokens", 0, f"an integer in [1, {INT32_MAX}]"),
+    ("temperature", -0.5, f"a finite number in [0, {FLOAT32_MAX:.7g}]"),
+    ("top_k", -1, f"an integer in [0, {INT32_MAX}] (0 disables it)"),
     ("top_p", 0.0, "a number in (0, 1]"),
-    ("seed", -3, "a non-negative integer or null"),
-    ("stop", [""], "a list of non-empty strings"),
-    ("stop_token_ids", [-1], "a list of non-negative integers"),
+    ("seed", -3, f"an integer in [0, {UINT64_MAX}] or null"),
+    ("stop", [""], f"a list of at most {MAX_STOP_STRINGS} non-empty strings"),
+    ("stop_token_ids", [-1], f"a list of at most {MAX_STOP_TOKEN_IDS} token ids in [0, {INT32_MAX}]"),
     ("ignore_eos", 1, "true or false"),
     ("confidence", "entropy", "one of ['margin', 'neg_entropy', 'prob']"),
-    ("steps", 0, "an integer >= 1 or null"),
+    ("steps", 0, f"an integer in [1, {INT32_MAX}] or null"),
     ("accept_threshold", 1.5, "a number in [0, 1] or null"),
     ("remask_threshold", -0.1, "a number in [0, 1] or null"),
 ])
