@@ -216,6 +216,7 @@ class DiffulexEngine:
         if req is None:
             return
         self.scheduler.finish(req)
+        self.runner.release(request_id)
         self.detokenizers.pop(request_id)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, FinishReason.ABORT, time.monotonic()
 
@@ -225,23 +226,26 @@ class DiffulexEngine:
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         sched = self.last_schedule = self.scheduler.schedule()
+        for request_id in sched.preempted:
+            self.runner.release(request_id)
         if not sched.plans:
             return []
         result = self.runner.execute(sched)
         self.num_forward_passes += 1
         self.num_forward_tokens += result.num_tokens
         self.model_flops += result.flops
+        reqs = {plan.request_id: self.requests[plan.request_id] for plan in sched.plans}
         for plan in sched.plans:
-            plan.req.after_forward(plan)
-            self.kv_cache.register_prefix(plan.req)
+            reqs[plan.request_id].after_forward(plan)
+            self.kv_cache.register_prefix(reqs[plan.request_id])
         tokens = result.tokens.numpy()
         for plan, block, at in result.blocks:
-            plan.req.tokens[block.start:block.end] = tokens[at:at + block.end - block.start]
+            reqs[plan.request_id].tokens[block.start:block.end] = tokens[at:at + block.end - block.start]
         outputs = []
         for plan in sched.plans:
             if not plan.blocks:
                 continue
-            req = plan.req
+            req = reqs[plan.request_id]
             old_end = req.committed_end
             if req.commit_ready_blocks():
                 outputs.append(self._emit(req, old_end))
@@ -269,6 +273,7 @@ class DiffulexEngine:
         if reason is not None:
             req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
             self.scheduler.finish(req)
+            self.runner.release(req.request_id)
             del self.requests[req.request_id], self.detokenizers[req.request_id]
         return StepOutput(request_id=req.request_id, token_ids=ids, text=text, finished=reason is not None,
                           finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,

@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from .attention import AttentionMetadata
-from .request import SeqPlan
+from .plan import SeqPlan
 
 
 def round_up_tokens(n: int) -> int:
@@ -67,9 +67,6 @@ class FlatLayout:
 @functools.lru_cache(maxsize=4096)
 def flat_layout(num_tokens: int, num_seqs: int, num_page_columns: int) -> FlatLayout:
     return FlatLayout(num_tokens, num_seqs, num_page_columns)
-
-
-cuda_available = functools.cache(torch.cuda.is_available)
 
 
 def host_buffer(size: int, pin_memory: bool) -> torch.Tensor:
@@ -151,20 +148,19 @@ def ranges(starts: list[int], ends: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.repeat(shift, counts) + np.arange(first_out[-1]))
 
 
-def build_forward_batch(plans: list[SeqPlan], page_size: int) -> ForwardBatch:
+def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int, pin_memory: bool) -> ForwardBatch:
+    """The batch's inputs, padded to the bucket a graph would replay it in. Page tables get as many columns as the
+    CUDA graphs take (max_model_len's pages) or more; `pin_memory` for a batch bound for a GPU."""
     num_seqs = len(plans)
     counts = [p.end - p.start for p in plans]
     context_lens = [p.context_len for p in plans]
     cu_seqlens_q = [0, *itertools.accumulate(counts)]
     num_tokens = cu_seqlens_q[-1]
-    tables = [p.req.page_table for p in plans]
+    tables = [p.page_table for p in plans]
     max_pages = max(map(len, tables))
-    config = plans[0].req.config
-    # As many page table columns as the CUDA graphs take (the longest sequence the config allows), or more.
-    columns = max(1, max_pages, -(-config.max_model_len // page_size))
+    columns = max(1, max_pages, -(-max_model_len // page_size))
     layout = flat_layout(round_up_tokens(num_tokens), round_up_seqs(num_seqs), columns)
-    # Zero pads all but three inputs. Pinned when the batch is for a GPU.
-    flat = host_buffer(layout.size, pin_memory=config.device != "cpu" and cuda_available())
+    flat = host_buffer(layout.size, pin_memory)  # zero pads all but three inputs
     ints64 = flat.numpy()
     input_ids, positions, slot_mapping, block_ids, cu_seqlens_out, context_lens_out, page_tables = layout.fields(
         ints64, ints64.view(np.int32))
@@ -180,7 +176,7 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int) -> ForwardBatch:
     page_tables[:num_seqs, :max_pages] = lookup[:, :max_pages]
     cu_seqlens_out[:] = cu_seqlens_q + [num_tokens] * (layout.num_seqs - num_seqs)
     context_lens_out[:num_seqs] = context_lens
-    input_ids[:num_tokens] = np.concatenate([p.req.tokens[p.start:p.end] for p in plans])
+    input_ids[:num_tokens] = np.concatenate([p.token_ids for p in plans])
     block_ids[:num_tokens] = np.concatenate([p.block_ids for p in plans])
     seq_of_token = np.arange(num_seqs).repeat(counts)
     first_position = np.array([p.start - first for p, first in zip(plans, cu_seqlens_q)], dtype=np.int64)

@@ -1,4 +1,4 @@
-"""Request state shared by every decoding strategy, and the per-step plan a request hands the runner.
+"""Request state shared by every decoding strategy, and the plan (plan.py) a request makes for each step.
 
 A request's sequence is its prompt followed by a generation area of `max_tokens` positions that start as the
 mask token. The area is cut into blocks of `block_size` (the last one may be shorter). Committed tokens are
@@ -7,15 +7,13 @@ final and streamed; tokens whose K/V sit in the paged cache are counted by `num_
 from __future__ import annotations
 
 import enum
-import functools
 import time
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
 
 from .config import SamplingMode
+from .plan import LogitBlock, RequestSampling, SeqPlan
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -32,40 +30,6 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
-
-
-@dataclass
-class LogitBlock:
-    """A span of positions whose predictions the acceptance rule decides on this step."""
-
-    start: int
-    end: int
-    is_first: bool  # the first block in flight: it must make progress
-    enabled: bool  # may accept tokens (its predecessor is semi-complete)
-    num_transfer: int  # tokens to unmask this step under the top-k schedule
-
-
-@dataclass
-class SeqPlan:
-    """One request's part of one forward: which positions are fed, stored, and predicted."""
-
-    req: "Request"
-    start: int  # feed positions [start, end)
-    end: int
-    context_len: int  # cached tokens this sequence attends to
-    cache_index: np.ndarray  # [end - start] int64: logical cache slot of each fed token, -1 = not stored
-    block_ids: np.ndarray  # [end - start] int32: the block mask (see attention.py)
-    blocks: list[LogitBlock]  # predicted spans, in position order; empty for a prefill-only chunk
-
-    @property
-    def num_tokens(self) -> int:
-        return self.end - self.start
-
-    @functools.cached_property
-    def cache_need(self) -> int:
-        """Logical cache slots the plan touches, i.e. how far the page table must reach."""
-        stored = int(self.cache_index.max()) + 1 if self.num_tokens else 0
-        return max(self.context_len, stored)
 
 
 class Request:
@@ -92,14 +56,17 @@ class Request:
         self.params = params
         self.config = config
         self.mask_token_id = mask_token_id
-        self.seed = seed
         self.num_prompt_tokens = len(prompt_ids)
         # numpy, not torch: the scheduler reads and writes a few slices of it per step, where a torch op costs
         # several microseconds and a numpy one well under one.
         self.tokens = np.full(len(prompt_ids) + params.max_tokens, mask_token_id, dtype=np.int64)
         self.tokens[: len(prompt_ids)] = prompt_ids
-        self.accept_threshold = config.accept_threshold if params.accept_threshold is None else params.accept_threshold
-        self.remask_threshold = config.remask_threshold if params.remask_threshold is None else params.remask_threshold
+        self.sampling = RequestSampling(
+            seed=seed, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
+            confidence_kind=params.confidence_kind,
+            accept_threshold=config.accept_threshold if params.accept_threshold is None else params.accept_threshold,
+            remask_threshold=config.remask_threshold if params.remask_threshold is None else params.remask_threshold,
+        )
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_committed = 0  # generated tokens that are final
@@ -115,7 +82,6 @@ class Request:
         # chunks, whose number depends on what else shared the token budget.
         self.num_predict_steps = 0
         self.steps_in_block = 0  # steps taken on the current first block (top-k schedule, refresh interval)
-        self.carry_hidden: torch.Tensor | None = None  # shifted models: hidden of the last committed position
         self.arrival_time = time.monotonic()
         self.first_token_time: float | None = None
         self.finish_time: float | None = None
@@ -159,6 +125,14 @@ class Request:
         """What to feed this step within `token_budget` tokens, or None if nothing fits."""
         raise NotImplementedError
 
+    def make_plan(self, start: int, end: int, context_len: int, cache_index: np.ndarray, block_ids: np.ndarray,
+                  blocks: list[LogitBlock]) -> SeqPlan:
+        """A plan feeding positions [start, end), with copies of what the runner reads of this request."""
+        return SeqPlan(request_id=self.request_id, start=start, end=end, context_len=context_len,
+                       token_ids=self.tokens[start:end].copy(), cache_index=cache_index, block_ids=block_ids,
+                       blocks=blocks, page_table=self.page_table.copy(), committed_end=self.committed_end,
+                       step=self.num_predict_steps, sampling=self.sampling)
+
     def after_forward(self, plan: SeqPlan) -> None:
         """Bookkeeping once the forward ran: K/V stored, predictions not yet applied."""
         raise NotImplementedError
@@ -185,5 +159,4 @@ class Request:
         self.num_prefix_hit = 0
         self.page_table = []
         self.num_registered_pages = 0
-        self.carry_hidden = None
         self.status = RequestStatus.WAITING

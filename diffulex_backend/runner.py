@@ -27,9 +27,8 @@ from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .kv_cache import KVCacheManager
-from .request import LogitBlock, SeqPlan
+from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .sampling import SampleResult, row_keys, sample_reference
-from .scheduler import SchedulerOutput
 from .upload import upload
 
 
@@ -107,7 +106,11 @@ class ModelRunner:
         self.kv_manager = kv_cache
         self.acceptance = acceptance
         self.device = device
+        self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
         self.shift = 1 if model.arch.shifted else 0
+        # Shifted models: the hidden state of each request's last committed position, which predicts the first
+        # position after it once that position is no longer fed. By request id; release() drops an entry.
+        self.carry_hidden: dict[str, torch.Tensor] = {}
         shape = kv_cache_shape(model, kv_cache.num_pages, config.page_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if kv_cache.num_pages else None
         self.flops_per_token = 2.0 * model.arch.num_params()
@@ -124,7 +127,7 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
         plans = sched.plans
-        batch = build_forward_batch(plans, self.config.page_size)
+        batch = self.build_batch(plans)
         hidden = self.forward(batch)  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
@@ -136,6 +139,13 @@ class ModelRunner:
         pairs = sum(p.num_tokens * (p.context_len + p.num_tokens) for p in plans)
         flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops)
+
+    def release(self, request_id: str) -> None:
+        """Forget a request's state: it finished, was aborted, or was preempted (it recomputes from scratch)."""
+        self.carry_hidden.pop(request_id, None)
+
+    def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
+        return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory)
 
     def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
         """The model forward: a graph replay when the batch fits a bucket, else eager."""
@@ -157,7 +167,7 @@ class ModelRunner:
                 rows = torch.arange(b.start, b.end) - self.shift - p.start + first_row
                 if b.start - self.shift < p.start:
                     rows[0] = total + len(carry)
-                    carry.append(p.req.carry_hidden)
+                    carry.append(self.carry_hidden[p.request_id])
                 logit_rows.append(rows)
             first_row += p.num_tokens
         return (torch.cat(logit_rows) if logit_rows else torch.zeros(0, dtype=torch.int64)), carry
@@ -167,9 +177,9 @@ class ModelRunner:
             return
         row = 0
         for p in plans:
-            last = p.req.committed_end - 1
+            last = p.committed_end - 1
             if p.start <= last < p.end:
-                p.req.carry_hidden = hidden[row + last - p.start].clone()
+                self.carry_hidden[p.request_id] = hidden[row + last - p.start].clone()
             row += p.num_tokens
 
     def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
@@ -178,23 +188,21 @@ class ModelRunner:
         # Host side first: none of it waits for the forward. Values are gathered per block (segment), then
         # repeated per predicted position in one call per dtype.
         logit_rows, carry = self.logit_rows(plans)
-        reqs = [p.req for p, _ in blocks]
-        params = [r.params for r in reqs]
         lengths = torch.tensor([b.end - b.start for _, b in blocks], dtype=torch.int64)
-        seg_ints = torch.tensor([[r.seed, r.num_predict_steps, int(q.confidence_kind), q.top_k, b.num_transfer]
-                                 for r, q, (_, b) in zip(reqs, params, blocks)], dtype=torch.int64)  # [S, 5]
-        seg_floats = torch.tensor([[q.temperature, q.top_p, r.accept_threshold, r.remask_threshold]
-                                   for r, q in zip(reqs, params)], dtype=torch.float32)  # [S, 4]
+        seg_ints = torch.tensor([[p.sampling.seed, p.step, int(p.sampling.confidence_kind), p.sampling.top_k,
+                                  b.num_transfer] for p, b in blocks], dtype=torch.int64)  # [S, 5]
+        seg_floats = torch.tensor([[s.temperature, s.top_p, s.accept_threshold, s.remask_threshold]
+                                   for s in (p.sampling for p, _ in blocks)], dtype=torch.float32)  # [S, 4]
         row_ints = seg_ints[:, :4].repeat_interleave(lengths, dim=0)  # [A, 4]
         row_floats = seg_floats[:, :2].repeat_interleave(lengths, dim=0)  # [A, 2]
         positions = ranges([b.start for _, b in blocks], [b.end for _, b in blocks])
         seg_offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=seg_offsets[1:])
-        filtered = any(q.top_k > 0 or q.top_p < 1 for q in params)
+        filtered = any(p.sampling.top_k > 0 or p.sampling.top_p < 1 for p, _ in blocks)
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, seg_offsets, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
-            torch.from_numpy(np.concatenate([p.req.tokens[b.start:b.end] for p, b in blocks])),
+            torch.from_numpy(np.concatenate([p.token_ids[b.start - p.start:b.end - p.start] for p, b in blocks])),
             row_keys(row_ints[:, 0], positions, row_ints[:, 1]),
             row_floats[:, 0],
             row_ints[:, 2],

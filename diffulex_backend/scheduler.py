@@ -2,23 +2,11 @@
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass, field
 
 from .config import Config
 from .kv_cache import KVCacheManager
-from .request import Request, RequestStatus, SeqPlan
-
-
-@dataclass
-class SchedulerOutput:
-    """The one hand-off from scheduler to runner: a plan per request in this forward."""
-
-    plans: list[SeqPlan] = field(default_factory=list)
-    preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_tokens(self) -> int:
-        return sum(p.num_tokens for p in self.plans)
+from .plan import SchedulerOutput, SeqPlan
+from .request import Request, RequestStatus
 
 
 class Scheduler:
@@ -45,13 +33,12 @@ class Scheduler:
             while not self.kv_cache.can_allocate(req, plan.cache_need):
                 victim = self.running[-1]
                 self.preempt(victim)
-                out.preempted.append(victim)
+                out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
                 break
-            self.kv_cache.allocate(req, plan.cache_need)
-            out.plans.append(plan)
+            out.plans.append(self._allocate(req, plan))
             budget -= plan.num_tokens
             i += 1
         if out.preempted:
@@ -66,13 +53,18 @@ class Scheduler:
                 req.reset_for_recompute()
                 break
             self.kv_cache.record_prefix_lookup(req)
-            self.kv_cache.allocate(req, plan.cache_need)
             self.waiting.popleft()
             req.status = RequestStatus.RUNNING
             self.running.append(req)
-            out.plans.append(plan)
+            out.plans.append(self._allocate(req, plan))
             budget -= plan.num_tokens
         return out
+
+    def _allocate(self, req: Request, plan: SeqPlan) -> SeqPlan:
+        """Give the request the pages its plan touches; the plan then carries the grown page table."""
+        self.kv_cache.allocate(req, plan.cache_need)
+        plan.page_table = req.page_table.copy()
+        return plan
 
     def preempt(self, req: Request) -> None:
         """Free the request's pages; it goes first in line and recomputes its cache when readmitted."""

@@ -76,11 +76,8 @@ class BlockDiffusionRequest(Request):
                 first = k == self.num_committed_blocks
                 enabled = first or self.fill_ratio(k - 1) >= self.config.semi_complete_threshold
                 blocks.append(LogitBlock(b0, b1, first, enabled, self.transfer_count(b1 - b0)))
-        return SeqPlan(
-            req=self, start=start, end=end, context_len=self.num_cached,
-            cache_index=np.where(positions < write_end, positions, -1),
-            block_ids=self.block_ids(positions), blocks=blocks,
-        )
+        return self.make_plan(start, end, self.num_cached, cache_index=np.where(positions < write_end, positions, -1),
+                              block_ids=self.block_ids(positions), blocks=blocks)
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.num_cached = max(self.num_cached, min(plan.end, self.committed_end))

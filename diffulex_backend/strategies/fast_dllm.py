@@ -48,9 +48,8 @@ class FastDLLMRequest(FullAttentionRequest):
             return None
         context = first_fed + (self.seq_len - end if dual else 0)
         n = fed_end - first_fed
-        return SeqPlan(req=self, start=first_fed, end=fed_end, context_len=context,
-                       cache_index=np.full(n, -1, dtype=np.int64),
-                       block_ids=np.zeros(n, dtype=np.int32), blocks=[self.current_block()])
+        return self.make_plan(first_fed, fed_end, context, cache_index=np.full(n, -1, dtype=np.int64),
+                              block_ids=np.zeros(n, dtype=np.int32), blocks=[self.current_block()])
 
     def after_forward(self, plan: SeqPlan) -> None:
         if self.refreshing:

@@ -27,8 +27,8 @@ class FullAttentionRequest(Request):
         return LogitBlock(start, end, is_first=True, enabled=True, num_transfer=self.transfer_count(end - start))
 
     def full_plan(self, cache_index: np.ndarray) -> SeqPlan:
-        return SeqPlan(req=self, start=0, end=self.seq_len, context_len=0, cache_index=cache_index,
-                       block_ids=np.zeros(self.seq_len, dtype=np.int32), blocks=[self.current_block()])
+        return self.make_plan(0, self.seq_len, 0, cache_index=cache_index,
+                              block_ids=np.zeros(self.seq_len, dtype=np.int32), blocks=[self.current_block()])
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.nfe += 1

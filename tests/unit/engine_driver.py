@@ -52,7 +52,7 @@ def assert_budgets_hold(llm: Diffulex) -> None:
     assert sched.num_tokens <= config.max_num_batched_tokens
     assert len(sched.plans) <= config.max_num_reqs
     assert llm.metrics().num_running <= config.max_num_reqs
-    ids = [p.req.request_id for p in sched.plans]
+    ids = [p.request_id for p in sched.plans]
     assert len(ids) == len(set(ids)), f"a request appears twice in one forward: {ids}"
 
 

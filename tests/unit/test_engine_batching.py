@@ -90,7 +90,7 @@ def test_long_prompt_is_prefilled_in_chunks_beside_other_requests_decoding(llada
     while llm.has_unfinished_requests():
         for delta in step_checked(llm):
             streams[delta.request_id].deltas.append(delta)
-        plans = {p.req.request_id: p for p in llm.last_schedule.plans}
+        plans = {p.request_id: p for p in llm.last_schedule.plans}
         if long in plans and plans[long].end <= 50:  # the long prompt's prefill, no block predicted yet
             chunks.append((plans[long].start, plans[long].end))
             mixed += short in plans and bool(plans[short].blocks)

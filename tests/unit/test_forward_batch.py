@@ -1,8 +1,6 @@
 """build_forward_batch against a plain per-token reference, and the flat buffer it writes the inputs into."""
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import numpy as np
 import pytest
 import torch
@@ -10,10 +8,13 @@ import torch
 from diffulex_backend.cuda_graph import GraphBucket
 from diffulex_backend.forward_batch import (ForwardBatch, build_forward_batch, flat_layout, ranges, round_up_seqs,
                                            round_up_tokens)
-from diffulex_backend.request import SeqPlan
+from diffulex_backend.plan import RequestSampling, SeqPlan
+from diffulex_backend.sampling import Confidence
 
 PAGE_SIZE = 4
 MAX_MODEL_LEN = 40  # 10 page columns
+GREEDY = RequestSampling(seed=0, temperature=0.0, top_k=0, top_p=1.0, confidence_kind=Confidence.PROB,
+                         accept_threshold=0.9, remask_threshold=0.0)
 
 
 def pad_batch(batch: ForwardBatch, bucket: GraphBucket, num_page_columns: int, max_context_len: int) -> ForwardBatch:
@@ -25,12 +26,15 @@ def pad_batch(batch: ForwardBatch, bucket: GraphBucket, num_page_columns: int, m
 
 def make_plan(start: int, end: int, context_len: int, cache_index: list[int], page_table: list[int],
               seed: int) -> SeqPlan:
-    config = SimpleNamespace(max_model_len=MAX_MODEL_LEN, device="cpu")
-    tokens = np.random.default_rng(seed).integers(0, 1000, MAX_MODEL_LEN, dtype=np.int64)
-    req = SimpleNamespace(tokens=tokens, page_table=page_table, config=config)
+    tokens = np.random.default_rng(seed).integers(0, 1000, end - start, dtype=np.int64)
     block_ids = np.arange(start, end, dtype=np.int32) // 8 * 8
-    return SeqPlan(req=req, start=start, end=end, context_len=context_len,
-                   cache_index=np.array(cache_index, dtype=np.int64), block_ids=block_ids, blocks=[])
+    return SeqPlan(request_id=str(seed), start=start, end=end, context_len=context_len, token_ids=tokens,
+                   cache_index=np.array(cache_index, dtype=np.int64), block_ids=block_ids, blocks=[],
+                   page_table=page_table, committed_end=start, step=0, sampling=GREEDY)
+
+
+def build(plans: list[SeqPlan]) -> ForwardBatch:
+    return build_forward_batch(plans, PAGE_SIZE, MAX_MODEL_LEN, pin_memory=False)
 
 
 def reference(plans: list[SeqPlan]) -> dict[str, list]:
@@ -39,16 +43,16 @@ def reference(plans: list[SeqPlan]) -> dict[str, list]:
     for p in plans:
         for i, position in enumerate(range(p.start, p.end)):
             index = int(p.cache_index[i])
-            out["input_ids"].append(int(p.req.tokens[position]))
+            out["input_ids"].append(int(p.token_ids[i]))
             out["positions"].append(position)
             out["slot_mapping"].append(
-                -1 if index < 0 else p.req.page_table[index // PAGE_SIZE] * PAGE_SIZE + index % PAGE_SIZE)
+                -1 if index < 0 else p.page_table[index // PAGE_SIZE] * PAGE_SIZE + index % PAGE_SIZE)
             out["block_ids"].append(int(p.block_ids[i]))
     out["cu_seqlens_q"] = [0]
     for p in plans:
         out["cu_seqlens_q"].append(out["cu_seqlens_q"][-1] + p.num_tokens)
     out["context_lens"] = [p.context_len for p in plans]
-    out["page_tables"] = [p.req.page_table + [-1] * (MAX_MODEL_LEN // PAGE_SIZE - len(p.req.page_table))
+    out["page_tables"] = [p.page_table + [-1] * (MAX_MODEL_LEN // PAGE_SIZE - len(p.page_table))
                           for p in plans]
     return out
 
@@ -67,7 +71,7 @@ PLAN_SETS = {
 @pytest.mark.parametrize("name", PLAN_SETS)
 def test_build_forward_batch_matches_the_per_token_reference(name):
     plans = PLAN_SETS[name]
-    batch = build_forward_batch(plans, PAGE_SIZE)
+    batch = build(plans)
     expected = reference(plans)
     for field, values in expected.items():
         assert getattr(batch, field).tolist() == values, field
@@ -81,7 +85,7 @@ def test_build_forward_batch_matches_the_per_token_reference(name):
 def test_the_batch_is_built_padded_to_its_bucket(name):
     """Its flat buffer is what a graph replay uploads as it is: the padding of the module docstring."""
     plans = PLAN_SETS[name]
-    batch = build_forward_batch(plans, PAGE_SIZE)
+    batch = build(plans)
     n, b = batch.num_tokens, batch.num_seqs
     tokens, seqs = round_up_tokens(n), round_up_seqs(b)
     assert batch.layout == flat_layout(tokens, seqs, MAX_MODEL_LEN // PAGE_SIZE)
@@ -113,7 +117,7 @@ def test_the_flat_layout_aligns_every_input_and_overlaps_none():
 
 
 def test_to_device_on_the_cpu_gives_the_batch_and_its_host_lengths():
-    batch = build_forward_batch(PLAN_SETS["mixed"], PAGE_SIZE)
+    batch = build(PLAN_SETS["mixed"])
     input_ids, positions, meta = batch.to_device(torch.device("cpu"))
     assert torch.equal(input_ids, batch.input_ids) and torch.equal(positions, batch.positions)
     assert torch.equal(meta.slot_mapping, batch.slot_mapping) and torch.equal(meta.page_tables, batch.page_tables)

@@ -11,7 +11,7 @@ import torch
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.cuda_graph import GraphBucket, PaddedForward, round_up_seqs, round_up_tokens
-from diffulex_backend.forward_batch import ForwardBatch, build_forward_batch, flat_layout
+from diffulex_backend.forward_batch import ForwardBatch, flat_layout
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
 PROMPTS = ["The quick brown fox", "hi", "diffusion language models decode blocks in parallel", "abc"]
@@ -74,7 +74,7 @@ def test_padded_rows_leave_the_real_rows_unchanged(checkpoints):
     engine.step()  # the prompts' prefill; the next steps are decode steps over a cached context
     engine.step()
     plans = engine.scheduler.schedule().plans
-    batch = build_forward_batch(plans, engine.config.page_size)
+    batch = engine.runner.build_batch(plans)
     runner = engine.runner
     padded_forward = PaddedForward(engine.model, runner.kv_cache, engine.config, engine.device)
     bucket = padded_forward.bucket_for(batch)
@@ -92,7 +92,7 @@ def test_pad_batch_adds_empty_sequences_and_rows_that_store_nothing(checkpoints)
     engine = make_engine(checkpoints["llada"], "multi_bd")
     for prompt in PROMPTS[:3]:
         engine.add_request(prompt, SamplingParams(max_tokens=16, ignore_eos=True))
-    batch = build_forward_batch(engine.scheduler.schedule().plans, engine.config.page_size)
+    batch = engine.runner.build_batch(engine.scheduler.schedule().plans)
     bucket = GraphBucket(num_tokens=round_up_tokens(batch.num_tokens) + 32, num_seqs=4, max_seqlen_q=128)
     padded = pad_batch(batch, bucket, num_page_columns=32, max_context_len=128)
     n, b = batch.num_tokens, batch.num_seqs
@@ -119,7 +119,7 @@ def test_buckets_pad_little_and_nest():
 def test_prefill_and_oversized_batches_fit_no_bucket(checkpoints):
     engine = make_engine(checkpoints["llada"], "multi_bd")
     engine.add_request(list(range(1, 90)), SamplingParams(max_tokens=8, ignore_eos=True))
-    batch = build_forward_batch(engine.scheduler.schedule().plans, engine.config.page_size)
+    batch = engine.runner.build_batch(engine.scheduler.schedule().plans)
     forward = PaddedForward(engine.model, engine.runner.kv_cache, engine.config, engine.device)
     assert batch.max_seqlen_q == 97 > forward.max_seqlen_q
     assert forward.bucket_for(batch) is None

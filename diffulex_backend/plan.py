@@ -1,0 +1,79 @@
+"""The hand-off from scheduler to runner, one per step: plain values only.
+
+A plan holds copies, never a reference to a request: the runner reads nothing else of the engine's state, so a
+plan can be broadcast to other ranks as it is, and a step cannot see a request change under it. Every value a
+step packs into a tensor was validated when its request was prepared, so packing cannot fail on one request.
+"""
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .sampling import Confidence
+
+
+@dataclass(frozen=True)
+class RequestSampling:
+    """A request's sampling settings, fixed when it is added."""
+
+    seed: int  # < 2**32: the noise hash's key
+    temperature: float
+    top_k: int  # 0 keeps the whole vocabulary; never past it
+    top_p: float
+    confidence_kind: Confidence
+    accept_threshold: float
+    remask_threshold: float
+
+
+@dataclass(frozen=True)
+class LogitBlock:
+    """A span of positions whose predictions the acceptance rule decides on this step."""
+
+    start: int
+    end: int
+    is_first: bool  # the first block in flight: it must make progress
+    enabled: bool  # may accept tokens (its predecessor is semi-complete)
+    num_transfer: int  # tokens to unmask this step under the top-k schedule
+
+
+@dataclass
+class SeqPlan:
+    """One request's part of one forward: which positions are fed, stored, and predicted, and how to sample."""
+
+    request_id: str
+    start: int  # feed positions [start, end)
+    end: int
+    context_len: int  # cached tokens this sequence attends to
+    token_ids: np.ndarray  # [end - start] int64: the tokens fed, a copy
+    cache_index: np.ndarray  # [end - start] int64: logical cache slot of each fed token, -1 = not stored
+    block_ids: np.ndarray  # [end - start] int32: the block mask (see attention.py)
+    blocks: list[LogitBlock]  # predicted spans inside [start, end), in position order; empty for a prefill chunk
+    # The request's pages, a copy. The scheduler replaces it once it has allocated the pages cache_need asks for.
+    page_table: list[int]
+    committed_end: int  # positions [0, committed_end) are final; shifted models keep the hidden state before it
+    step: int  # forwards of this request that predicted tokens before this one: the step in the noise key
+    sampling: RequestSampling
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+    @functools.cached_property
+    def cache_need(self) -> int:
+        """Logical cache slots the plan touches, i.e. how far the page table must reach."""
+        stored = int(self.cache_index.max()) + 1 if self.num_tokens else 0
+        return max(self.context_len, stored)
+
+
+@dataclass
+class SchedulerOutput:
+    """The one hand-off from scheduler to runner: a plan per request in this forward."""
+
+    plans: list[SeqPlan] = field(default_factory=list)
+    preempted: list[str] = field(default_factory=list)  # ids of the requests preempted to make room
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(p.num_tokens for p in self.plans)
