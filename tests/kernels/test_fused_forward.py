@@ -7,7 +7,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_backend.testing.checkpoint import random_model
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_model
 from kernel_cases import DEVICE, REL_TOL, relative_error
 
 PAGE_SIZE = 4
@@ -50,7 +50,7 @@ def test_fused_forward_matches_the_torch_modules(model_name):
     gen = torch.Generator().manual_seed(3)
     steps = [
         (torch.randint(0, 258, (15,), generator=gen), torch.cat([torch.arange(6), torch.arange(9)]), prefill),
-        (torch.full((16,), 257), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]), decode),
+        (torch.full((16,), MASK_TOKEN_ID), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]), decode),
     ]
     with torch.inference_mode():
         for input_ids, positions, meta in steps:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import pytest
 
 from diffulex_backend import SamplingParams
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID as MASK_ID
 from engine_driver import run_one_at_a_time, run_requests, tiny_engine
 
 SYSTEM = "a shared prefix of sixteen tokens"[:16]
 PROMPTS = [SYSTEM + " and one", "the quick brown fox", SYSTEM + " and two", "ab"]
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)
-MASK_ID = 257
 
 
 def tokens(llm, prompts=PROMPTS, params=PARAMS):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from diffulex_backend import SamplingParams
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
 from engine_driver import run_requests, tiny_engine
 
 PROMPTS = ["hello world", "the quick brown fox", "ab"]
@@ -36,10 +37,9 @@ def test_cached_modes_decode_every_token_for_fewer_flops_than_vanilla(tiny_check
     _, vanilla_nfe, vanilla = decode(path, decoding_strategy="vanilla", sampling_mode="threshold")
     prefix_tokens, _, prefix = decode(path, decoding_strategy="fast_dllm")
     dual_tokens, _, dual = decode(path, decoding_strategy="fast_dllm", dual_cache=True)
-    mask_id = 257
     for outputs in (prefix_tokens, dual_tokens):
         assert [len(t) for t in outputs] == [24] * len(PROMPTS)
-        assert all(mask_id not in t for t in outputs)
+        assert all(MASK_TOKEN_ID not in t for t in outputs)
     assert prefix.model_flops < vanilla.model_flops
     assert dual.model_flops < prefix.model_flops  # the suffix is cached too
     assert prefix.num_forward_tokens < vanilla.num_forward_tokens

@@ -5,11 +5,11 @@ from __future__ import annotations
 import torch
 
 from diffulex_backend import SamplingParams
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID as MASK_ID
 from engine_driver import Stream, run_requests, step_checked, tiny_engine
 
 PROMPTS = ["hello world", "the quick brown fox", "ab", "diffusion"]
 PARAMS = SamplingParams(max_tokens=16, ignore_eos=True)  # 4 blocks of 4
-MASK_ID = 257
 
 
 def decode(path, prompts=PROMPTS, params=PARAMS, **config):
