@@ -4,9 +4,11 @@
         [--concurrency 1 2 4 8] [--requests-per-window 16] [--output-dir build/perf]
 
 When no server answers at --url, one is started on the repository's model_repository (the demo model),
-with gRPC on --url's port and HTTP and metrics on --http-port and --metrics-port, and stopped at the end.
-Each concurrency level is one perf_analyzer run in count windows that exports its profile to the output
-folder; the table printed at the end is computed from those exports (report.py).
+with gRPC on --url's port and HTTP and metrics on --http-port and --metrics-port, and stopped at the end
+(tritonserver.py). Each concurrency level is one perf_analyzer run in count windows that exports its profile
+to the output folder; the table printed at the end is computed from those exports (report.py). When a level
+fails, the levels after it are not run: the table of the finished ones is printed, then the failure, and the
+exit status is 1.
 
 perf_analyzer is the binary that the tritonclient wheel installs beside this Python. It needs libb64
 (Debian's libb64-0d) and libcudart.so.12, which PyPI's nvidia-cuda-runtime-cu12 provides even without a GPU.
@@ -17,18 +19,13 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 from diffulex_client import DiffulexClient, DiffulexConnectionError
 from diffulex_client.perf.report import format_table, load_summaries
-
-REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
-SERVER_START_TIMEOUT_S = 300  # the Python backend imports torch twice before the model is ready
-SERVER_STOP_TIMEOUT_S = 90
+from diffulex_client.perf.tritonserver import MODEL_REPOSITORY, REPOSITORY_ROOT, TritonServer
 
 
 def perf_analyzer_path() -> str:
@@ -65,41 +62,6 @@ def run_perf_analyzer(url: str, model: str, input_data: Path, concurrency: int, 
     return subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env())
 
 
-class LocalServer:
-    """A tritonserver on the repository's model_repository, for the length of the sweep."""
-
-    def __init__(self, grpc_port: int, http_port: int, metrics_port: int, log_path: Path):
-        launcher = Path(sys.executable).parent / "tritonserver"  # written by `make setup`
-        self._log = open(log_path, "wb")
-        self.log_path = log_path
-        self.process = subprocess.Popen(
-            [str(launcher), "--model-repository", str(REPOSITORY_ROOT / "model_repository"),
-             "--grpc-port", str(grpc_port), "--http-port", str(http_port), "--metrics-port", str(metrics_port)],
-            stdout=self._log, stderr=subprocess.STDOUT)
-
-    def wait_ready(self, client: DiffulexClient) -> None:
-        deadline = time.monotonic() + SERVER_START_TIMEOUT_S
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise SystemExit(f"tritonserver exited with {self.process.returncode}; see {self.log_path}")
-            try:
-                if client.health().ok:
-                    return
-            except DiffulexConnectionError:
-                pass
-            time.sleep(1)
-        raise SystemExit(f"tritonserver was not ready within {SERVER_START_TIMEOUT_S} s; see {self.log_path}")
-
-    def stop(self) -> None:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            self.process.wait(SERVER_STOP_TIMEOUT_S)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-        self._log.close()
-
-
 def server_answers(client: DiffulexClient) -> bool:
     """Whether a server answers at the client's address; one that answers must serve the model."""
     try:
@@ -111,7 +73,9 @@ def server_answers(client: DiffulexClient) -> bool:
     return True
 
 
-def sweep(args: argparse.Namespace) -> list[Path]:
+def sweep(args: argparse.Namespace) -> tuple[list[Path], str | None]:
+    """The exports of the levels that finished, in order, and the error of the level that failed, if one did;
+    the levels after a failed one are not run."""
     exports = []
     for concurrency in args.concurrency:
         export_path = args.output_dir / f"profile_concurrency_{concurrency}.json"
@@ -121,10 +85,10 @@ def sweep(args: argparse.Namespace) -> list[Path]:
                                    args.stability_percentage, args.max_trials)
         (args.output_dir / f"perf_analyzer_concurrency_{concurrency}.log").write_text(result.stdout + result.stderr)
         if result.returncode != 0:
-            raise SystemExit(f"perf_analyzer failed at concurrency {concurrency}:\n{result.stdout[-4000:]}"
-                             f"{result.stderr[-4000:]}")
+            return exports, (f"perf_analyzer failed at concurrency {concurrency} (exit {result.returncode}):\n"
+                             f"{result.stdout[-4000:]}{result.stderr[-4000:]}")
         exports.append(export_path)
-    return exports
+    return exports, None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -147,23 +111,30 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """0 when every level finished. When one fails, the finished levels' table is still printed, then the
+    error, and the status is 1."""
     args = parse_args(argv)
     args.output_dir.mkdir(parents=True, exist_ok=True)
     client = DiffulexClient(args.url, "grpc", args.model, timeout=30)
     server = None
     if not server_answers(client):
         print(f"no server at {args.url}: starting tritonserver on model_repository", flush=True)
-        server = LocalServer(int(args.url.rpartition(":")[2]), args.http_port, args.metrics_port,
-                             args.output_dir / "tritonserver.log")
+        ports = (args.http_port, int(args.url.rpartition(":")[2]), args.metrics_port)
+        server = TritonServer(MODEL_REPOSITORY, args.output_dir / "tritonserver.log", ports=ports, address=None)
     try:
         if server is not None:
-            server.wait_ready(client)
-        exports = sweep(args)
+            server.wait_ready()
+        exports, failure = sweep(args)
+        print(f"\n{args.input_data.name}, gRPC streaming, model {args.model} at {args.url}; "
+              f"exports in {args.output_dir}")
+        if exports:
+            print(format_table(load_summaries([str(path) for path in exports])), flush=True)
     finally:
         if server is not None:
             server.stop()
-    print(f"\n{args.input_data.name}, gRPC streaming, model {args.model} at {args.url}; exports in {args.output_dir}")
-    print(format_table(load_summaries([str(path) for path in exports])))
+    if failure is not None:
+        print(failure, file=sys.stderr)
+        return 1
     return 0
 
 

@@ -1,12 +1,14 @@
 """perf_analyzer over gRPC streaming against the real server, with the shipped input data, and the report."""
 
 import json
+import subprocess
 from pathlib import Path
 
 import pytest
 from served_model import url_for
 
 from diffulex_client import DiffulexClient
+from diffulex_client.perf import sweep
 from diffulex_client.perf.report import format_table, summarize
 from diffulex_client.perf.sweep import run_perf_analyzer
 
@@ -64,3 +66,22 @@ def test_perf_analyzer_streams_every_request_to_its_last_block(server, tmp_path)
         assert summary.output_tokens_per_s == pytest.approx(summary.requests_per_s * expected_tokens)
         assert summary.ttfr_p50_ms <= summary.latency_p50_ms
         assert format_table([summary]).splitlines()[2].split()[:2] == [str(concurrency), str(len(requests))]
+
+
+def test_sweep_prints_the_finished_levels_and_fails_when_a_level_fails(server, tmp_path, monkeypatch, capsys):
+    def fail_at_concurrency_2(url, model, input_data, concurrency, *args):
+        if concurrency == 2:
+            return subprocess.CompletedProcess([], 99, "", "the level-2 run broke")
+        return run_perf_analyzer(url, model, input_data, concurrency, *args)
+
+    monkeypatch.setattr(sweep, "run_perf_analyzer", fail_at_concurrency_2)
+    status = sweep.main(["--url", server.grpc_url, "--input-data", str(PERF_DATA / "short_streaming.json"),
+                         "--concurrency", "1", "2", "4", "--requests-per-window", "1",
+                         "--stability-percentage", "1000", "--max-trials", "3", "--output-dir", str(tmp_path)])
+    out, err = capsys.readouterr()
+    assert status == 1
+    lines = out.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:1] == ["concurrency"])
+    assert [line.split()[0] for line in lines[header + 2:] if line.strip()] == ["1"]  # level 4 never ran
+    assert "perf_analyzer failed at concurrency 2 (exit 99)" in err and "the level-2 run broke" in err
+    assert sorted(path.name for path in tmp_path.glob("profile_*.json")) == ["profile_concurrency_1.json"]
