@@ -1,6 +1,6 @@
 # diffulex-triton: set-up, serving and tests.
 #
-#   make serve   set everything up, then run tritonserver on model_repository (ports 8000/8001/8002)
+#   make serve   set everything up, then run tritonserver on model_repository (ports HTTP_PORT/GRPC_PORT/METRICS_PORT)
 #   make test    set everything up, then run the whole test suite
 #
 # Set-up is idempotent: each step leaves a stamp under .venv/.stamps and is redone only when its inputs
@@ -27,9 +27,14 @@ setup: $(STAMPS)/project $(BIN)/tritonserver
 
 test-setup: setup
 
+# The ports of `make serve`, and of the server `make perf` starts when none answers on PERF_URL.
+HTTP_PORT ?= 8000
+GRPC_PORT ?= 8001
+METRICS_PORT ?= 8002
+
 serve: setup
 	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
-		--http-port 8000 --grpc-port 8001 --metrics-port 8002
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 # Without a GPU the Triton kernels run under Triton's interpreter. It must be on before the first kernel is
 # defined, and the first test module to import the kernels may lie outside tests/kernels.
@@ -83,8 +88,9 @@ quality: $(STAMPS)/project
 # Load tests (client/perf/): perf_analyzer over gRPC streaming at a concurrency sweep, in count windows with
 # profile exports, then a table of requests/s, output tokens/s and p50/p99 time to first response and request
 # latency computed from the exports. A server already answering on PERF_URL is used; otherwise one is started
-# on model_repository for the run. PERF_ARGS, e.g.: --requests-per-window 16 --output-dir DIR.
-PERF_URL ?= localhost:8001
+# on model_repository for the run. When a level fails, the finished levels' table is printed, then the failure,
+# and make fails. PERF_ARGS, e.g.: --requests-per-window 16 --output-dir DIR.
+PERF_URL ?= localhost:$(GRPC_PORT)
 PERF_INPUT ?= client/perf/medium_streaming.json
 PERF_CONCURRENCY ?= 1 2 4 8
 PERF_ARGS ?=
@@ -92,7 +98,7 @@ PERF_ARGS ?=
 .PHONY: perf
 perf: setup
 	$(BIN)/python -m diffulex_client.perf.sweep --url $(PERF_URL) --input-data $(PERF_INPUT) \
-		--concurrency $(PERF_CONCURRENCY) $(PERF_ARGS)
+		--concurrency $(PERF_CONCURRENCY) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(PERF_ARGS)
 
 # perf_analyzer (in the tritonclient wheel) needs libb64-0d, an APT_PACKAGES entry, and libcudart.so.12, which
 # this wheel provides even without a GPU. It is part of setup because the test suite runs perf_analyzer too.
