@@ -210,7 +210,6 @@ def _merge_chunks_kernel(
     chunks = tl.arange(0, CHUNKS)
     valid = chunks < num_chunks
     stats_ptr = part_stats_ptr + (row * num_chunks + chunks) * STATS
-    index_ptr = part_index_ptr + (row * num_chunks + chunks) * 2
     chunk_max = tl.load(stats_ptr + 0, mask=valid, other=-1.0e30)
     chunk_sum = tl.load(stats_ptr + 1, mask=valid, other=0.0)
     chunk_ent = tl.load(stats_ptr + 2, mask=valid, other=0.0)

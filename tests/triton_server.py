@@ -5,8 +5,11 @@ import re
 import shutil
 from pathlib import Path
 
-from diffulex_client.perf.tritonserver import (  # noqa: F401  (re-exported for the suites)
+from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
+
+__all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
+           "TritonServer", "add_model", "free_ports", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same.

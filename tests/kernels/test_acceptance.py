@@ -6,7 +6,6 @@ import itertools
 import pytest
 import torch
 
-import diffulex_kernels
 from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule
 from diffulex_backend.config import SamplingMode
 from kernel_cases import DEVICE, FULL_SHAPES, generator

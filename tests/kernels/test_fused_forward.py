@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
+from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_model
 from kernel_cases import DEVICE, REL_TOL, relative_error
 
