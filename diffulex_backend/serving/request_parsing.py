@@ -7,9 +7,9 @@ of shape [1, 1]. A bad request raises `BadRequest` with a message that names the
 Sampling parameters may come from three places, as the clients of Triton's vLLM and TensorRT-LLM backends send
 them. They are merged key by key, a later source winning over an earlier one:
   1. the request's parameters (the generate extension's "parameters");
-  2. the `sampling_parameters` input, a JSON object (the vLLM backend's);
-  3. TensorRT-LLM's tensor inputs (`max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `min_length`,
-     `end_id`, `stop_words`, `beam_width`).
+  2. TensorRT-LLM's tensor inputs (`max_tokens`, `temperature`, `top_k`, `top_p`, `random_seed`, `min_length`,
+     `end_id`, `stop_words`, `beam_width`);
+  3. the `sampling_parameters` input, a JSON object (the vLLM backend's).
 A string where a number or a boolean is expected is converted (the vLLM backend does the same; genai-perf sends
 `{"max_tokens": "16"}`). JSON is bounded in size and depth, and NaN and Infinity are refused.
 """
@@ -99,19 +99,22 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
 
 
 def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: str) -> SamplingParams:
-    values, sources = {}, []
+    # (source, values) in the order they merge. The generate extension turns a "parameters" key that names an
+    # input into that tensor, so TensorRT-LLM's inputs are request parameters too, as far as a client can tell.
+    given = []
     if request_parameters and request_parameters.strip():
-        values.update(_parse_json_object(request_parameters, "request parameters"))
-        sources.append("request parameters")
+        given.append(("request parameters", _parse_json_object(request_parameters, "request parameters")))
+    given.append(("request parameters", _read_tensor_parameters(inputs)))
     if "sampling_parameters" in inputs:
         raw = _read_string(inputs, "sampling_parameters")
         if raw.strip():
-            values.update(_parse_json_object(raw, "input 'sampling_parameters'"))
-            sources.append("input 'sampling_parameters'")
-    tensor_values = _read_tensor_parameters(inputs)
-    if tensor_values:
-        values.update(tensor_values)
-        sources.append("tensor inputs")
+            given.append(("input 'sampling_parameters'", _parse_json_object(raw, "input 'sampling_parameters'")))
+    values, sources = {}, []
+    for source, source_values in given:
+        if source_values:
+            values.update(source_values)
+            if source not in sources:
+                sources.append(source)
     try:
         return SamplingParams.from_dict({key: _converted(key, value) for key, value in values.items()})
     except (TypeError, ValueError) as err:

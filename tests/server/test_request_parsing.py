@@ -149,18 +149,21 @@ def test_request_parameters_and_sampling_parameters_merge_key_by_key():
     parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4}')},
                            json.dumps({"max_tokens": 9, "seed": 3}))
     assert (parsed.params.max_tokens, parsed.params.seed) == (4, 3)
+    parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4}'),
+                            "max_tokens": np.array([[9]], dtype=np.int32)})
+    assert parsed.params.max_tokens == 4
 
 
-def test_tensorrt_llm_tensor_inputs_set_sampling_parameters_and_win():
+def test_tensorrt_llm_tensor_inputs_set_sampling_parameters_over_request_parameters():
     """genai-perf --backend tensorrtllm and TensorRT-LLM clients send these as tensors."""
     parsed = parse_request({
-        "text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4, "temperature": 0.1}'),
+        "text_input": text("hi"),
         "max_tokens": np.array([[32]], dtype=np.int32), "min_length": np.array([[8]], dtype=np.int32),
         "temperature": np.array([[0.5]], dtype=np.float32), "top_k": np.array([[5]], dtype=np.int32),
         "top_p": np.array([[0.75]], dtype=np.float32), "random_seed": np.array([[2**63]], dtype=np.uint64),
         "end_id": np.array([[2]], dtype=np.int32), "stop_words": np.array([[b"\n\n", b""]], dtype=np.object_),
         "beam_width": np.array([[1]], dtype=np.int32),
-    })
+    }, json.dumps({"max_tokens": 4, "temperature": 0.1}))
     assert parsed.params == SamplingParams(max_tokens=32, min_tokens=8, temperature=0.5, top_k=5, top_p=0.75,
                                            seed=2**63, stop_token_ids=[2], stop=["\n\n"])
 

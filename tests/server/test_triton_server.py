@@ -2,18 +2,16 @@
 
 import json
 import queue
-import re
 import socket
-import time
-import urllib.error
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 from triton_server import TEST_SETTINGS
-from tritonclient.utils import InferenceServerException, np_to_triton_dtype
+from served import (decoded, generate, generate_stream, grpc_inputs, grpc_stream, ids, is_final, metrics, post,
+                    reference, tensor, wait_for)
+from tritonclient.utils import InferenceServerException
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.serving.engine_settings import engine_settings
@@ -22,95 +20,6 @@ PROMPTS = ["12+34=", "the quick brown fox", "hello", "diffusion models decode in
 GREEDY = {"max_tokens": 12, "temperature": 0}  # three blocks of 4
 ALL_COUNTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
               "return_nfe": True}
-
-
-# ---- HTTP helpers -----------------------------------------------------------------------------------------
-def post(url: str, body: dict) -> tuple[int, bytes]:
-    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=120) as response:
-            return response.status, response.read()
-    except urllib.error.HTTPError as err:
-        return err.code, err.read()
-
-
-def generate(server, body: dict, model: str = "diffulex") -> dict:
-    status, payload = post(f"{server.http_url}/v2/models/{model}/generate", body)
-    assert status == 200, payload
-    return json.loads(payload)
-
-
-def generate_stream(server, body: dict) -> list[dict]:
-    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate_stream", body)
-    assert status == 200, payload
-    return [json.loads(line[len("data: "):]) for line in payload.decode().splitlines() if line.startswith("data: ")]
-
-
-def ids(value) -> list[int]:  # the generate extension writes a one-element tensor as a scalar
-    return value if isinstance(value, list) else [value]
-
-
-def metrics(server, model: str = "diffulex") -> dict[str, float]:
-    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    values = {}
-    for name, labels, value in re.findall(r"^(\w+)\{([^}]*)\} (\S+)$", text, flags=re.M):
-        if f'model="{model}"' in labels and "le=" not in labels:
-            values[name] = float(value)
-    return values
-
-
-def wait_for(condition, timeout_s: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.1)
-
-
-def reference(engine: Diffulex, prompts, **params):
-    return engine.generate(prompts, SamplingParams(**params))
-
-
-# ---- gRPC helpers -----------------------------------------------------------------------------------------
-def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
-    item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
-    item.set_data_from_numpy(array)
-    return item
-
-
-def grpc_inputs(prompt, params: dict, **flags) -> list[grpcclient.InferInput]:
-    if isinstance(prompt, str):
-        inputs = [tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_))]
-    else:
-        inputs = [tensor("input_ids", np.array([prompt], dtype=np.int32))]
-    inputs.append(tensor("sampling_parameters", np.array([[json.dumps(params).encode()]], dtype=np.object_)))
-    inputs += [tensor(name, np.array([[value]], dtype=np.bool_)) for name, value in flags.items()]
-    return inputs
-
-
-def is_final(result) -> bool:
-    return result.get_response().parameters["triton_final_response"].bool_param
-
-
-def grpc_stream(server, inputs, model: str = "diffulex") -> list:
-    """Every response of one request sent over a gRPC stream, up to the final one."""
-    responses: queue.Queue = queue.Queue()
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.start_stream(callback=lambda result, error: responses.put((result, error)))
-        client.async_stream_infer(model, inputs)
-        results = []
-        while not results or not is_final(results[-1]):
-            result, error = responses.get(timeout=120)
-            if error is not None:
-                raise error
-            results.append(result)
-        client.stop_stream()
-    return results
-
-
-def decoded(result, name: str) -> str:
-    return result.as_numpy(name).reshape(-1)[0].decode()
 
 
 # ---- generate and streaming -------------------------------------------------------------------------------
@@ -233,11 +142,12 @@ def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served
                         "request parameters: unknown sampling parameter(s) ['max_token']; allowed: "
                         f"{SamplingParams.field_names()}"),
         "negative max_tokens": ({"text_input": "hi", "parameters": {"max_tokens": -4}},
-                                "request parameters: sampling parameter 'max_tokens' must be an integer >= 1, got -4"),
+                                "request parameters: sampling parameter 'max_tokens' must be an integer in [1, 2147483647], "
+                                "got -4"),
         "over-long prompt": ({"text_input": "x" * 600, "parameters": {"max_tokens": 16}}, too_long_message(engine)),
         "wrong value type": ({"text_input": "hi", "sampling_parameters": '{"temperature": "warm"}'},
-                             "input 'sampling_parameters': sampling parameter 'temperature' must be a number >= 0, "
-                             "got 'warm'"),
+                             "input 'sampling_parameters': sampling parameter 'temperature' must be a finite number "
+                             "in [0, 3.402823e+38], got 'warm'"),
     }[case]
     status, payload = post(f"{server.http_url}/v2/models/diffulex/generate", body)
     assert (status, json.loads(payload)) == (400, {"error": message})

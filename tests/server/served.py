@@ -1,0 +1,103 @@
+"""Talking to the test server: HTTP generate and SSE, metrics, and gRPC streams, as a client would."""
+
+import json
+import queue
+import re
+import time
+import urllib.error
+import urllib.request
+
+import numpy as np
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import np_to_triton_dtype
+
+from diffulex_backend import Diffulex, SamplingParams
+
+
+# ---- HTTP helpers -----------------------------------------------------------------------------------------
+def post(url: str, body: dict) -> tuple[int, bytes]:
+    request = urllib.request.Request(url, data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read()
+    except urllib.error.HTTPError as err:
+        return err.code, err.read()
+
+
+def generate(server, body: dict, model: str = "diffulex") -> dict:
+    status, payload = post(f"{server.http_url}/v2/models/{model}/generate", body)
+    assert status == 200, payload
+    return json.loads(payload)
+
+
+def generate_stream(server, body: dict) -> list[dict]:
+    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate_stream", body)
+    assert status == 200, payload
+    return [json.loads(line[len("data: "):]) for line in payload.decode().splitlines() if line.startswith("data: ")]
+
+
+def ids(value) -> list[int]:  # the generate extension writes a one-element tensor as a scalar
+    return value if isinstance(value, list) else [value]
+
+
+def metrics(server, model: str = "diffulex") -> dict[str, float]:
+    with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    values = {}
+    for name, labels, value in re.findall(r"^(\w+)\{([^}]*)\} (\S+)$", text, flags=re.M):
+        if f'model="{model}"' in labels and "le=" not in labels:
+            values[name] = float(value)
+    return values
+
+
+def wait_for(condition, timeout_s: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.1)
+
+
+def reference(engine: Diffulex, prompts, **params):
+    return engine.generate(prompts, SamplingParams(**params))
+
+
+# ---- gRPC helpers -----------------------------------------------------------------------------------------
+def tensor(name: str, array: np.ndarray) -> grpcclient.InferInput:
+    item = grpcclient.InferInput(name, list(array.shape), np_to_triton_dtype(array.dtype))
+    item.set_data_from_numpy(array)
+    return item
+
+
+def grpc_inputs(prompt, params: dict, **flags) -> list[grpcclient.InferInput]:
+    if isinstance(prompt, str):
+        inputs = [tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_))]
+    else:
+        inputs = [tensor("input_ids", np.array([prompt], dtype=np.int32))]
+    inputs.append(tensor("sampling_parameters", np.array([[json.dumps(params).encode()]], dtype=np.object_)))
+    inputs += [tensor(name, np.array([[value]], dtype=np.bool_)) for name, value in flags.items()]
+    return inputs
+
+
+def is_final(result) -> bool:
+    return result.get_response().parameters["triton_final_response"].bool_param
+
+
+def grpc_stream(server, inputs, model: str = "diffulex") -> list:
+    """Every response of one request sent over a gRPC stream, up to the final one."""
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer(model, inputs)
+        results = []
+        while not results or not is_final(results[-1]):
+            result, error = responses.get(timeout=120)
+            if error is not None:
+                raise error
+            results.append(result)
+        client.stop_stream()
+    return results
+
+
+def decoded(result, name: str) -> str:
+    return result.as_numpy(name).reshape(-1)[0].decode()

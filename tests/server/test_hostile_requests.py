@@ -1,0 +1,177 @@
+"""What one client sends cannot take the model down for the others: every class of hostile input is refused alone,
+with its reason, through the real server, and the model keeps serving with its health true."""
+
+import json
+import os
+import queue
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from served import generate, grpc_inputs, grpc_stream, ids, metrics, post, reference, tensor, wait_for
+from tritonclient.utils import InferenceServerException
+
+from diffulex_backend import SamplingParams
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
+
+GOOD = {"max_tokens": 8, "temperature": 0}
+
+
+def generate_url(server) -> str:
+    return f"{server.http_url}/v2/models/diffulex/generate"
+
+
+def refused(server, body: dict) -> str:
+    status, payload = post(generate_url(server), body)
+    assert status == 400, payload
+    return json.loads(payload)["error"]
+
+
+def assert_still_serving(server, engine) -> None:
+    with urllib.request.urlopen(f"{server.http_url}/v2/health/ready", timeout=10) as response:
+        assert response.status == 200
+    with urllib.request.urlopen(f"{server.http_url}/v2/models/diffulex/ready", timeout=10) as response:
+        assert response.status == 200
+    (expected,) = reference(engine, ["hello"], **GOOD)
+    output = generate(server, {"text_input": "hello", "parameters": GOOD, "exclude_input_in_output": True})
+    assert ids(output["output_ids"]) == expected.token_ids
+
+
+def test_a_seed_past_int64_is_served_like_the_engine_serves_it(server, engine):
+    """A uint64 seed once overflowed the int64 packing of the step and failed the engine for everyone."""
+    params = {"max_tokens": 8, "temperature": 1.0, "seed": 2**63}
+    (expected,) = reference(engine, ["hello"], **params)
+    output = generate(server, {"text_input": "hello", "sampling_parameters": json.dumps(params),
+                               "exclude_input_in_output": True})
+    assert ids(output["output_ids"]) == expected.token_ids
+    assert_still_serving(server, engine)
+
+
+@pytest.mark.parametrize("raw, message", [
+    ('{"max_tokens": 8, "top_k": 9223372036854775808}',
+     "sampling parameter 'top_k' must be an integer in [0, 2147483647] (0 disables it), got 9223372036854775808"),
+    ('{"max_tokens": 8, "temperature": Infinity}', "Infinity is not a number a sampling parameter can take"),
+    ('{"max_tokens": 8, "temperature": 1e39}',
+     "sampling parameter 'temperature' must be a finite number in [0, 3.402823e+38], got 1e+39"),
+    ('{"max_tokens": 8, "top_p": NaN}', "NaN is not a number a sampling parameter can take"),
+    ('{"max_tokens": 8, "seed": 18446744073709551616}',
+     "sampling parameter 'seed' must be an integer in [0, 18446744073709551615] or null, got 18446744073709551616"),
+    ('{"max_tokens": 8, "stop_token_ids": [9223372036854775807]}',
+     "sampling parameter 'stop_token_ids' must be a list of at most 1024 token ids in [0, 2147483647], "
+     "got [9223372036854775807]"),
+], ids=["top_k 2^63", "infinite temperature", "temperature past float32", "NaN top_p", "seed 2^64",
+        "stop token past int32"])
+def test_numbers_the_engine_cannot_represent_are_refused_and_the_model_keeps_serving(server, engine, raw, message):
+    assert refused(server, {"text_input": "hi", "sampling_parameters": raw}) == f"input 'sampling_parameters': {message}"
+    assert_still_serving(server, engine)
+
+
+def test_deeply_nested_json_beside_31_good_requests_fails_only_itself(server, engine):
+    prompts = [f"request {i}" for i in range(31)]
+    expected = engine.generate(prompts, SamplingParams(**GOOD))
+    nested = "[" * 30000 + "]" * 30000
+
+    def send(i):
+        if i == 31:
+            return post(generate_url(server), {"text_input": "hi", "sampling_parameters": nested})
+        return post(generate_url(server), {"text_input": prompts[i], "parameters": GOOD, "exclude_input_in_output": True})
+
+    with ThreadPoolExecutor(32) as pool:
+        results = list(pool.map(send, range(32)))
+    assert results[31][0] == 400
+    assert json.loads(results[31][1]) == {"error": "input 'sampling_parameters' is nested more than 8 levels deep"}
+    for (status, payload), want in zip(results[:31], expected):
+        assert status == 200, payload
+        assert ids(json.loads(payload)["output_ids"]) == want.token_ids
+    assert_still_serving(server, engine)
+
+
+def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_stalls_no_one(server, engine):
+    limit = 512 * engine.max_token_chars
+    huge = "x" * 3_900_000  # under the 4 MB that Triton's HTTP front end takes
+    (expected,) = reference(engine, ["hello"], max_tokens=40, temperature=0)
+    with ThreadPoolExecutor(2) as pool:
+        good = pool.submit(generate, server, {"text_input": "hello", "parameters": {"max_tokens": 40, "temperature": 0},
+                                              "exclude_input_in_output": True})
+        bad = pool.submit(refused, server, {"text_input": huge, "parameters": {"max_tokens": 4}})
+        assert bad.result() == f"prompt has 3900000 characters; at most {limit} can fit max_model_len (512) tokens"
+        assert ids(good.result()["output_ids"]) == expected.token_ids
+
+
+def test_input_ids_with_two_prompts_or_the_mask_token_are_refused(server, engine):
+    with pytest.raises(InferenceServerException) as caught:
+        grpc_stream(server, [tensor("input_ids", np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int32))])
+    assert caught.value.message() == "input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got [2, 3]"
+    with pytest.raises(InferenceServerException) as caught:
+        grpc_stream(server, grpc_inputs([5, MASK_TOKEN_ID, 7], GOOD))
+    assert caught.value.message() == (f"prompt holds the mask token ({MASK_TOKEN_ID}) at position 1; the engine "
+                                      "decodes masked positions only in the generation area")
+    assert_still_serving(server, engine)
+
+
+def test_parameters_and_sampling_parameters_merge_with_sampling_parameters_winning(server, engine):
+    (expected,) = reference(engine, ["hello"], max_tokens=8, temperature=1.0, seed=3)
+    output = generate(server, {"text_input": "hello", "exclude_input_in_output": True,
+                               "sampling_parameters": json.dumps({"max_tokens": 8, "temperature": 1.0}),
+                               "parameters": {"max_tokens": 99, "seed": 3}})
+    assert ids(output["output_ids"]) == expected.token_ids
+
+
+def test_genai_perf_clients_of_both_backends_are_served(server, engine):
+    """genai-perf --backend vllm sends string values; --backend tensorrtllm sends TensorRT-LLM's tensor inputs."""
+    (expected,) = reference(engine, ["hello"], max_tokens=8, temperature=0)
+    vllm_style = generate(server, {"text_input": "hello", "exclude_input_in_output": True,
+                                   "sampling_parameters": json.dumps({"max_tokens": "8", "temperature": "0"})})
+    trtllm_style = generate(server, {"text_input": "hello", "exclude_input_in_output": True, "max_tokens": 8,
+                                     "temperature": 0.0, "beam_width": 1, "stop_words": [""]})
+    assert ids(vllm_style["output_ids"]) == ids(trtllm_style["output_ids"]) == expected.token_ids
+
+
+def stub_pids(model_dir_marker: str) -> list[int]:
+    """The Python backend stubs serving a model, found by the model name on their command line."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if cmdline and cmdline[0].endswith(b"triton_python_backend_stub") and any(
+                    model_dir_marker.encode() in part for part in cmdline):
+                pids.append(int(entry.name))
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_idle_model_uses_no_cpu(server):
+    generate(server, {"text_input": "hello", "parameters": GOOD})  # the loop has run, then gone idle
+    (pid,) = stub_pids("/diffulex/")
+    time.sleep(1.0)
+    before = cpu_seconds(pid)
+    time.sleep(3.0)
+    assert cpu_seconds(pid) - before < 0.15  # 5% of one core; a busy loop burns 3 s here
+
+
+def test_a_refused_request_over_grpc_streaming_leaves_the_stream_usable(server, engine):
+    """One bad request on a client's stream does not end the stream: the next request on it is served."""
+    (expected,) = reference(engine, ["hello"], **GOOD)
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("diffulex", grpc_inputs("hi", {"max_tokens": 8, "temperature": float("inf")}))
+        _, error = responses.get(timeout=60)
+        assert error is not None and "Infinity is not a number" in error.message()
+        client.async_stream_infer("diffulex", grpc_inputs("hello", GOOD))
+        result, error = responses.get(timeout=60)
+        assert error is None
+        assert result.as_numpy("output_ids").reshape(-1).tolist() == expected.token_ids
+        client.stop_stream()
+    wait_for(lambda: metrics(server)["diffulex_kv_pages_used"] == 0)
