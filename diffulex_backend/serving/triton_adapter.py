@@ -7,16 +7,23 @@ exists only inside the Python backend's stub process.
 from __future__ import annotations
 
 import json
+import os
 import threading
+import time
+from pathlib import Path
 
 import torch
 
 from .. import Diffulex, StepOutput
+from ..warm_up import warm_up
 from .engine_loop import EngineLoop, ErrorKind, LoopState
 from .engine_settings import engine_settings
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
+
+# Where compiled Triton kernels are kept between loads, unless TRITON_CACHE_DIR says otherwise.
+KERNEL_CACHE_DIR = Path.home() / ".cache" / "diffulex-triton" / "triton"
 
 
 class TritonResponseStream:
@@ -56,10 +63,20 @@ class TritonAdapter:
         self._model_name = args["model_name"]
         parameters = json.loads(args["model_config"]).get("parameters", {})
         settings = engine_settings(parameters, model_dir=args["model_repository"])
+        started = time.monotonic()
+        # Compiled kernels outlive the process, so only the first load on a machine compiles them.
+        os.environ.setdefault("TRITON_CACHE_DIR", str(KERNEL_CACHE_DIR))
         self._engine = Diffulex(settings.pop("model"), **settings)
+        loaded = time.monotonic()
+        # Ready only once warm: the first requests would otherwise wait for kernel compiles and graph captures.
+        report = warm_up(self._engine)
+        self._engine.tokenizer.encode("warm")  # settles the tokenizer's state before two threads share it
         metrics = ServingMetrics(pb_utils.MetricFamily, {"model": self._model_name, "version": args["model_version"]})
         self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service)
-        pb_utils.Logger.log_info(f"{self._model_name}: engine ready with {self._engine.config}")
+        pb_utils.Logger.log_info(
+            f"{self._model_name}: engine ready in {time.monotonic() - started:.1f} s (load {loaded - started:.1f} s, "
+            f"warm-up {report.seconds:.1f} s over batch sizes {list(report.batch_sizes)}; kernel cache "
+            f"{os.environ['TRITON_CACHE_DIR']}) with {self._engine.config}")
 
     def execute(self, requests) -> None:
         """Parse, tokenize and check each request here, on Triton's thread, and hand it to the engine loop. Each
