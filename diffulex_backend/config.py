@@ -1,9 +1,21 @@
-"""Engine configuration: one validated dataclass. Every field is read by some part of the engine."""
+"""Engine configuration: one frozen, validated dataclass.
+
+`Config(...)` checks every field, then hands the strategy-specific checks to the strategy's record
+(registry.py), and fills what the strategy decides: its canonical name for an alias, `sampling_mode` and
+`enable_prefix_caching` when unset. What depends on the checkpoint (`model_name`, `mask_token_id`,
+`max_model_len`) stays None until the engine reads the checkpoint and holds a resolved copy
+(`dataclasses.replace`, validated again); nothing changes a Config after it is built.
+
+Every field is read by some part of the engine, except `tensor_parallel_size`, which accepts only 1 until
+tensor parallelism lands, and `kv_cache_layout`, which accepts only "unified".
+"""
 from __future__ import annotations
 
 import dataclasses
 import enum
 from dataclasses import dataclass
+
+from .registry import STRATEGIES
 
 
 class SamplingMode(enum.Enum):
@@ -17,16 +29,16 @@ ATTENTION_BACKENDS = ("auto", "torch", "triton")
 KV_CACHE_LAYOUTS = ("unified",)  # "distinct" is not implemented, so it is refused rather than ignored
 
 
-@dataclass
+@dataclass(frozen=True)
 class Config:
     model: str
     model_name: str | None = None  # detected from config.json when None
-    decoding_strategy: str = "multi_bd"
-    sampling_mode: str | None = None  # None: "topk" for vanilla, "threshold" otherwise
+    decoding_strategy: str = "multi_bd"  # a registered name or alias; the canonical name once built
+    sampling_mode: str | None = None  # None: the strategy's ("topk" for vanilla, "threshold" otherwise)
     block_size: int = 32
     buffer_size: int = 1  # blocks in flight per request (multi_bd, d2f)
     page_size: int = 32
-    max_model_len: int = 2048
+    max_model_len: int | None = None  # None: the checkpoint's max_position_embeddings
     max_num_batched_tokens: int = 4096
     max_num_reqs: int = 64
     num_kv_pages: int | None = None  # None: sized from gpu_memory_utilization on GPU, from the limits on CPU
@@ -48,7 +60,15 @@ class Config:
     seed: int = 0  # noise seed of requests that bring none
 
     def __post_init__(self):
-        self._validate()
+        self._validate_fields()
+        strategy = STRATEGIES.get(self.decoding_strategy)
+        # Filled in once, while the dataclass is being built: afterwards it is frozen.
+        object.__setattr__(self, "decoding_strategy", strategy.name)
+        if self.sampling_mode is None:
+            object.__setattr__(self, "sampling_mode", strategy.default_sampling_mode.value)
+        if self.enable_prefix_caching is None:
+            object.__setattr__(self, "enable_prefix_caching", strategy.supports_prefix_caching)
+        strategy.validate(self)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -58,7 +78,8 @@ class Config:
     def mode(self) -> SamplingMode:
         return SamplingMode(self.sampling_mode)
 
-    def _validate(self):
+    def _validate_fields(self):
+        """The checks that hold whatever the strategy."""
         def fail(name, allowed):
             raise ValueError(f"config field '{name}' must be {allowed}, got {getattr(self, name)!r}")
 
@@ -79,24 +100,16 @@ class Config:
 
         if not isinstance(self.model, str) or not self.model:
             fail("model", "a path to a checkpoint directory")
-        from .strategies import AutoReq  # importing the package registers every strategy
-
-        if not isinstance(self.decoding_strategy, str) or self.decoding_strategy not in AutoReq:
-            fail("decoding_strategy", f"one of {AutoReq.keys()}")
-        self.decoding_strategy = AutoReq.canonical(self.decoding_strategy)
-        req_cls = AutoReq.get(self.decoding_strategy)
-        if self.sampling_mode is None:
-            self.sampling_mode = req_cls.default_sampling_mode.value
-        if self.sampling_mode not in [m.value for m in SamplingMode]:
+        if not isinstance(self.decoding_strategy, str) or self.decoding_strategy not in STRATEGIES:
+            fail("decoding_strategy", f"one of {STRATEGIES.keys()}")
+        if self.sampling_mode is not None and self.sampling_mode not in [m.value for m in SamplingMode]:
             fail("sampling_mode", f"one of {[m.value for m in SamplingMode]}")
-        for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_model_len", 2),
-                          ("max_num_batched_tokens", 1), ("max_num_reqs", 1), ("cache_refresh_interval", 0),
-                          ("tensor_parallel_size", 1), ("seed", 0)):
+        for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_num_batched_tokens", 1),
+                          ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1), ("seed", 0)):
             check_int(name, low)
-        if self.num_kv_pages is not None:
-            check_int("num_kv_pages", 1)
-        if self.mask_token_id is not None:
-            check_int("mask_token_id", 0)
+        for name, low in (("max_model_len", 2), ("num_kv_pages", 1), ("mask_token_id", 0)):
+            if getattr(self, name) is not None:
+                check_int(name, low)
         for name in ("accept_threshold", "remask_threshold", "add_block_threshold", "semi_complete_threshold"):
             check_fraction(name)
         value = self.gpu_memory_utilization
@@ -117,25 +130,6 @@ class Config:
             fail("tensor_parallel_size", "1 (tensor parallelism is not supported)")
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
-
-        strategy = self.decoding_strategy
-        if self.enable_prefix_caching is None:
-            self.enable_prefix_caching = req_cls.supports_prefix_caching
-        elif self.enable_prefix_caching and not req_cls.supports_prefix_caching:
-            # A bidirectional prompt (d2f) or full attention makes a prompt page's K/V depend on tokens after
-            # it, so a cached page could not be reused.
-            raise ValueError(f"config field 'enable_prefix_caching' must be false for decoding_strategy "
-                             f"'{strategy}': its prompt K/V depend on later tokens")
-        if self.buffer_size > req_cls.max_buffer_size:
-            raise ValueError(f"config field 'buffer_size' must be <= {req_cls.max_buffer_size} for "
-                             f"decoding_strategy '{strategy}', got {self.buffer_size}")
-        if (self.dual_cache or self.cache_refresh_interval) and not req_cls.has_cache_options:
-            raise ValueError("config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy "
-                             f"'fast_dllm' only, not '{strategy}'")
-        need = req_cls.min_batched_tokens(self)
-        if self.max_num_batched_tokens < need:
-            raise ValueError(f"config field 'max_num_batched_tokens' must be >= {need} for decoding_strategy "
-                             f"'{strategy}' ({req_cls.min_batched_tokens.__doc__}), got {self.max_num_batched_tokens}")
 
 
 def _valid_device(device) -> bool:

@@ -16,11 +16,11 @@ from .config import Config
 from .kv_cache import KVCacheManager
 from .loader import load_model
 from .output import Detokenizer, RequestOutput, StepOutput
-from .registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from .registry import STRATEGIES
 from .request import FinishReason, Request, RequestStatus
 from .runner import kv_cache_shape, profile_peak_memory
 from .sampling import GREEDY_TEMPERATURE, SamplingParams
-from .scheduler import SchedulerOutput
+from .plan import SchedulerOutput
 from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
 
 
@@ -83,6 +83,7 @@ def resolve_attention(name: str, device: torch.device, head_dim: int):
 
 class DiffulexEngine:
     def __init__(self, model: str, **kwargs):
+        # The settings as given, until the checkpoint is read; then a resolved copy with nothing left unset.
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -93,27 +94,29 @@ class DiffulexEngine:
         # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
         self.model.fused_kernels = attention_fn is not paged_attention_reference
         arch = self.model.arch
-        config.model_name = arch.model_name
-        if config.max_model_len > arch.max_position_embeddings:
+        max_model_len = arch.max_position_embeddings if config.max_model_len is None else config.max_model_len
+        if max_model_len > arch.max_position_embeddings:
             raise ValueError(f"config field 'max_model_len' must be <= the model's max_position_embeddings "
-                             f"({arch.max_position_embeddings}), got {config.max_model_len}")
+                             f"({arch.max_position_embeddings}), got {max_model_len}")
         self.tokenizer = load_tokenizer(config.model)
-        if config.mask_token_id is None:
-            config.mask_token_id = resolve_mask_token_id(arch, self.tokenizer)
-        if config.mask_token_id >= arch.vocab_size:
+        mask_token_id = config.mask_token_id
+        if mask_token_id is None:
+            mask_token_id = resolve_mask_token_id(arch, self.tokenizer)
+        if mask_token_id >= arch.vocab_size:
             raise ValueError(f"config field 'mask_token_id' must be < vocab_size ({arch.vocab_size}), "
-                             f"got {config.mask_token_id}")
+                             f"got {mask_token_id}")
+        self.config = config = dataclasses.replace(config, model_name=arch.model_name, max_model_len=max_model_len,
+                                                   mask_token_id=mask_token_id)
         self.eos_token_ids = list(resolve_eos_token_ids(arch, self.tokenizer))
         self.max_token_chars = longest_token_chars(self.tokenizer)
 
-        strategy = config.decoding_strategy
-        self.req_cls: type[Request] = AutoReq.get(strategy)
-        kv_cls: type[KVCacheManager] = AutoKVCacheManager.get(strategy)
-        self.kv_cache = kv_cls(self._num_kv_pages(), config.page_size, config.enable_prefix_caching)
-        acceptance = AutoSampler.get(strategy)(config.mode, config.mask_token_id)
-        self.runner = AutoModelRunner.get(strategy)(config, self.model, self.kv_cache, acceptance, self.device,
-                                                    self.dtype)
-        self.scheduler = AutoScheduler.get(strategy)(config, self.kv_cache)
+        strategy = STRATEGIES.get(config.decoding_strategy)
+        self.req_cls: type[Request] = strategy.request_cls
+        self.kv_cache: KVCacheManager = strategy.kv_cache_cls(self._num_kv_pages(), config.page_size,
+                                                              config.enable_prefix_caching)
+        acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
+        self.runner = strategy.runner_cls(config, self.model, self.kv_cache, acceptance, self.device, self.dtype)
+        self.scheduler = strategy.scheduler_cls(config, self.kv_cache)
 
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}

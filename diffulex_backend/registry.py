@@ -1,12 +1,18 @@
-"""Registries that map a decoding strategy or a model name to the class that implements it.
+"""Registries: the strategy table, keyed by decoding strategy, and the model families, keyed by model name.
 
-Importing a strategy or model module fills them, by decorator; the engine only ever looks things up.
+Importing a strategy or model module fills them; the engine only ever looks things up. This module imports
+nothing of the engine, so config.py can check a strategy name without importing the strategies.
 """
 from __future__ import annotations
 
-from typing import Callable, Generic, TypeVar
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Generic, TypeVar
+
+if TYPE_CHECKING:
+    from .config import Config, SamplingMode
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 
 class Registry(Generic[T]):
@@ -19,8 +25,9 @@ class Registry(Generic[T]):
 
     def register(self, key: str, *, aliases: tuple[str, ...] = (), default: bool = False) -> Callable[[T], T]:
         def decorator(obj: T) -> T:
-            if key in self._entries or key in self._aliases:
-                raise ValueError(f"{self.kind}: {self.key_name} {key!r} is registered twice")
+            for name in (key, *aliases):
+                if name in self._entries or name in self._aliases:
+                    raise ValueError(f"{self.kind}: {self.key_name} {name!r} is registered twice")
             self._entries[key] = obj
             for alias in aliases:
                 self._aliases[alias] = key
@@ -32,13 +39,16 @@ class Registry(Generic[T]):
 
     def canonical(self, key: str | None) -> str:
         """The registered key that `key` (or an alias of it, or None for the default) names."""
+        return self._canonical(key, self.kind)
+
+    def _canonical(self, key: str | None, kind: str) -> str:
         if key is None:
             if self._default is None:
-                raise ValueError(f"{self.kind}: no default {self.key_name}; registered: {self.keys()}")
+                raise ValueError(f"{kind}: no default {self.key_name}; registered: {self.keys()}")
             return self._default
         key = self._aliases.get(key, key)
         if key not in self._entries:
-            raise ValueError(f"{self.kind}: unknown {self.key_name} {key!r}; registered: {self.keys()}")
+            raise ValueError(f"{kind}: unknown {self.key_name} {key!r}; registered: {self.keys()}")
         return key
 
     def get(self, key: str | None) -> T:
@@ -51,12 +61,64 @@ class Registry(Generic[T]):
         return self._aliases.get(key, key) in self._entries
 
 
-# Keyed by decoding strategy. A strategy module registers one entry in each.
-AutoReq: Registry = Registry("AutoReq", "decoding_strategy")
-AutoScheduler: Registry = Registry("AutoScheduler", "decoding_strategy")
-AutoKVCacheManager: Registry = Registry("AutoKVCacheManager", "decoding_strategy")
-AutoModelRunner: Registry = Registry("AutoModelRunner", "decoding_strategy")
-AutoSampler: Registry = Registry("AutoSampler", "decoding_strategy")
+class RegistryView(Generic[P]):
+    """One part of every entry of a registry, read-only, under a name of its own (its errors say that name)."""
+
+    def __init__(self, kind: str, registry: Registry, part: Callable[[object], P]):
+        self.kind = kind
+        self._registry = registry
+        self._part = part
+
+    @property
+    def key_name(self) -> str:
+        return self._registry.key_name
+
+    def canonical(self, key: str | None) -> str:
+        return self._registry._canonical(key, self.kind)
+
+    def get(self, key: str | None) -> P:
+        return self._part(self._registry._entries[self.canonical(key)])
+
+    def keys(self) -> list[str]:
+        return self._registry.keys()
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._registry
+
+
+def no_checks(config: "Config") -> None:
+    """A strategy that accepts every valid config."""
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """Everything a decoding strategy is made of, registered once under its name."""
+
+    name: str
+    request_cls: type
+    scheduler_cls: type
+    kv_cache_cls: type
+    runner_cls: type
+    acceptance_cls: type
+    default_sampling_mode: "SamplingMode"  # when the config leaves sampling_mode unset
+    supports_prefix_caching: bool  # the prompt's K/V depend on the prompt only: its pages can be shared
+    validate: Callable[["Config"], None] = no_checks  # the strategy's own checks of a config; raises ValueError
+    aliases: tuple[str, ...] = ()
+
+
+STRATEGIES: Registry[Strategy] = Registry("strategies", "decoding_strategy")
+
+
+def register_strategy(strategy: Strategy, default: bool = False) -> Strategy:
+    return STRATEGIES.register(strategy.name, aliases=strategy.aliases, default=default)(strategy)
+
+
+# Diffulex's registry names, as read-only views of the strategy table.
+AutoReq: RegistryView[type] = RegistryView("AutoReq", STRATEGIES, lambda s: s.request_cls)
+AutoScheduler: RegistryView[type] = RegistryView("AutoScheduler", STRATEGIES, lambda s: s.scheduler_cls)
+AutoKVCacheManager: RegistryView[type] = RegistryView("AutoKVCacheManager", STRATEGIES, lambda s: s.kv_cache_cls)
+AutoModelRunner: RegistryView[type] = RegistryView("AutoModelRunner", STRATEGIES, lambda s: s.runner_cls)
+AutoSampler: RegistryView[type] = RegistryView("AutoSampler", STRATEGIES, lambda s: s.acceptance_cls)
 
 # Keyed by model name ("llada", "dream", "sdar").
 AutoModelForDiffusionLM: Registry = Registry("AutoModelForDiffusionLM", "model_name")

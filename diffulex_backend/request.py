@@ -35,16 +35,6 @@ class FinishReason(enum.Enum):
 class Request:
     """Base request: token buffer, bookkeeping, and the block layout. Strategies subclass it."""
 
-    default_sampling_mode = SamplingMode.THRESHOLD
-    supports_prefix_caching = False
-    max_buffer_size = 1
-    has_cache_options = False
-
-    @staticmethod
-    def min_batched_tokens(config: "Config") -> int:
-        """tokens of one request's largest forward"""
-        return config.max_model_len
-
     @classmethod
     def check_prompt(cls, num_prompt_tokens: int, config: "Config") -> None:
         """Raise ValueError if a prompt of this length could never be scheduled."""

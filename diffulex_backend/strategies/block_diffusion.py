@@ -13,24 +13,18 @@ from __future__ import annotations
 
 import numpy as np
 
-from ..config import Config
+from ..acceptance import AcceptanceRule
+from ..config import Config, SamplingMode
 from ..kv_cache import KVCacheManager
-from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
-from ..acceptance import AcceptanceRule
 from ..scheduler import Scheduler
+from .checks import check_batched_tokens, check_buffer_size, refuse_cache_options, refuse_prefix_caching
 
 
 class BlockDiffusionRequest(Request):
-    supports_prefix_caching = True
-    max_buffer_size = 64
     causal_prompt = True
-
-    @staticmethod
-    def min_batched_tokens(config: Config) -> int:
-        """the blocks in flight plus the block being committed"""
-        return (config.buffer_size + 1) * config.block_size
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -101,7 +95,6 @@ class BlockDiffusionRequest(Request):
 
 
 class D2FRequest(BlockDiffusionRequest):
-    supports_prefix_caching = False
     causal_prompt = False
 
     @classmethod
@@ -112,12 +105,25 @@ class D2FRequest(BlockDiffusionRequest):
                              f"one forward, so it must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
 
 
-for _name, _req, _aliases, _default in (
-    ("multi_bd", BlockDiffusionRequest, ("block_diffusion", "bd"), True),
-    ("d2f", D2FRequest, ("diffusion_forcing",), False),
-):
-    AutoReq.register(_name, aliases=_aliases, default=_default)(_req)
-    AutoScheduler.register(_name, aliases=_aliases, default=_default)(Scheduler)
-    AutoKVCacheManager.register(_name, aliases=_aliases, default=_default)(KVCacheManager)
-    AutoModelRunner.register(_name, aliases=_aliases, default=_default)(ModelRunner)
-    AutoSampler.register(_name, aliases=_aliases, default=_default)(AcceptanceRule)
+def validate_multi_bd(config: Config) -> None:
+    check_buffer_size(config, 64)
+    refuse_cache_options(config)
+    check_batched_tokens(config, (config.buffer_size + 1) * config.block_size,
+                         "the blocks in flight plus the block being committed")
+
+
+def validate_d2f(config: Config) -> None:
+    refuse_prefix_caching(config)
+    validate_multi_bd(config)
+
+
+register_strategy(Strategy(
+    name="multi_bd", request_cls=BlockDiffusionRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
+    runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
+    supports_prefix_caching=True, validate=validate_multi_bd, aliases=("block_diffusion", "bd"),
+), default=True)
+register_strategy(Strategy(
+    name="d2f", request_cls=D2FRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
+    runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
+    supports_prefix_caching=False, validate=validate_d2f, aliases=("diffusion_forcing",),
+))

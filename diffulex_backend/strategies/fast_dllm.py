@@ -11,17 +11,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..acceptance import AcceptanceRule
+from ..config import Config, SamplingMode
 from ..kv_cache import KVCacheManager
-from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..registry import Strategy, register_strategy
 from ..request import SeqPlan
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
+from .checks import check_buffer_size, check_whole_sequence_fits, refuse_prefix_caching
 from .vanilla import FullAttentionRequest
 
 
 class FastDLLMRequest(FullAttentionRequest):
-    has_cache_options = True
-
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.cache_block = -1  # the block the stored K/V were computed for
@@ -61,8 +61,14 @@ class FastDLLMRequest(FullAttentionRequest):
         self.cache_block = -1
 
 
-AutoReq.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(FastDLLMRequest)
-AutoScheduler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(Scheduler)
-AutoKVCacheManager.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(KVCacheManager)
-AutoModelRunner.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(ModelRunner)
-AutoSampler.register("fast_dllm", aliases=("fastdllm", "fast-dllm"))(AcceptanceRule)
+def validate_fast_dllm(config: Config) -> None:
+    refuse_prefix_caching(config)
+    check_buffer_size(config, 1)
+    check_whole_sequence_fits(config)
+
+
+register_strategy(Strategy(
+    name="fast_dllm", request_cls=FastDLLMRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
+    runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
+    supports_prefix_caching=False, validate=validate_fast_dllm, aliases=("fastdllm", "fast-dllm"),
+))

@@ -7,12 +7,13 @@ from __future__ import annotations
 import numpy as np
 
 from ..acceptance import AcceptanceRule
-from ..config import SamplingMode
+from ..config import Config, SamplingMode
 from ..kv_cache import KVCacheManager
-from ..registry import AutoKVCacheManager, AutoModelRunner, AutoReq, AutoSampler, AutoScheduler
+from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
+from .checks import check_buffer_size, check_whole_sequence_fits, refuse_cache_options, refuse_prefix_caching
 
 
 class FullAttentionRequest(Request):
@@ -37,8 +38,6 @@ class FullAttentionRequest(Request):
 
 
 class VanillaRequest(FullAttentionRequest):
-    default_sampling_mode = SamplingMode.TOPK
-
     def plan(self, token_budget: int) -> SeqPlan | None:
         if self.seq_len > token_budget:
             return None
@@ -52,8 +51,15 @@ class NoKVCacheManager(KVCacheManager):
         super().__init__(0, page_size, False)
 
 
-AutoReq.register("vanilla", aliases=("llada",))(VanillaRequest)
-AutoScheduler.register("vanilla", aliases=("llada",))(Scheduler)
-AutoKVCacheManager.register("vanilla", aliases=("llada",))(NoKVCacheManager)
-AutoModelRunner.register("vanilla", aliases=("llada",))(ModelRunner)
-AutoSampler.register("vanilla", aliases=("llada",))(AcceptanceRule)
+def validate_vanilla(config: Config) -> None:
+    refuse_prefix_caching(config)
+    check_buffer_size(config, 1)
+    refuse_cache_options(config)
+    check_whole_sequence_fits(config)
+
+
+register_strategy(Strategy(
+    name="vanilla", request_cls=VanillaRequest, scheduler_cls=Scheduler, kv_cache_cls=NoKVCacheManager,
+    runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.TOPK,
+    supports_prefix_caching=False, validate=validate_vanilla, aliases=("llada",),
+))

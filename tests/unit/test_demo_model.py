@@ -60,6 +60,16 @@ def test_demo_model_answers_held_out_additions_with_several_tokens_per_forward(o
     assert decoded / sum(o.nfe for o in outputs) > 1
 
 
+def test_the_shipped_demo_model_serves_with_no_settings(one_thread):
+    # No settings at all where there is no GPU; on a GPU machine only the device, since the default there would
+    # take most of the GPU's memory for one test.
+    engine = Diffulex(str(DEMO_LLADA), **({"device": "cpu"} if torch.cuda.is_available() else {}))
+    assert engine.config.max_model_len == 512  # the checkpoint's max_position_embeddings
+    problem = held_out_problems(1, TEST_SEED)[0]
+    out = engine.generate(problem.prompt, SamplingParams(max_tokens=GEN_LENGTH))[0]
+    assert out.finish_reason in (FinishReason.STOP, FinishReason.LENGTH) and len(out.token_ids) <= GEN_LENGTH
+
+
 @pytest.mark.parametrize("checkpoint, model_type", [(DEMO_LLADA, "llada"), (DEMO_SDAR, "sdar")])
 def test_shipped_demo_checkpoint_is_in_its_family_layout_within_the_size_limit(checkpoint, model_type):
     import json

@@ -2,6 +2,7 @@
 are refused, and the fields reach the engine."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
@@ -9,6 +10,7 @@ import torch
 
 from diffulex_backend import Config, Diffulex, SamplingParams
 from diffulex_backend.loader import CheckpointError
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
 from engine_driver import run_requests, tiny_engine
 
 # One invalid value per field, and the message it must give.
@@ -103,6 +105,29 @@ WITHOUT_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="states what
 def test_settings_the_machine_or_checkpoint_cannot_honour_are_refused(llada_checkpoint, fields, message):
     with raises_exactly(message):
         Diffulex(llada_checkpoint, **fields)
+
+
+def test_a_config_is_frozen_and_fills_only_what_its_strategy_decides(llada_checkpoint):
+    config = Config(model=llada_checkpoint, decoding_strategy="bd")
+    assert (config.decoding_strategy, config.sampling_mode, config.enable_prefix_caching) == ("multi_bd", "threshold",
+                                                                                             True)
+    assert Config(model=llada_checkpoint, decoding_strategy="vanilla").sampling_mode == "topk"
+    # What the checkpoint decides stays unset until an engine reads it.
+    assert (config.model_name, config.mask_token_id, config.max_model_len) == (None, None, None)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.block_size = 8
+
+
+def test_the_engine_holds_a_resolved_copy_with_max_model_len_from_the_checkpoint(llada_checkpoint):
+    llm = tiny_engine(llada_checkpoint, max_model_len=None)
+    assert (llm.config.model_name, llm.config.mask_token_id, llm.config.max_model_len) == ("llada", MASK_TOKEN_ID, 512)
+    assert llm.metrics().kv_pages_total == llm.config.max_num_reqs * 512 // llm.config.page_size
+
+
+def test_a_strategy_check_that_needs_the_checkpoint_runs_once_it_is_read(llada_checkpoint):
+    with raises_exactly("config field 'max_num_batched_tokens' must be >= 512 for decoding_strategy 'vanilla' (tokens "
+                        "of one request's largest forward), got 128"):
+        tiny_engine(llada_checkpoint, decoding_strategy="vanilla", max_model_len=None)
 
 
 def test_model_name_is_detected_and_a_wrong_one_names_the_file(llada_checkpoint):

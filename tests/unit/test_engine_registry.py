@@ -2,14 +2,16 @@
 unknown name is an error that lists what is registered."""
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import pytest
 
 from diffulex_backend import Config, SamplingParams
 from diffulex_backend.loader import CheckpointError
+from diffulex_backend.registry import STRATEGIES as STRATEGY_TABLE
 from diffulex_backend.registry import (AutoKVCacheManager, AutoModelForDiffusionLM, AutoModelRunner, AutoReq,
-                                       AutoSampler, AutoScheduler, Registry)
+                                       AutoSampler, AutoScheduler, Registry, register_strategy)
 from engine_driver import run_requests, tiny_engine
 
 STRATEGY_REGISTRIES = [AutoReq, AutoScheduler, AutoKVCacheManager, AutoModelRunner, AutoSampler]
@@ -63,6 +65,26 @@ def test_the_default_strategy_is_multi_bd_and_decodes(llada_checkpoint):
     assert llm.config.decoding_strategy == "multi_bd"
     out = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
+
+
+def test_one_strategy_record_backs_every_registry_view():
+    for name in STRATEGIES:
+        record = STRATEGY_TABLE.get(name)
+        assert record.name == name
+        parts = (record.request_cls, record.scheduler_cls, record.kv_cache_cls, record.runner_cls,
+                 record.acceptance_cls)
+        assert tuple(registry.get(name) for registry in STRATEGY_REGISTRIES) == parts
+    for registry in STRATEGY_REGISTRIES:
+        assert not hasattr(registry, "register"), "the views are read-only: strategies register one record"
+
+
+def test_a_strategy_and_its_alias_cannot_be_registered_twice():
+    record = STRATEGY_TABLE.get("multi_bd")
+    with pytest.raises(ValueError, match="^strategies: decoding_strategy 'multi_bd' is registered twice$"):
+        register_strategy(record)
+    with pytest.raises(ValueError, match="^strategies: decoding_strategy 'block_diffusion' is registered twice$"):
+        register_strategy(dataclasses.replace(record, name="another"))
+    assert STRATEGY_TABLE.keys() == STRATEGIES
 
 
 def test_model_families_are_registered_by_name():
