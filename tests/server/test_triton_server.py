@@ -2,6 +2,7 @@
 
 import json
 import queue
+import re
 import socket
 from concurrent.futures import ThreadPoolExecutor
 
@@ -237,3 +238,14 @@ def test_an_engine_failure_ends_open_requests_and_takes_the_model_out_of_service
     (expected,) = reference(engine, ["hello"], **GREEDY)
     assert generate(server, {"text_input": "hello", "parameters": GREEDY, "exclude_input_in_output": True}
                     )["text_output"] == expected.text
+
+
+def test_the_load_log_gives_load_and_warm_up_times_and_the_kernel_cache(server):
+    """The model turns ready only once warmed up, and says how long loading and warming took."""
+    log = server.log_path.read_text(errors="replace")
+    found = re.search(r"diffulex: engine ready in ([\d.]+) s \(load ([\d.]+) s, warm-up ([\d.]+) s over batch sizes "
+                      r"\[1\]; kernel cache (\S+)\)", log)
+    assert found, log[-3000:]
+    total, load, warm = map(float, found.groups()[:3])
+    assert 0 < load <= total and warm <= total
+    assert found.group(4).endswith("triton")
