@@ -7,7 +7,7 @@
 (`dataclasses.replace`, validated again); nothing changes a Config after it is built.
 
 Every field is read by some part of the engine, except `tensor_parallel_size`, which accepts only 1 until
-tensor parallelism lands, and `kv_cache_layout`, which accepts only "unified".
+tensor parallelism lands.
 """
 from __future__ import annotations
 
@@ -26,7 +26,6 @@ class SamplingMode(enum.Enum):
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
-KV_CACHE_LAYOUTS = ("unified",)  # "distinct" is not implemented, so it is refused rather than ignored
 
 
 @dataclass(frozen=True)
@@ -43,7 +42,6 @@ class Config:
     max_num_reqs: int = 64
     num_kv_pages: int | None = None  # None: sized from gpu_memory_utilization on GPU, from the limits on CPU
     gpu_memory_utilization: float = 0.9
-    kv_cache_layout: str = "unified"
     enable_prefix_caching: bool | None = None  # None: on where the strategy allows it (multi_bd)
     enforce_eager: bool = False
     attention_backend: str = "auto"  # "auto": triton kernels on GPU (head_dim 64 or 128), else torch
@@ -118,8 +116,6 @@ class Config:
         check_bool("enforce_eager")
         check_bool("dual_cache")
         check_bool("enable_prefix_caching", optional=True)
-        if self.kv_cache_layout not in KV_CACHE_LAYOUTS:
-            fail("kv_cache_layout", f"one of {list(KV_CACHE_LAYOUTS)}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"one of {list(ATTENTION_BACKENDS)}")
         if self.dtype not in DTYPES:

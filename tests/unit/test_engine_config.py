@@ -27,7 +27,6 @@ INVALID = {
     "max_num_reqs": (0, "an integer >= 1"),
     "num_kv_pages": (0, "an integer >= 1"),
     "gpu_memory_utilization": (0.0, "a number in (0, 1]"),
-    "kv_cache_layout": ("distinct", "one of ['unified']"),
     "enable_prefix_caching": ("yes", "true or false"),
     "enforce_eager": (1, "true or false"),
     "attention_backend": ("flash", "one of ['auto', 'torch', 'triton']"),
