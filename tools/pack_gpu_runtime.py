@@ -1,0 +1,215 @@
+"""Pack a tritonserver for a GPU machine that has no tritonserver and no network, and install it there.
+
+A GPU image that ships PyTorch but no Triton Inference Server can still serve this repository: the server, the
+Python backend and its stub come from the nvidia-pytriton wheel, which `make setup` installs here. Two steps:
+
+    python tools/pack_gpu_runtime.py pack [--out .gpu-runtime] [--python-version 3.12]
+        Here, with the development venv: writes OUT/tritonserver.tar.xz (bin/tritonserver, backends/python/ with
+        the stub of the target's Python version, lib/ = the wheel's shared libraries without libpython3*, which
+        the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, and py-spy), downloaded
+        with pip unless already there. About 48 MB in all, small enough to travel with a checkout.
+
+    python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
+        There, with the image's python3 (the one that holds torch): unpacks the server into PREFIX/tritonserver,
+        makes a venv PREFIX of the system Python with numpy 1.26.4 in it, links every entry of the image's
+        site-packages except numpy, scipy and scikit-learn into PREFIX/image-site, and this checkout's packages
+        under their import names into PREFIX/project, both added to the venv by a .pth file; writes
+        PREFIX/bin/tritonserver (the launcher that diffulex_client.perf.tritonserver expects beside python) and
+        PREFIX/bin/py-spy. Then run the benchmark or the server tests with PREFIX/bin/python.
+
+Why a second venv: the Python backend's stub breaks every BYTES input under numpy 2 ("unpack_from requires a
+buffer ..."), so the stub's Python needs numpy < 2; the image's scipy and scikit-learn are built against numpy 2
+and would break transformers' lazy imports under 1.26, so they are left out. The stub ignores PYTHONPATH and
+finds its packages through the `python3` first on PATH, which the launcher puts there. The checkout's folders are
+linked under their import names (kernels/ as diffulex_kernels, client/ as diffulex_client) rather than adding the
+checkout's root to the path, where transformers would find kernels/ under the name of a Hugging Face package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import site
+import stat
+import subprocess
+import sys
+import tarfile
+import tempfile
+import zipfile
+from pathlib import Path
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_RUNTIME = REPOSITORY_ROOT / ".gpu-runtime"
+ARCHIVE = "tritonserver.tar.xz"
+NUMPY_VERSION = "1.26.4"
+PY_SPY_VERSION = "0.4.3"
+# The image's packages that are built against numpy 2 (or are numpy), and so stay out of the stub's path.
+LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
+# This checkout's packages, by import name.
+PROJECT_PACKAGES = {"diffulex_backend": "diffulex_backend", "diffulex_kernels": "kernels", "diffulex_client": "client"}
+
+LAUNCHER = """#!/usr/bin/env bash
+# Triton Inference Server from nvidia-pytriton, packed by tools/pack_gpu_runtime.py, with this venv's Python.
+set -euo pipefail
+export PATH="{venv_bin}:$PATH"
+export LD_LIBRARY_PATH="{lib}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}"
+exec "{server}" --backend-directory "{backends}" "$@"
+"""
+
+
+# ---- pack (on the development machine) --------------------------------------------------------------------
+def pytriton_root() -> tuple[Path, Path]:
+    """The installed wheel's server folder and its shared libraries."""
+    try:
+        import pytriton
+    except ImportError:
+        raise SystemExit("nvidia-pytriton is not installed in this Python: run `make setup` first") from None
+    package = Path(pytriton.__file__).resolve().parent
+    return package / "tritonserver", package.parent / "nvidia_pytriton.libs"
+
+
+def pack_server(out: Path, python_version: str) -> Path:
+    server_root, libs = pytriton_root()
+    stub = server_root / "python_backend_stubs" / python_version / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise SystemExit(f"nvidia-pytriton has no stub for Python {python_version} (looked for {stub})")
+    members = [(server_root / "bin" / "tritonserver", "bin/tritonserver")]
+    members += [(server_root / "backends" / "python" / name, f"backends/python/{name}")
+                for name in ("libtriton_python.so", "triton_python_backend_utils.py")]
+    members.append((stub, f"backends/python/{stub.name}"))
+    members += [(path, f"lib/{path.name}") for path in sorted(libs.iterdir())
+                if path.is_file() and not path.name.startswith("libpython3")]
+    archive = out / ARCHIVE
+    partial = archive.with_name(archive.name + ".partial")
+    with tarfile.open(partial, "w:xz", preset=9) as tar:
+        for path, name in members:
+            info = tar.gettarinfo(str(path), arcname=name)
+            if name.startswith("bin/") or name.endswith("_stub"):
+                info.mode |= stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH
+            with open(path, "rb") as f:
+                tar.addfile(info, f)
+    os.replace(partial, archive)
+    return archive
+
+
+def download_wheels(out: Path, python_version: str) -> list[Path]:
+    wheels = out / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    wanted = {"numpy": f"numpy=={NUMPY_VERSION}", "py_spy": f"py-spy=={PY_SPY_VERSION}"}
+    for prefix, requirement in wanted.items():
+        if any(wheels.glob(f"{prefix}-*.whl")):
+            continue
+        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
+                        "--python-version", python_version, "--platform", "manylinux2014_x86_64",
+                        "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_5_x86_64",
+                        "--platform", "manylinux1_x86_64", "-d", str(wheels), requirement], check=True)
+    return sorted(wheels.glob("*.whl"))
+
+
+def pack(args: argparse.Namespace) -> None:
+    out = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    archive = pack_server(out, args.python_version)
+    wheels = download_wheels(out, args.python_version)
+    (out / "python-version").write_text(args.python_version + "\n")
+    total = sum(path.stat().st_size for path in [archive, *wheels])
+    for path in [archive, *wheels]:
+        print(f"{path.stat().st_size / 2**20:7.1f} MiB  {path}")
+    print(f"{total / 2**20:7.1f} MiB in all")
+
+
+# ---- install (on the GPU machine) -------------------------------------------------------------------------
+def extract_wheel(wheel: Path, site_packages: Path, bin_dir: Path) -> None:
+    """A plain wheel install (no pip needed): the package into site-packages, its scripts into bin."""
+    with zipfile.ZipFile(wheel) as zf:
+        for member in zf.infolist():
+            parts = Path(member.filename).parts
+            if len(parts) >= 3 and parts[0].endswith(".data") and parts[1] == "scripts":
+                target = bin_dir / parts[-1]
+                target.write_bytes(zf.read(member))
+                target.chmod(0o755)
+            elif not parts[0].endswith(".data"):
+                zf.extract(member, site_packages)
+
+
+def venv_site_packages(prefix: Path) -> Path:
+    (found,) = prefix.glob("lib/python3*/site-packages")
+    return found
+
+
+def link_entries(source: Path, target: Path, skip=lambda name: False) -> int:
+    target.mkdir(parents=True, exist_ok=True)
+    count = 0
+    for entry in sorted(source.iterdir()):
+        if skip(entry.name) or (target / entry.name).exists():
+            continue
+        (target / entry.name).symlink_to(entry)
+        count += 1
+    return count
+
+
+def install(args: argparse.Namespace) -> None:
+    runtime, prefix = args.runtime.resolve(), args.prefix.resolve()
+    server = prefix / "tritonserver"
+    if prefix.exists():
+        shutil.rmtree(prefix)
+    subprocess.run([args.base_python, "-m", "venv", "--without-pip", str(prefix)], check=True)
+    version = subprocess.run([str(prefix / "bin" / "python"), "-c", "import sys;print(*sys.version_info[:2],sep='.')"],
+                             check=True, capture_output=True, text=True).stdout.strip()
+    packed_for = (runtime / "python-version").read_text().strip()
+    if version != packed_for:
+        raise SystemExit(f"{args.base_python} is Python {version}, but the runtime was packed for {packed_for}")
+    server.mkdir(parents=True)
+    with tarfile.open(runtime / ARCHIVE) as tar:
+        tar.extractall(server)
+    site_packages = venv_site_packages(prefix)
+    for wheel in sorted((runtime / "wheels").glob("*.whl")):
+        extract_wheel(wheel, site_packages, prefix / "bin")
+    image_site = Path(args.image_site_packages or site.getsitepackages()[0]).resolve()
+    linked = link_entries(image_site, prefix / "image-site",
+                          skip=lambda name: name.lower().startswith(LEFT_OUT_PREFIXES))
+    project = prefix / "project"
+    project.mkdir()
+    for name, folder in PROJECT_PACKAGES.items():
+        (project / name).symlink_to(REPOSITORY_ROOT / folder)
+    # The project first: an installed copy of this project in the image must not shadow the checkout.
+    (site_packages / "zz_gpu_runtime.pth").write_text(
+        f"import sys; sys.path.insert(0, {str(project)!r})\n"
+        f"import site; site.addsitedir({str(prefix / 'image-site')!r})\n")
+    # The stub embeds the system Python: its libpython comes from that Python's LIBDIR.
+    libdir = subprocess.run([args.base_python, "-c", "import sysconfig;print(sysconfig.get_config_var('LIBDIR'))"],
+                            check=True, capture_output=True, text=True).stdout.strip()
+    launcher = prefix / "bin" / "tritonserver"
+    launcher.write_text(LAUNCHER.format(venv_bin=prefix / "bin", lib=f"{server / 'lib'}:{libdir}",
+                                        server=server / "bin" / "tritonserver", backends=server / "backends"))
+    launcher.chmod(0o755)
+    check = subprocess.run([str(prefix / "bin" / "python"), "-c",
+                            "import numpy, torch, transformers, diffulex_backend, diffulex_client, diffulex_kernels;"
+                            "print('numpy', numpy.__version__, 'torch', torch.__version__, 'transformers', "
+                            "transformers.__version__, 'cuda', torch.cuda.is_available())"],
+                           capture_output=True, text=True)
+    print(f"linked {linked} entries of {image_site}; {check.stdout.strip() or check.stderr[-2000:]}")
+    if check.returncode != 0:
+        raise SystemExit("the runtime's python cannot import the project")
+    print(f"installed: {launcher}; run the benchmark with {prefix / 'bin' / 'python'}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+    pack_parser = commands.add_parser("pack", help="build the runtime folder here")
+    pack_parser.add_argument("--out", type=Path, default=DEFAULT_RUNTIME)
+    pack_parser.add_argument("--python-version", default="3.12", help="the GPU image's Python (major.minor)")
+    install_parser = commands.add_parser("install", help="install it on the GPU machine")
+    install_parser.add_argument("--runtime", type=Path, default=DEFAULT_RUNTIME)
+    install_parser.add_argument("--prefix", type=Path, default=Path(tempfile.gettempdir()) / "diffulex-gpu-runtime")
+    install_parser.add_argument("--base-python", default="/usr/bin/python3",
+                                help="the system Python the venv is made from (same version as the image's)")
+    install_parser.add_argument("--image-site-packages", help="default: this Python's site-packages")
+    args = parser.parse_args(argv)
+    pack(args) if args.command == "pack" else install(args)
+
+
+if __name__ == "__main__":
+    main()
