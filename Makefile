@@ -107,3 +107,20 @@ setup: $(STAMPS)/perf-tools
 $(STAMPS)/perf-tools: | $(PACKAGES_STAMP)
 	$(BIN)/python -m pip install nvidia-cuda-runtime-cu12==12.9.79
 	@mkdir -p $(STAMPS) && touch $@
+
+# genai-perf, NVIDIA's benchmark client, in a virtual environment of its own: it installs a placeholder
+# perf-analyzer package and pins libraries of its own. It is part of setup because the test suite runs it.
+# `make genai-perf` runs it against a running server in each Triton request shape (client/perf/genai_perf.py).
+GENAI_PERF_VENV := .venv-genai-perf
+GENAI_PERF_ARGS ?=
+
+setup: $(GENAI_PERF_VENV)/bin/genai-perf
+
+$(GENAI_PERF_VENV)/bin/genai-perf:
+	$(PYTHON) -m venv $(GENAI_PERF_VENV)
+	$(GENAI_PERF_VENV)/bin/pip install genai-perf==0.0.16 "numpy<2"
+
+.PHONY: genai-perf
+genai-perf: setup
+	$(BIN)/python -m diffulex_client.perf.genai_perf --grpc-url localhost:$(GRPC_PORT) \
+		--http-url localhost:$(HTTP_PORT) $(GENAI_PERF_ARGS)

@@ -1,0 +1,112 @@
+"""Run NVIDIA's genai-perf against the diffulex model, as each of its Triton request shapes sends them.
+
+    python -m diffulex_client.perf.genai_perf --grpc-url localhost:8001 --http-url localhost:8000
+        --tokenizer model_repository/diffulex/demo-llada [--modes vllm tensorrtllm generate] [--concurrency 4]
+        [--output-dir build/genai-perf]
+
+Modes:
+  vllm         `--endpoint-type kserve --backend vllm`: gRPC streaming, `sampling_parameters` with string values
+  tensorrtllm  `--endpoint-type kserve --backend tensorrtllm`: gRPC streaming, TensorRT-LLM's tensor inputs
+  generate     `--endpoint-type generate`: HTTP on Triton's generate endpoint
+
+genai-perf lives in a virtual environment of its own (`make genai-perf-setup` builds `.venv-genai-perf`): it
+installs a placeholder `perf-analyzer` package and pins other libraries. It drives the `perf_analyzer` binary of
+tritonclient 2.51, which this environment has; that binary hangs on genai-perf's `--request-count`, so runs are
+measured over time windows (`--measurement-interval`). `--tokenizer` must be a local directory: genai-perf would
+otherwise look for the tokenizer on a model hub.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from diffulex_client.perf.sweep import perf_analyzer_env, perf_analyzer_path
+
+REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
+GENAI_PERF = REPOSITORY_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
+MODES = {
+    "vllm": ["--endpoint-type", "kserve", "--backend", "vllm", "--streaming"],
+    "tensorrtllm": ["--endpoint-type", "kserve", "--backend", "tensorrtllm", "--streaming"],
+    "generate": ["--endpoint-type", "generate"],
+}
+
+
+@dataclass(frozen=True)
+class GenaiPerfResult:
+    mode: str
+    returncode: int
+    output: str
+    metrics: dict[str, float]  # the summary CSV's single-value rows, e.g. "Request Count (count)"
+    output_tokens_avg: float | None  # "Output Sequence Length (tokens)" average, when genai-perf reports it
+
+
+def genai_perf_command(mode: str, *, grpc_url: str, http_url: str, model: str, tokenizer: Path, concurrency: int,
+                       measurement_interval_ms: int, input_tokens: int, output_tokens: int,
+                       artifact_dir: Path) -> list[str]:
+    url = http_url if mode == "generate" else grpc_url
+    return [str(GENAI_PERF), "profile", "-m", model, "-u", url, *MODES[mode], "--tokenizer", str(tokenizer),
+            "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
+            "--output-tokens-mean", str(output_tokens),
+            # A fixed output length (min_tokens / min_length) is sent only on the kserve endpoint.
+            *(["--output-tokens-mean-deterministic"] if mode != "generate" else []),
+            "--concurrency", str(concurrency), "--measurement-interval", str(measurement_interval_ms),
+            "--artifact-dir", str(artifact_dir)]
+
+
+def genai_perf_env() -> dict[str, str]:
+    """tritonclient's perf_analyzer first on PATH, with libcudart on the library path."""
+    env = perf_analyzer_env()
+    env["PATH"] = str(Path(perf_analyzer_path()).parent) + os.pathsep + env.get("PATH", "")
+    return env
+
+
+def run_genai_perf(mode: str, artifact_dir: Path, **options) -> GenaiPerfResult:
+    if not GENAI_PERF.is_file():
+        raise SystemExit(f"{GENAI_PERF} is missing: run `make genai-perf-setup`")
+    command = genai_perf_command(mode, artifact_dir=artifact_dir, **options)
+    done = subprocess.run(command, capture_output=True, text=True, env=genai_perf_env(), timeout=600)
+    metrics, output_tokens = {}, None
+    for path in artifact_dir.glob("*/profile_export_genai_perf.csv"):
+        for row in csv.reader(path.read_text().splitlines()):
+            if len(row) == 2 and row[0] != "Metric":
+                metrics[row[0]] = float(row[1].replace(",", ""))
+            elif row and row[0] == "Output Sequence Length (tokens)" and row[1] != "N/A":
+                output_tokens = float(row[1])
+    return GenaiPerfResult(mode, done.returncode, done.stdout + done.stderr, metrics, output_tokens)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m diffulex_client.perf.genai_perf", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--grpc-url", default="localhost:8001")
+    parser.add_argument("--http-url", default="localhost:8000")
+    parser.add_argument("--model", default="diffulex")
+    parser.add_argument("--tokenizer", type=Path, default=REPOSITORY_ROOT / "model_repository/diffulex/demo-llada")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--measurement-interval-ms", type=int, default=5000)
+    parser.add_argument("--input-tokens", type=int, default=16)
+    parser.add_argument("--output-tokens", type=int, default=32)
+    parser.add_argument("--output-dir", type=Path, default=Path("build/genai-perf"))
+    args = parser.parse_args(argv)
+    failed = False
+    for mode in args.modes:
+        result = run_genai_perf(mode, args.output_dir / mode, grpc_url=args.grpc_url, http_url=args.http_url,
+                                model=args.model, tokenizer=args.tokenizer, concurrency=args.concurrency,
+                                measurement_interval_ms=args.measurement_interval_ms, input_tokens=args.input_tokens,
+                                output_tokens=args.output_tokens)
+        print(f"== {mode}: exit {result.returncode}; " + ", ".join(f"{k} {v:g}" for k, v in result.metrics.items()))
+        if result.returncode:
+            print(result.output[-4000:], file=sys.stderr)
+            failed = True
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
