@@ -1,4 +1,4 @@
-"""The acceptance rule in one launch: the kernel twin of `diffulex_backend.acceptance.AcceptanceSampler`.
+"""The acceptance rule in one launch: the kernel twin of `diffulex_backend.acceptance.AcceptanceRule`.
 
 The torch rule is some forty small launches (two sorts for the per-segment ranks among them); each costs a few
 microseconds of device time after the LM head, on every step at every batch size. Here a program owns one tile
@@ -67,7 +67,7 @@ def _accept_kernel(
 
 
 def accept_tokens(batch, mask_token_id: int, topk: bool) -> torch.Tensor:
-    """[A] int64: the tokens after this step, as `AcceptanceSampler` computes them from `batch` (an
+    """[A] int64: the tokens after this step, as `AcceptanceRule` computes them from `batch` (an
     AcceptanceBatch). Segments are contiguous: `batch.seg_offsets` [S + 1] says where each starts, and
     `batch.max_segment_len` (host) sizes the grid."""
     out = torch.empty_like(batch.current)

@@ -131,17 +131,19 @@ def test_genai_perf_clients_of_both_backends_are_served(server, engine):
     assert ids(vllm_style["output_ids"]) == ids(trtllm_style["output_ids"]) == expected.token_ids
 
 
-def stub_pids(model_dir_marker: str) -> list[int]:
-    """The Python backend stubs serving a model, found by the model name on their command line."""
+def stub_pids(server, model: str) -> list[int]:
+    """The Python backend stubs of this server (its children) that serve `model`."""
     pids = []
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
+                stat = (entry / "stat").read_text()
                 cmdline = (entry / "cmdline").read_bytes().split(b"\0")
             except OSError:
                 continue
-            if cmdline and cmdline[0].endswith(b"triton_python_backend_stub") and any(
-                    model_dir_marker.encode() in part for part in cmdline):
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == server.process.pid and len(cmdline) > 1 and cmdline[1].endswith(
+                    f"/{model}/1/model.py".encode()):
                 pids.append(int(entry.name))
     return pids
 
@@ -153,7 +155,7 @@ def cpu_seconds(pid: int) -> float:
 
 def test_the_idle_model_uses_no_cpu(server):
     generate(server, {"text_input": "hello", "parameters": GOOD})  # the loop has run, then gone idle
-    (pid,) = stub_pids("/diffulex/")
+    (pid,) = stub_pids(server, "diffulex")
     time.sleep(1.0)
     before = cpu_seconds(pid)
     time.sleep(3.0)
