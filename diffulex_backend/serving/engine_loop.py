@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+LEAVING_MESSAGE = "the server is shutting down or unloading this model"
+
 
 class ErrorKind(enum.Enum):
     INVALID_ARG = enum.auto()
@@ -53,6 +55,7 @@ class ResponseStream(Protocol):
 
 class LoopState(enum.Enum):
     RUNNING = enum.auto()
+    LEAVING = enum.auto()  # the server is shutting down or unloading the model: open requests were ended
     FAILED = enum.auto()  # engine.step() raised; nothing more is decoded
     STOPPED = enum.auto()
 
@@ -126,11 +129,14 @@ class OpenRequest:
 
 class EngineLoop:
     def __init__(self, engine: Diffulex, metrics: ServingMetrics, *, cancel_poll_interval_s: float = 0.02,
-                 on_failure: Callable[[str], None] = lambda message: None):
+                 on_failure: Callable[[str], None] = lambda message: None,
+                 server_is_leaving: Callable[[], bool] = lambda: False, server_check_interval_s: float = 0.5):
         self._engine = engine
         self._metrics = metrics
         self._cancel_poll_interval_s = cancel_poll_interval_s
         self._on_failure = on_failure
+        self._server_is_leaving = server_is_leaving  # asked while requests are open (server_watch.py)
+        self._server_check_interval_s = server_check_interval_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         # Guards the state against submits racing a failure or a stop, so no Submit is left unanswered in
@@ -162,7 +168,7 @@ class EngineLoop:
         """End both threads; requests still open end with UNAVAILABLE once the step under way has ended. A step
         that outlasts `timeout_s` is left to finish on its (daemon) thread: the server must not wait on it."""
         with self._lock:
-            if self._state is LoopState.RUNNING:
+            if self._state in (LoopState.RUNNING, LoopState.LEAVING):
                 self._state = LoopState.STOPPED
                 self._commands.put(Stop())  # the decoding thread answers with Stopped
             else:
@@ -174,6 +180,8 @@ class EngineLoop:
     def _refusal(self) -> str:
         if self._state is LoopState.FAILED:
             return f"the engine failed and this model can no longer serve: {self._failure}"
+        if self._state is LoopState.LEAVING:
+            return LEAVING_MESSAGE
         return "the model is being unloaded"
 
     # ---- decoding thread ----------------------------------------------------------------------------------
@@ -235,6 +243,7 @@ class EngineLoop:
     def _respond(self) -> None:
         open_requests: dict[str, OpenRequest] = {}
         next_poll = time.monotonic() + self._cancel_poll_interval_s
+        next_server_check = time.monotonic() + self._server_check_interval_s
         while True:
             # With nothing open there is nothing to poll: wait for the next event without waking up.
             timeout = max(0.0, next_poll - time.monotonic()) if open_requests else None
@@ -252,6 +261,10 @@ class EngineLoop:
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self._cancel_poll_interval_s
                     self._poll_cancellations(open_requests)
+                if open_requests and time.monotonic() >= next_server_check:
+                    next_server_check = time.monotonic() + self._server_check_interval_s
+                    if self._server_is_leaving():
+                        self._leave(open_requests)
             except Exception:
                 logger.exception("handling %r failed", event)
 
@@ -315,6 +328,19 @@ class EngineLoop:
             metrics.request_latency.observe(now - request.arrival_time)
             if output.nfe:
                 metrics.tokens_per_forward.observe(output.num_output_tokens / output.nfe)
+
+    def _leave(self, open_requests: dict[str, OpenRequest]) -> None:
+        """The server is going away: end every open request now, rather than let it be cut off mid-stream, and
+        refuse new ones; their pages are freed by the aborts."""
+        with self._lock:
+            if self._state is LoopState.RUNNING:
+                self._state = LoopState.LEAVING
+        logger.warning("the server is shutting down or unloading the model: ending %d open requests",
+                       len(open_requests))
+        for request_id, request in open_requests.items():
+            self._commands.put(Abort(request_id))
+            _send_error(request.stream, ErrorKind.UNAVAILABLE, LEAVING_MESSAGE)
+        open_requests.clear()
 
     def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:
         for request_id, request in open_requests.items():
