@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import json
 import os
-import threading
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from .engine_settings import engine_settings
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
+from .server_watch import HttpLeaveProbe, ServerWatch, http_endpoint, parent_server_args
+from .stub_watchdog import CLEAN, RELOAD, explicit_model_control
 
 # Where compiled Triton kernels are kept between loads, unless TRITON_CACHE_DIR says otherwise.
 KERNEL_CACHE_DIR = Path.home() / ".cache" / "diffulex-triton" / "triton"
@@ -72,7 +75,13 @@ class TritonAdapter:
         report = warm_up(self._engine)
         self._engine.tokenizer.encode("warm")  # settles the tokenizer's state before two threads share it
         metrics = ServingMetrics(pb_utils.MetricFamily, {"model": self._model_name, "version": args["model_version"]})
-        self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service)
+        server_args = parent_server_args(os.getppid())
+        endpoint = http_endpoint(server_args)
+        self._watchdog = self._start_watchdog(endpoint) if endpoint and explicit_model_control(server_args) else None
+        watch = ServerWatch(lambda: pb_utils.is_model_ready(self._model_name),
+                            HttpLeaveProbe(*endpoint) if endpoint else None)
+        self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service,
+                                server_is_leaving=watch.server_is_leaving)
         pb_utils.Logger.log_info(
             f"{self._model_name}: engine ready in {time.monotonic() - started:.1f} s (load {loaded - started:.1f} s, "
             f"warm-up {report.seconds:.1f} s over batch sizes {list(report.batch_sizes)}; kernel cache "
@@ -117,6 +126,7 @@ class TritonAdapter:
         return self._loop.state is LoopState.RUNNING
 
     def finalize(self) -> None:
+        self._tell_watchdog(CLEAN)
         self._loop.stop()
         del self._loop, self._engine
         if torch.cuda.is_available():
@@ -128,21 +138,41 @@ class TritonAdapter:
             return lambda: prompt
         return lambda: self._engine.tokenizer.decode(prompt)
 
+    def _start_watchdog(self, endpoint: tuple[str, int]) -> subprocess.Popen | None:
+        """The child that reloads this model if its stub dies (stub_watchdog.py). Its own session, so that a
+        signal to the server's process group reaches the server alone."""
+        python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"
+        try:
+            return subprocess.Popen(
+                # The file, not the module: importing the package would load torch into the watchdog.
+                [python, str(Path(__file__).with_name("stub_watchdog.py")), "--stub-pid", str(os.getpid()),
+                 "--server-pid", str(os.getppid()), "--model", self._model_name, "--host", endpoint[0],
+                 "--port", str(endpoint[1])],
+                stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
+        except OSError as err:
+            self._pb_utils.Logger.log_warn(f"{self._model_name}: no stub watchdog: {err}")
+            return None
+
+    def _tell_watchdog(self, word: bytes) -> None:
+        if self._watchdog is not None:
+            try:
+                self._watchdog.stdin.write(word + b"\n")
+                self._watchdog.stdin.close()
+            except OSError:
+                pass
+            self._watchdog = None
+
     def _take_out_of_service(self, message: str) -> None:
-        """After an engine failure: unloading the model is what makes Triton report it not ready, and the
-        server allows that only under `--model-control-mode=explicit`. Otherwise the engine loop refuses
-        every request with the engine's error, so no client waits on a dead engine."""
+        """After an engine failure, which no request caused (each request is checked before it joins a step): open
+        requests have ended with INTERNAL, and new ones get UNAVAILABLE. The watchdog reloads the model, which
+        gives it a fresh process and engine; without one (a server not under explicit model control) the model
+        keeps refusing until it is reloaded by hand."""
         pb_utils = self._pb_utils
         pb_utils.Logger.log_error(f"{self._model_name}: the engine failed: {message}")
-
-        def unload():  # its own thread: unloading calls finalize, which joins the thread that called us
-            try:
-                pb_utils.unload_model(self._model_name)
-            except Exception as err:
-                pb_utils.Logger.log_warn(f"{self._model_name}: could not unload after the engine failed: {err}")
-
-        threading.Thread(target=unload, name="diffulex-unload", daemon=True).start()
-
+        if self._watchdog is None:
+            pb_utils.Logger.log_error(f"{self._model_name}: no watchdog to reload the model (the server is not "
+                                      "under --model-control-mode=explicit): it refuses requests until reloaded")
+        self._tell_watchdog(RELOAD)
 
 MAX_ERROR_CHARS = 2000
 

@@ -1,5 +1,5 @@
 """model.py of `diffulex_failing`: the shipped adapter over an engine whose every step raises, to drive the
-fatal-error path through a real server (open requests end with an error, the model takes itself out)."""
+fatal-error path through a real server (open requests end with an error, the model is reloaded)."""
 
 import triton_python_backend_utils as pb_utils
 

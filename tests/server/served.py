@@ -1,11 +1,13 @@
 """Talking to the test server: HTTP generate and SSE, metrics, and gRPC streams, as a client would."""
 
 import json
+import os
 import queue
 import re
 import time
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import numpy as np
 import tritonclient.grpc as grpcclient
@@ -101,3 +103,25 @@ def grpc_stream(server, inputs, model: str = "diffulex") -> list:
 
 def decoded(result, name: str) -> str:
     return result.as_numpy(name).reshape(-1)[0].decode()
+
+
+def stub_pids(server, model: str) -> list[int]:
+    """The Python backend stubs of this server (its children) that serve `model`."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            parent = int(stat.rsplit(")", 1)[1].split()[1])
+            if parent == server.process.pid and len(cmdline) > 1 and cmdline[1].endswith(
+                    f"/{model}/1/model.py".encode()):
+                pids.append(int(entry.name))
+    return pids
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")

@@ -2,17 +2,15 @@
 with its reason, through the real server, and the model keeps serving with its health true."""
 
 import json
-import os
 import queue
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from served import generate, grpc_inputs, grpc_stream, ids, metrics, post, reference, tensor, wait_for
+from served import cpu_seconds, generate, grpc_inputs, grpc_stream, ids, metrics, post, reference, stub_pids, tensor, wait_for
 from tritonclient.utils import InferenceServerException
 
 from diffulex_backend import SamplingParams
@@ -129,28 +127,6 @@ def test_genai_perf_clients_of_both_backends_are_served(server, engine):
     trtllm_style = generate(server, {"text_input": "hello", "exclude_input_in_output": True, "max_tokens": 8,
                                      "temperature": 0.0, "beam_width": 1, "stop_words": [""]})
     assert ids(vllm_style["output_ids"]) == ids(trtllm_style["output_ids"]) == expected.token_ids
-
-
-def stub_pids(server, model: str) -> list[int]:
-    """The Python backend stubs of this server (its children) that serve `model`."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                stat = (entry / "stat").read_text()
-                cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            parent = int(stat.rsplit(")", 1)[1].split()[1])
-            if parent == server.process.pid and len(cmdline) > 1 and cmdline[1].endswith(
-                    f"/{model}/1/model.py".encode()):
-                pids.append(int(entry.name))
-    return pids
-
-
-def cpu_seconds(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def test_the_idle_model_uses_no_cpu(server):

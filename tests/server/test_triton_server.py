@@ -11,7 +11,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 from triton_server import TEST_SETTINGS
 from served import (decoded, generate, generate_stream, grpc_inputs, grpc_stream, ids, is_final, metrics, post,
-                    reference, tensor, wait_for)
+                    reference, stub_pids, tensor, wait_for)
 from tritonclient.utils import InferenceServerException
 
 from diffulex_backend import Diffulex, SamplingParams
@@ -226,15 +226,24 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert client.is_model_ready("diffulex")
 
 
-def test_an_engine_failure_ends_open_requests_and_takes_the_model_out_of_service(server, engine):
+def test_an_engine_failure_ends_open_requests_and_the_model_comes_back_in_a_fresh_process(server, engine):
+    """No request causes an engine failure (each is checked before it joins a step), so the model is reloaded:
+    a new stub and engine. The failing test engine fails again at its next step, which shows the reload."""
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         client.load_model("diffulex_failing")
+        (first_stub,) = stub_pids(server, "diffulex_failing")
         with pytest.raises(InferenceServerException) as caught:
             grpc_stream(server, grpc_inputs("hello", GREEDY, stream=True), model="diffulex_failing")
         assert caught.value.message() == ("the engine failed and this model can no longer serve: "
                                           "RuntimeError: device lost")
+        wait_for(lambda: stub_pids(server, "diffulex_failing") not in ([], [first_stub])
+                 and client.is_model_ready("diffulex_failing"), timeout_s=120)
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_stream(server, grpc_inputs("hello", GREEDY, stream=True), model="diffulex_failing")
+        assert "RuntimeError: device lost" in caught.value.message()
+        wait_for(lambda: client.is_model_ready("diffulex_failing"), timeout_s=120)
+        client.unload_model("diffulex_failing")
         wait_for(lambda: model_state(client, "diffulex_failing") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
-        assert not client.is_model_ready("diffulex_failing")
     (expected,) = reference(engine, ["hello"], **GREEDY)
     assert generate(server, {"text_input": "hello", "parameters": GREEDY, "exclude_input_in_output": True}
                     )["text_output"] == expected.text

@@ -1,0 +1,116 @@
+"""Bring the model back when its Python stub dies or its engine fails, through tritonserver's repository API.
+
+Triton 2.51 never restarts the stub of a decoupled model: once the stub is killed (the kernel's OOM killer, a
+fault in native code), every request gets "Stub process ... is not healthy" while every health endpoint still
+answers 200, until the server is restarted. So the model starts this watchdog as a child process in its own
+session, with a pipe to it, and tells it how things end:
+  * "clean" on a normal finalize: the watchdog exits;
+  * "reload" when the engine has failed: the watchdog reloads the model, which gets a fresh process and engine;
+  * nothing (the pipe closes because the stub died): the watchdog reloads the model.
+Reloading is unload, then load: the model reports not ready, and new requests get "unknown model", as soon as the
+unload is asked; it is back once the load ends. The repository API needs `--model-control-mode=explicit`; the
+model starts no watchdog under other modes. Requests that were in flight when the stub died cannot be answered
+by anything: Triton 2.51 keeps their streams open, so clients need a timeout of their own.
+
+It runs as a script, importing nothing but the standard library, so it costs a few megabytes.
+
+    python stub_watchdog.py --stub-pid PID --server-pid PID --model NAME --host HOST --port PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import http.client
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+logger = logging.getLogger("diffulex.stub_watchdog")
+
+CLEAN, RELOAD = b"clean", b"reload"
+LOAD_TIMEOUT_S = 3600  # a large checkpoint loads for minutes
+
+
+def explicit_model_control(server_args: Sequence[str]) -> bool:
+    args = list(server_args)
+    for i, arg in enumerate(args):
+        if arg == "--model-control-mode" and i + 1 < len(args):
+            return args[i + 1] == "explicit"
+        if arg.startswith("--model-control-mode="):
+            return arg.split("=", 1)[1] == "explicit"
+    return False
+
+
+def process_is_gone(pid: int) -> bool:
+    """Gone or a zombie: a dead stub stays a zombie until tritonserver reaps it, and kill(pid, 0) still works."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except OSError:
+        return True
+
+
+def wait_until_gone(pid: int, timeout_s: float) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not process_is_gone(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def repository_call(host: str, port: int, model: str, action: str) -> tuple[int | None, str]:
+    connection = http.client.HTTPConnection(host, port, timeout=LOAD_TIMEOUT_S)
+    try:
+        connection.request("POST", f"/v2/repository/models/{model}/{action}", body=json.dumps({}),
+                           headers={"Content-Type": "application/json"})
+        response = connection.getresponse()
+        return response.status, response.read().decode(errors="replace")
+    except OSError as err:
+        return None, f"{type(err).__name__}: {err}"
+    finally:
+        connection.close()
+
+
+def reload_model(host: str, port: int, model: str) -> bool:
+    for action in ("unload", "load"):
+        status, body = repository_call(host, port, model, action)
+        logger.warning("%s of model '%s': %s %s", action, model, status, body[:300])
+        if status != 200:
+            return False
+    return True
+
+
+def watch(stub_pid: int, model: str, host: str, port: int, server_pid: int) -> None:
+    """Read the stub's word (or the end of the pipe), then act on it."""
+    word = sys.stdin.buffer.readline().strip()
+    if word == CLEAN:
+        return
+    if word != RELOAD:  # the pipe closed without a word: the stub died, or is dying
+        if not wait_until_gone(stub_pid, timeout_s=5.0):
+            return  # it lives: it closed the pipe on its way out of a normal finalize
+        logger.warning("the stub of model '%s' (pid %d) died: reloading the model", model, stub_pid)
+    else:
+        logger.warning("the engine of model '%s' failed: reloading the model", model)
+    if process_is_gone(server_pid):
+        return
+    reload_model(host, port, model)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--stub-pid", type=int, required=True)
+    parser.add_argument("--server-pid", type=int, required=True)
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--host", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="diffulex stub watchdog: %(message)s")
+    watch(args.stub_pid, args.model, args.host, args.port, args.server_pid)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
