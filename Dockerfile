@@ -1,6 +1,6 @@
 # Triton Inference Server 2.51 (NGC 24.10) serving model_repository with the diffulex engine on a GPU.
 #   docker build -t diffulex-triton .
-#   docker run --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 diffulex-triton
+#   docker run --init --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 diffulex-triton
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 # PyTorch built for CUDA 12.6, the CUDA of this image; triton (the GPU kernel compiler) comes with it.
@@ -24,4 +24,7 @@ RUN python3 -m pip install --no-cache-dir --no-deps .
 COPY model_repository/ model_repository/
 
 EXPOSE 8000 8001 8002
-CMD ["tritonserver", "--model-repository", "/opt/diffulex-triton/model_repository"]
+# Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md). Run with
+# `docker run --init` so that an init process reaps the watchdog once it has done its work.
+CMD ["tritonserver", "--model-repository", "/opt/diffulex-triton/model_repository", \
+     "--model-control-mode=explicit", "--load-model=diffulex"]

@@ -32,8 +32,10 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 
+# Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md).
 serve: setup
 	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
+		--model-control-mode=explicit --load-model=diffulex \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 # Without a GPU the Triton kernels run under Triton's interpreter. It must be on before the first kernel is
