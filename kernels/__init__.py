@@ -6,7 +6,11 @@ how CI checks them.
 from .acceptance import accept_tokens
 from .attention import paged_attention
 from .kv_store import store_kv
+from .moe import fused_moe
 from .norm import fused_add_rmsnorm, rmsnorm
 from .sampling import sample_and_confidence
 
-__all__ = ["accept_tokens", "fused_add_rmsnorm", "paged_attention", "rmsnorm", "sample_and_confidence", "store_kv"]
+__all__ = [
+    "accept_tokens", "fused_add_rmsnorm", "fused_moe", "paged_attention", "rmsnorm", "sample_and_confidence",
+    "store_kv",
+]

@@ -1,0 +1,266 @@
+"""Fused mixture-of-experts MLP: a grouped GEMM over the routed tokens.
+
+    out[t] = sum_k topk_weights[t, k] * w_down[e] @ (silu(w_gate_up[e, :I] @ x_t) * (w_gate_up[e, I:] @ x_t)),
+    e = topk_ids[t, k]
+
+Three steps, none of which waits on the host, so the whole layer can live in a CUDA graph:
+
+1. `route_to_tiles` sorts the T*K (token, choice) pairs by expert (stable: token order inside an expert) and pads
+   each expert's run up to a multiple of the row tile BLOCK_M. A tile holds rows of one expert only; an expert that
+   got no token gets no tile. The number of tiles is only known on the device, so the grid is launched for the
+   most tiles any routing can need, and the programs past the last real tile return at once, before any load.
+2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,
+   streams the expert's gate rows and the up rows that pair with them, and writes silu(gate) * up into
+   `act` [tiles * BLOCK_M, I], rounded once to hidden's dtype.
+3. `_down_kernel`: one program per (tile, BLOCK_N columns of H), product with the expert's down rows, scaled by the
+   pair's routing weight, written in float32 to `pair_out` [T*K, H] at the pair's own row; then `_combine_kernel`
+   sums each token's K rows in a fixed order. Every element is written by exactly one program and summed in one
+   order, so the result is the same bits run after run (atomics into [T, H] would add in arrival order).
+
+As in `linear.py` the weight rows sit on the wide side of the tensor-core product (acc is [BLOCK_N, BLOCK_M]) and
+the tokens on the narrow side, which may be as small as 16.
+
+Why BLOCK_M is 16 when decoding: a block of 32 tokens with 8 choices over 256 experts gives about 1.6 tokens per
+touched expert, and touches about 160 of them. The product is bound by reading each touched expert's weights once;
+every program streams weights, and the token rows are a rounding error. A taller tile would only compute more
+padding rows. A second tile of the same expert reads that expert's weights again (mostly from L2), so BLOCK_M grows
+with the average number of pairs per expert, where the product turns compute-bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import triton
+import triton.language as tl
+
+from .dtypes import dot_dtype
+from .pdl import use_pdl, wait_for_previous_kernel
+
+
+@dataclass(frozen=True)
+class MoeLaunch:
+    block_m: int  # routed rows per tile (tensor cores need at least 16)
+    block_n: int  # weight rows per program
+    block_k: int
+    num_warps: int
+    num_stages: int
+
+
+def plan_moe_launch(num_pairs: int, num_experts: int) -> MoeLaunch:
+    """The launch `fused_moe` uses: the row tile follows the average number of pairs per expert (16 at decode, see
+    the module's note), and tall tiles take wide weight tiles, as a compute-bound GEMM wants."""
+    per_expert = triton.cdiv(num_pairs, num_experts)
+    block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
+    if block_m <= 32:
+        # Weight-bound: 4 stages of a 64x128 weight tile pair keep enough bytes in flight (as in linear.py).
+        return MoeLaunch(block_m, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return MoeLaunch(block_m, block_n=128, block_k=64, num_warps=8, num_stages=3)
+
+
+@dataclass(frozen=True)
+class RoutedTiles:
+    """The pairs of a routing, grouped by expert and padded to whole tiles. A pair is token * K + choice."""
+    pair_ids: torch.Tensor  # [max_tiles * block_m] int32; num_pairs marks a padding row
+    tile_experts: torch.Tensor  # [max_tiles] int32; num_experts marks a tile past the last real one
+    block_m: int
+
+    @property
+    def max_tiles(self) -> int:
+        return self.tile_experts.numel()
+
+
+def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """The most tiles any routing of num_pairs pairs can need: each touched expert (at most min(E, pairs) of them)
+    pads its run by at most block_m - 1 rows."""
+    return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
+
+
+def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutedTiles:
+    """Sorts the pairs of topk_ids [T, K] by expert and pads each expert's run to block_m rows, with torch ops on
+    topk_ids' device and no host synchronisation (the sizes come from the shapes alone)."""
+    experts = topk_ids.reshape(-1).long()  # [P] expert of each pair
+    num_pairs, device = experts.numel(), experts.device
+    num_tiles = max_tiles(num_pairs, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, experts, torch.ones_like(experts))
+    tiles = (counts + block_m - 1) // block_m  # [E]
+    tiles_end = tiles.cumsum(0)
+    # Tile i belongs to the first expert whose tiles end past i; past the last real tile that is num_experts.
+    tile_experts = torch.searchsorted(tiles_end, torch.arange(num_tiles, device=device), right=True)
+    sorted_experts, order = torch.sort(experts, stable=True)
+    first_pair = counts.cumsum(0) - counts  # [E] where each expert's run starts among the sorted pairs
+    rank = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
+    rows = (tiles_end - tiles)[sorted_experts] * block_m + rank
+    pair_ids = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=device)
+    pair_ids.scatter_(0, rows, order.to(torch.int32))
+    return RoutedTiles(pair_ids, tile_experts.to(torch.int32), block_m)
+
+
+@triton.jit
+def _gate_up_kernel(
+    x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr,
+    num_pairs, num_experts, H, I, stride_xt, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    tile = tl.program_id(0)
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert >= num_experts:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + offs_m)
+    m_valid = pairs < num_pairs
+    tokens = pairs // TOP_K
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < I
+    offs_k = tl.arange(0, BLOCK_K)
+    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + I * stride_wn
+    x_ptrs = x_ptr + tokens[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, H, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs, mask=m_valid[None, :], other=0.0)
+            gate = tl.load(gate_ptrs, mask=n_valid[:, None], other=0.0)
+            up = tl.load(up_ptrs, mask=n_valid[:, None], other=0.0)
+        else:
+            k_valid = offs_k + k < H
+            x = tl.load(x_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
+            gate = tl.load(gate_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            up = tl.load(up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        x = x.to(DOT_DTYPE)
+        acc_gate = tl.dot(gate.to(DOT_DTYPE), x, acc_gate, input_precision=PRECISION)
+        acc_up = tl.dot(up.to(DOT_DTYPE), x, acc_up, input_precision=PRECISION)
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_n[:, None]
+    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr,
+    num_pairs, num_experts, H, I, stride_am, stride_we, stride_wn, stride_op,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    wait_for_previous_kernel(USE_PDL)
+    tile = tl.program_id(0)
+    expert = tl.load(tile_experts_ptr + tile)
+    if expert >= num_experts:
+        return
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pairs = tl.load(pair_ids_ptr + offs_m)
+    m_valid = pairs < num_pairs
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_valid = offs_n < H
+    offs_k = tl.arange(0, BLOCK_K)
+    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    a_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, I, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=m_valid[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=n_valid[:, None], other=0.0)
+        else:
+            k_valid = offs_k + k < I
+            a = tl.load(a_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+        acc = tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        w_ptrs += BLOCK_K
+        a_ptrs += BLOCK_K
+    routing_weight = tl.load(topk_weights_ptr + pairs, mask=m_valid, other=0.0).to(tl.float32)
+    acc = acc * routing_weight[None, :]
+    out_ptrs = pair_out_ptr + pairs[None, :].to(tl.int64) * stride_op + offs_n[:, None]
+    tl.store(out_ptrs, acc, mask=n_valid[:, None] & m_valid[None, :])
+
+
+@triton.jit
+def _combine_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] = sum over k, in order, of pair_out[t * TOP_K + k]."""
+    wait_for_previous_kernel(USE_PDL)
+    token = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    valid = offs < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(TOP_K):
+        acc += tl.load(pair_out_ptr + (token * TOP_K + k) * H + offs, mask=valid, other=0.0)
+    tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
+
+
+def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
+    tokens, hidden_size = hidden.shape
+    num_experts, two_inter, _ = w_gate_up.shape
+    if w_gate_up.shape != (num_experts, two_inter, hidden_size) or two_inter % 2:
+        raise ValueError(f"fused_moe: w_gate_up must be [E, 2I, {hidden_size}], got {tuple(w_gate_up.shape)}")
+    if w_down.shape != (num_experts, hidden_size, two_inter // 2):
+        raise ValueError(f"fused_moe: w_down must be [{num_experts}, {hidden_size}, {two_inter // 2}], "
+                         f"got {tuple(w_down.shape)}")
+    if topk_ids.shape != topk_weights.shape or topk_ids.dim() != 2 or topk_ids.shape[0] != tokens:
+        raise ValueError(f"fused_moe: topk_ids and topk_weights must both be [{tokens}, K], "
+                         f"got {tuple(topk_ids.shape)} and {tuple(topk_weights.shape)}")
+
+
+def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+              topk_weights: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
+    """The routed experts' MLP, weighted and summed per token.
+
+    hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
+    in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    tokens, hidden_size = hidden.shape
+    num_experts, inter = w_down.shape[0], w_down.shape[2]
+    top_k = topk_ids.shape[1]
+    num_pairs = tokens * top_k
+    out = torch.empty_like(hidden)
+    if num_pairs == 0:
+        return out
+    hidden, w_gate_up, w_down = hidden.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
+    topk_weights = topk_weights.float().contiguous()
+    launch = plan_moe_launch(num_pairs, num_experts) if launch is None else launch
+    routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
+    act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
+    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
+    dot = dot_dtype(hidden)
+    # A float32 product in tf32 on the GPU would be less exact than the float32 it promises.
+    precision = "ieee" if dot == tl.float32 else "tf32"
+    pdl = use_pdl(hidden)
+    common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_DTYPE=dot,
+                  PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=launch.num_warps,
+                  num_stages=launch.num_stages)
+    _gate_up_kernel[(routed.max_tiles, triton.cdiv(inter, launch.block_n))](
+        hidden, w_gate_up, act, routed.pair_ids, routed.tile_experts,
+        num_pairs, num_experts, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
+        act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0, **common,
+    )
+    _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
+        act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
+        num_pairs, num_experts, hidden_size, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
+        pair_out.stride(0), EVEN_K=inter % launch.block_k == 0, **common,
+    )
+    block_h = min(1024, triton.next_power_of_2(hidden_size))
+    _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
+        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+    )
+    return out
+
+
+def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor) -> torch.Tensor:
+    """fused_moe in plain torch, one expert at a time, in float32; silu(gate) * up is rounded to hidden's dtype,
+    where the kernel keeps it between its two products."""
+    _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    inter = w_down.shape[2]
+    x = hidden.float()
+    pair_out = torch.zeros(*topk_ids.shape, hidden.shape[1], dtype=torch.float32, device=hidden.device)  # [T, K, H]
+    for expert in topk_ids.unique().tolist():
+        token, choice = (topk_ids == expert).nonzero(as_tuple=True)
+        gate_up = x[token] @ w_gate_up[expert].float().T
+        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
+        pair_out[token, choice] = (act @ w_down[expert].float().T) * topk_weights[token, choice, None].float()
+    return pair_out.sum(1).to(hidden.dtype)

@@ -1,0 +1,154 @@
+"""The fused MoE equals its torch reference and a float64 loop over every (token, choice), under ragged expert loads,
+experts that get no token, every choice in one expert group, and a single token; the routing step sorts and pads the
+pairs as the kernels assume; and the result is the same bits run after run."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffulex_kernels import fused_moe
+from diffulex_kernels.moe import MoeLaunch, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles
+from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
+
+# (experts, hidden, intermediate): LLaDA2-mini's and Qwen3-30B-A3B's (SDAR-30B-A3B's) expert shapes, or small ones
+# whose intermediate size leaves a ragged column tile.
+EXPERT_SHAPES = [(256, 2048, 512), (128, 2048, 768)] if FULL_SHAPES else [(8, 64, 32), (8, 64, 48)]
+TOKENS = [1, 32, 256] if FULL_SHAPES else [1, 7, 40]
+DTYPES = [torch.bfloat16, torch.float16, torch.float32]
+
+
+def route(tokens: int, num_experts: int, top_k: int, gen: torch.Generator, allowed: list[int] | None = None):
+    """Distinct top-k experts per token by random scores (only among `allowed` if given), and softmax weights."""
+    scores = torch.randn(tokens, num_experts, generator=gen, device=DEVICE)
+    if allowed is not None:
+        barred = torch.ones(num_experts, dtype=torch.bool, device=DEVICE)
+        barred[allowed] = False
+        scores[:, barred] = float("-inf")
+    values, ids = scores.topk(top_k, dim=1)
+    return ids, torch.softmax(values, dim=1)
+
+
+def moe_inputs(tokens: int, shape: tuple[int, int, int], dtype: torch.dtype, gen: torch.Generator):
+    num_experts, hidden, inter = shape
+    x = randn(tokens, hidden, dtype=dtype, gen=gen)
+    # Scaled so that gate, up and the output stay near 1, well inside fp16's range.
+    w_gate_up = (randn(num_experts, 2 * inter, hidden, dtype=torch.float32, gen=gen) * hidden**-0.5).to(dtype)
+    w_down = (randn(num_experts, hidden, inter, dtype=torch.float32, gen=gen) * inter**-0.5).to(dtype)
+    return x, w_gate_up, w_down
+
+
+def per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+    """The contract, one (token, choice) at a time, in float64."""
+    inter = w_down.shape[2]
+    out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
+    for t in range(x.shape[0]):
+        for k in range(topk_ids.shape[1]):
+            e = int(topk_ids[t, k])
+            gate_up = w_gate_up[e].double() @ x[t].double()
+            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            out[t] += float(topk_weights[t, k]) * (w_down[e].double() @ act)
+    return out
+
+
+def check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, launch=None) -> torch.Tensor:
+    out = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, launch=launch)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    reference = fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)
+    assert reference.shape == x.shape and reference.dtype == x.dtype
+    tolerance = REL_TOL[x.dtype]
+    assert relative_error(out, reference) < tolerance
+    assert relative_error(out, per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights)) < tolerance
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("top_k", [2, 4])
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("shape", EXPERT_SHAPES, ids=str)
+def test_routed_tokens_match_both_references(shape, tokens, top_k, dtype):
+    gen = generator(tokens * 31 + top_k + shape[2])
+    x, w_gate_up, w_down = moe_inputs(tokens, shape, dtype, gen)
+    topk_ids, topk_weights = route(tokens, shape[0], top_k, gen)
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_experts_that_get_no_token_and_ragged_loads(dtype):
+    # Three of eight experts share every token: runs of 40, 40 and 40 pairs (three tiles each at 16 rows,
+    # the last partly padding), and five experts get nothing.
+    shape = EXPERT_SHAPES[0]
+    gen = generator(11)
+    x, w_gate_up, w_down = moe_inputs(40, shape, dtype, gen)
+    topk_ids, topk_weights = route(40, shape[0], 3, gen, allowed=[1, 4, 6])
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def test_every_choice_in_one_expert_group():
+    # Group-limited routing with groups of four experts: all four choices of every token land in group 1.
+    shape = EXPERT_SHAPES[0]
+    num_experts = shape[0]
+    group = list(range(num_experts // 2, num_experts // 2 + 4))
+    gen = generator(12)
+    x, w_gate_up, w_down = moe_inputs(9, shape, torch.bfloat16, gen)
+    topk_ids, topk_weights = route(9, num_experts, 4, gen, allowed=group)
+    assert set(topk_ids.flatten().tolist()) <= set(group)
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+def test_single_token_with_one_choice():
+    gen = generator(13)
+    x, w_gate_up, w_down = moe_inputs(1, EXPERT_SHAPES[0], torch.bfloat16, gen)
+    topk_ids, topk_weights = route(1, EXPERT_SHAPES[0][0], 1, gen)
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+@pytest.mark.parametrize("launch", [MoeLaunch(32, 32, 32, 4, 2), MoeLaunch(16, 16, 16, 2, 2)], ids=str)
+def test_other_tiles_give_the_same_products(launch):
+    # Tiles that divide H and I evenly (the unmasked K loop) and split it into several steps.
+    gen = generator(14)
+    x, w_gate_up, w_down = moe_inputs(40, EXPERT_SHAPES[0], torch.bfloat16, gen)
+    topk_ids, topk_weights = route(40, EXPERT_SHAPES[0][0], 4, gen)
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, launch=launch)
+
+
+def test_same_bits_run_after_run():
+    gen = generator(15)
+    x, w_gate_up, w_down = moe_inputs(40, EXPERT_SHAPES[0], torch.bfloat16, gen)
+    topk_ids, topk_weights = route(40, EXPERT_SHAPES[0][0], 4, gen)
+    first = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    assert torch.equal(fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights), first)
+
+
+def test_no_tokens_give_an_empty_output():
+    gen = generator(16)
+    x, w_gate_up, w_down = moe_inputs(0, EXPERT_SHAPES[0], torch.bfloat16, gen)
+    topk_ids = torch.zeros(0, 2, dtype=torch.long, device=DEVICE)
+    out = fused_moe(x, w_gate_up, w_down, topk_ids, torch.zeros(0, 2, device=DEVICE))
+    assert out.shape == (0, EXPERT_SHAPES[0][1])
+
+
+def test_routing_groups_the_pairs_by_expert_in_padded_tiles():
+    num_experts, block_m = 6, 4
+    topk_ids = torch.tensor([[5, 0], [0, 2], [5, 0], [2, 0], [0, 5]], device=DEVICE)  # expert 0: 5 pairs, 2: 2, 5: 3
+    routed = route_to_tiles(topk_ids, num_experts, block_m)
+    num_pairs = topk_ids.numel()
+    assert routed.max_tiles == max_tiles(num_pairs, num_experts, block_m) == (10 + 6 * 3) // 4
+    pad = num_pairs
+    # Expert 0 in two tiles, then 2, then 5; each run in pair order; the experts with no token get no tile.
+    assert routed.tile_experts.tolist() == [0, 0, 2, 5] + [num_experts] * (routed.max_tiles - 4)
+    assert routed.pair_ids[:16].tolist() == [1, 2, 5, 7, 8, pad, pad, pad, 3, 6, pad, pad, 0, 4, 9, pad]
+    assert (routed.pair_ids[16:] == pad).all()
+
+
+def test_no_routing_needs_more_tiles_than_the_bound():
+    # Every pair in its own expert pads the most: one tile each.
+    topk_ids = torch.arange(12, device=DEVICE).view(6, 2)
+    routed = route_to_tiles(topk_ids, 12, 16)
+    assert routed.max_tiles == 12 and (routed.tile_experts == torch.arange(12, device=DEVICE)).all()
+
+
+def test_decode_tiles_are_16_rows_and_grow_with_the_pairs_per_expert():
+    assert plan_moe_launch(32 * 8, 256).block_m == 16  # one block of 32 tokens: ~1.6 pairs per touched expert
+    assert plan_moe_launch(1024 * 8, 256).block_m == 32
+    assert plan_moe_launch(2048 * 8, 128).block_m == 64
