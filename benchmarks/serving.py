@@ -32,19 +32,18 @@ import argparse
 import collections
 import csv
 import gc
-import importlib.util
 import json
 import math
 import os
 import re
 import shutil
 import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import types
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -53,35 +52,40 @@ from pathlib import Path
 
 import numpy as np
 import torch
-
-from source_checkout import map_kernels_package  # noqa: E402
+from source_checkout import map_kernels_package
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
 map_kernels_package()
-if importlib.util.find_spec("diffulex_client") is None:  # a checkout that is not pip-installed
-    _spec = importlib.util.spec_from_file_location("diffulex_client", REPOSITORY_ROOT / "client" / "__init__.py",
-                                                   submodule_search_locations=[str(REPOSITORY_ROOT / "client")])
-    sys.modules["diffulex_client"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["diffulex_client"])
+try:
+    import diffulex_client  # noqa: F401
+except ImportError:  # not installed, or tritonclient missing (a GPU image): only its perf.tritonserver is needed
+    sys.modules["diffulex_client"] = types.ModuleType("diffulex_client")
+    sys.modules["diffulex_client"].__path__ = [str(REPOSITORY_ROOT / "client")]
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
-from triton_server import TritonServer, add_model  # noqa: E402  (the test suites' launcher and repository)
+from triton_server import TritonServer, add_model
 
-from diffulex_backend import Diffulex, SamplingParams  # noqa: E402
-from diffulex_backend.serving.engine_loop import EngineLoop  # noqa: E402
-from diffulex_backend.serving.engine_settings import engine_settings  # noqa: E402
-from diffulex_backend.serving.metrics import ServingMetrics  # noqa: E402
-from diffulex_backend.serving.request_parsing import parse_request  # noqa: E402
-from diffulex_backend.serving.response_building import ResponseAssembler  # noqa: E402
-from diffulex_backend.serving.triton_adapter import KERNEL_CACHE_DIR  # noqa: E402
-from diffulex_backend.testing.checkpoint import (  # noqa: E402
-    MASK_TOKEN_ID, RELEASED_SHAPES, build_random_model, random_config, write_byte_tokenizer, write_random_checkpoint,
-    write_weights)
-from diffulex_backend.warm_up import warm_up  # noqa: E402
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.serving.engine_loop import EngineLoop
+from diffulex_backend.serving.engine_settings import engine_settings
+from diffulex_backend.serving.metrics import ServingMetrics
+from diffulex_backend.serving.request_parsing import parse_request
+from diffulex_backend.serving.response_building import ResponseAssembler
+from diffulex_backend.serving.triton_adapter import KERNEL_CACHE_DIR
+from diffulex_backend.testing.checkpoint import (
+    MASK_TOKEN_ID,
+    RELEASED_SHAPES,
+    build_random_model,
+    random_config,
+    write_byte_tokenizer,
+    write_random_checkpoint,
+    write_weights,
+)
+from diffulex_backend.warm_up import warm_up
 
 MODEL = "diffulex"
 FIELDS = ["mode", "batch", "round", "seconds", "steps", "ms_per_step", "output_tokens", "tokens_per_s", "outputs_equal",
-          "note"]
+          "prefix_hit_tokens", "note"]
 
 
 @dataclass(frozen=True)
@@ -137,7 +141,7 @@ def make_prompts(plan: Plan, seed: int) -> dict[tuple[int, str], list[list[int]]
     generator = torch.Generator().manual_seed(seed)
     prompts = {}
     for batch in plan.batches:
-        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)] + ["profile"]:
+        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)] + ["profile", "staggered"]:
             ids = torch.randint(0, 256, (batch, plan.prompt_len), generator=generator)
             assert not (ids == MASK_TOKEN_ID).any()
             prompts[batch, name] = ids.tolist()
@@ -169,6 +173,7 @@ class Round:
     steps: int  # forward passes: the engine's counter in process, the largest per-request nfe when served
     output_ids: list[list[int]]
     outputs_equal: bool | None = None
+    prefix_hit_tokens: int | None = None
     note: str = ""
     counts: dict = field(default_factory=dict)
 
@@ -188,9 +193,10 @@ class Report:
     def add(self, r: Round) -> None:
         self.rounds.append(r)
         row = dict(mode=r.mode, batch=r.batch, round=r.name, seconds=f"{r.seconds:.4f}", steps=r.steps,
-                   ms_per_step=f"{1e3 * r.seconds / r.steps:.3f}" if r.steps else "", output_tokens=r.output_tokens,
-                   tokens_per_s=f"{r.output_tokens / r.seconds:.1f}",
-                   outputs_equal="" if r.outputs_equal is None else r.outputs_equal, note=r.note)
+                   ms_per_step=f"{1e3 * r.seconds / r.steps:.3f}" if r.steps and r.seconds else "", output_tokens=r.output_tokens,
+                   tokens_per_s=f"{r.output_tokens / r.seconds:.1f}" if r.seconds else "",
+                   outputs_equal="" if r.outputs_equal is None else r.outputs_equal,
+                   prefix_hit_tokens="" if r.prefix_hit_tokens is None else r.prefix_hit_tokens, note=r.note)
         with open(self.out / "serving.csv", "a", newline="") as f:
             csv.DictWriter(f, FIELDS).writerow(row)
         print(" | ".join(f"{k}={v}" for k, v in row.items() if v != ""), flush=True)
@@ -207,8 +213,11 @@ def median_round(rounds: list[Round]) -> Round | None:
 def run_generate(engine, plan: Plan, prompts, report: Report, reference: dict) -> None:
     params = SamplingParams(**request_parameters(plan))
     for batch in plan.batches:
-        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)]:
-            before = engine.metrics().num_forward_passes
+        names = ["warm-up"] + [str(i) for i in range(plan.repeats)]
+        if batch == max(plan.batches) > 1:
+            names.append("staggered")  # the reference of the staggered-admission check; not a timing
+        for name in names:
+            before, hits = engine.metrics().num_forward_passes, engine.metrics().prefix_cache_hit_tokens
             synchronize()
             start = time.perf_counter()
             outputs = engine.generate(prompts[batch, name], params)
@@ -217,7 +226,34 @@ def run_generate(engine, plan: Plan, prompts, report: Report, reference: dict) -
             output_ids = [list(out.token_ids) for out in outputs]
             reference[batch, name] = output_ids
             report.add(Round("in-process", batch, name, seconds, engine.metrics().num_forward_passes - before,
-                             output_ids))
+                             output_ids, prefix_hit_tokens=engine.metrics().prefix_cache_hit_tokens - hits,
+                             note="reference for the staggered check" if name == "staggered" else ""))
+
+
+def run_staggered(engine, plan: Plan, prompts, report: Report, reference: dict) -> None:
+    """Exactness under a different batch composition, in process: the first request alone for one step, then the
+    others, as requests that arrive over HTTP a little apart join the running batch. Against `generate` of the same
+    prompts all at once (on another engine, so that neither saw them before)."""
+    batch = max(plan.batches)
+    if batch == 1:
+        return
+    params = SamplingParams(**request_parameters(plan))
+    first, *rest = prompts[batch, "staggered"]
+    ids = [engine.add_request(first, params)]
+    got: dict[str, list[int]] = collections.defaultdict(list)
+    for output in engine.step():
+        got[output.request_id] += output.token_ids
+    ids += [engine.add_request(prompt, params) for prompt in rest]
+    steps = 1
+    while engine.has_unfinished_requests():
+        for output in engine.step():
+            got[output.request_id] += output.token_ids
+        steps += 1
+    output_ids = [got[request_id] for request_id in ids]
+    equal = output_ids == reference[batch, "staggered"]
+    report.add(Round("in-process-staggered", batch, "staggered", 0.0, steps, output_ids, outputs_equal=equal,
+                     note="first request one step ahead of the others; not a timing" +
+                          ("" if equal else "; " + first_difference(output_ids, reference[batch, "staggered"]))))
 
 
 # ---- 2. in process: the served engine loop, with counters for Triton ------------------------------------------
@@ -244,7 +280,7 @@ def counting_metric_family(counts: collections.Counter):
         def __init__(self, name, description, kind):
             pass
 
-        def Metric(self, labels, buckets=None):  # noqa: N802  (pb_utils' name)
+        def Metric(self, labels, buckets=None):
             return CountingMetric(counts)
 
     return CountingMetricFamily
@@ -280,20 +316,31 @@ class CountingStream:
 def run_engine_loop(engine, plan: Plan, prompts, report: Report, reference: dict) -> None:
     counts: collections.Counter = collections.Counter()
     metrics = ServingMetrics(counting_metric_family(counts), {"model": MODEL, "version": "1"})
+    scheduled: list[int] = []  # requests in each forward, read by the decoding thread after its step
+    step = engine.step
+
+    def counted_step():
+        outputs = step()
+        scheduled.append(len(engine.last_schedule.plans))
+        return outputs
+
+    engine.step = counted_step
     loop = EngineLoop(engine, metrics)
     parameters = json.dumps(request_parameters(plan))
     try:
         for batch in plan.batches:
             for name in ["warm-up"] + [str(i) for i in range(plan.repeats)]:
                 counts.clear()
+                scheduled.clear()
                 before = engine.metrics().num_forward_passes  # read while the loop is idle
+                hits = engine.metrics().prefix_cache_hit_tokens
                 streams, events = [], []
                 start = time.perf_counter()
                 for prompt in prompts[batch, name]:  # as TritonAdapter.execute does for each request
                     parsed = parse_request({"input_ids": np.array([prompt], dtype=np.int32)}, parameters)
                     prepared = engine.prepare_request(parsed.prompt, parsed.params)
                     events.append(threading.Event())
-                    text = lambda prompt=parsed.prompt: engine.tokenizer.decode(prompt)  # noqa: E731
+                    text = lambda prompt=parsed.prompt: engine.tokenizer.decode(prompt)
                     streams.append(CountingStream(ResponseAssembler(parsed, text), counts, events[-1]))
                     loop.submit(prepared, streams[-1])
                 for event in events:
@@ -307,11 +354,17 @@ def run_engine_loop(engine, plan: Plan, prompts, report: Report, reference: dict
                 output_ids = [s.output_ids for s in streams]
                 steps = engine.metrics().num_forward_passes - before
                 per_step = {k: round(v / max(steps, 1), 2) for k, v in sorted(counts.items())}
-                report.add(Round("engine-loop", batch, name, seconds, steps, output_ids,
-                                 outputs_equal=output_ids == reference[batch, name],
-                                 note=f"Triton calls per step: {per_step}", counts=dict(counts)))
+                equal = output_ids == reference[batch, name]
+                partial = sum(1 for n in scheduled if n < batch)
+                report.add(Round("engine-loop", batch, name, seconds, steps, output_ids, outputs_equal=equal,
+                                 prefix_hit_tokens=engine.metrics().prefix_cache_hit_tokens - hits,
+                                 note=f"requests in the first forwards {scheduled[:4]}, {partial} of {len(scheduled)} "
+                                      f"forwards with fewer than {batch}; Triton calls per step: {per_step}" +
+                                      ("" if equal else "; " + first_difference(output_ids, reference[batch, name])),
+                                 counts=dict(counts)))
     finally:
         loop.stop()
+        del engine.step
 
 
 # ---- 3. served -----------------------------------------------------------------------------------------------
@@ -330,7 +383,8 @@ def listify(value) -> list:  # the generate extension writes a one-element tenso
     return value if isinstance(value, list) else [value]
 
 
-def served_round(server: TritonServer, batch: int, prompts: list[list[int]], plan: Plan) -> tuple[float, list, int]:
+def served_round(server: TritonServer, batch: int, prompts: list[list[int]], plan: Plan) -> tuple[float, list, list]:
+    """Wall time of the B concurrent requests, their output_ids and their nfe (forward passes each took part in)."""
     url = f"{server.http_url}/v2/models/{MODEL}/generate"
     parameters = request_parameters(plan)
     with ThreadPoolExecutor(max_workers=batch) as pool:
@@ -339,15 +393,17 @@ def served_round(server: TritonServer, batch: int, prompts: list[list[int]], pla
         answers = [future.result() for future in futures]
         seconds = time.perf_counter() - start
     output_ids = [listify(answer["output_ids"]) for answer in answers]
-    return seconds, output_ids, max(max(listify(answer.get("nfe", 0))) for answer in answers)
+    return seconds, output_ids, [max(listify(answer.get("nfe", 0))) for answer in answers]
 
 
 def run_served(server: TritonServer, plan: Plan, prompts, report: Report, reference: dict) -> None:
     for batch in plan.batches:
         for name in ["warm-up"] + [str(i) for i in range(plan.repeats)]:
-            seconds, output_ids, steps = served_round(server, batch, prompts[batch, name], plan)
+            seconds, output_ids, nfes = served_round(server, batch, prompts[batch, name], plan)
+            steps = max(nfes)
             equal = output_ids == reference[batch, name]
-            note = "" if equal else first_difference(output_ids, reference[batch, name])
+            note = f"per-request nfe {min(nfes)}..{max(nfes)}"
+            note += "" if equal else "; " + first_difference(output_ids, reference[batch, name])
             report.add(Round("served", batch, name, seconds, steps, output_ids, outputs_equal=equal, note=note))
 
 
@@ -399,7 +455,8 @@ def profile_served(server: TritonServer, py_spy: str, plan: Plan, prompts, repor
         timer = threading.Timer(1.0, dump)
         if label == "threads":
             timer.start()
-        seconds, output_ids, steps = served_round(server, batch, prompts[batch, "profile"], plan)
+        seconds, output_ids, nfes = served_round(server, batch, prompts[batch, "profile"], plan)
+        steps = max(nfes)
         if label == "threads":
             timer.join()
             (out / "py-spy-dump.txt").write_text("".join(dumps))
@@ -519,7 +576,10 @@ def write_markdown(report: Report, plan: Plan, device: str, command: str, settin
     text = (f"# Served against in-process\n\nDevice: {device}. Command: `{command}`.\n\n"
             f"{plan.prompt_len}-token prompts, {plan.new_tokens} new tokens, temperature 0, ignore_eos; median of "
             f"{plan.repeats} timed rounds after one warm-up round per batch size and mode. Settings: "
-            f"{ {k: v for k, v in settings.items() if k != 'model'} }.\n\n" + "\n".join(rows) +
+            f"{ {k: v for k, v in settings.items() if k != 'model'} }. Steps: the engine's forward count in process; "
+            "served, the largest per-request nfe (a lower bound when requests join the batch in different steps). "
+            "Outputs that differ at batch > 1 while the engine loop's equal point at the batch composition, which "
+            "the in-process-staggered row of serving.csv checks.\n\n" + "\n".join(rows) +
             "\n\nEngine loop without a server, Triton calls per step the response thread would make:\n" +
             "\n".join(loop_notes) + "\n")
     (report.out / "serving.md").write_text(text)
@@ -573,9 +633,18 @@ def main(argv: list[str] | None = None) -> None:
               f"{list(warm.batch_sizes)}", flush=True)
         run_generate(engine, plan, prompts, report, reference)
         if not args.skip_engine_loop:
+            # A second engine: the first has the prompts in its prefix cache now, which would skip their prefill.
+            del engine
+            free_memory()
+            engine = Diffulex(settings["model"], **{k: v for k, v in settings.items() if k != "model"})
+            warm_up(engine)
             run_engine_loop(engine, plan, prompts, report, reference)
+            run_staggered(engine, plan, prompts, report, reference)
         del engine
         free_memory()
+        if torch.cuda.is_available():
+            print(f"in process: freed; {torch.cuda.memory_allocated() / 2**30:.2f} GiB still allocated here, "
+                  f"{torch.cuda.mem_get_info()[0] / 2**30:.1f} GiB free on the device", flush=True)
 
         started = time.perf_counter()
         server = TritonServer(repository, args.out / "tritonserver.log")

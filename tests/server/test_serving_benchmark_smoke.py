@@ -18,7 +18,7 @@ BENCHMARK = Path(__file__).resolve().parents[2] / "benchmarks" / "serving.py"
 def test_serving_benchmark_smoke_run(tmp_path):
     out = tmp_path / "out"
     run = subprocess.run([sys.executable, str(BENCHMARK), "--smoke", "--out", str(out)],
-                         capture_output=True, text=True, timeout=540)
+                         capture_output=True, text=True, timeout=540, check=False)
     assert run.returncode == 0, run.stdout[-4000:] + run.stderr[-4000:]
 
     with open(out / "serving.csv") as f:
