@@ -1,0 +1,143 @@
+"""The fused MoE layer alone (`diffulex_kernels.fused_moe`, routing given) against its two floors and its torch twin.
+
+- Touched-weight floor: the bytes of w_gate_up and w_down of the distinct experts the routing touches, read once at
+  the HBM bandwidth measured in the same run. At a few tokens the layer is bound by this.
+- Compute floor: 2 * T * K * 3 * H * I flops at the bf16 matmul rate measured in the same run (8192^3).
+- The torch reference (`fused_moe_reference`, one expert at a time, float32), eager.
+
+Routing is uniform: each token's K experts are the top K of random scores, so one block of 32 tokens x 8 choices
+touches about 160 of 256 experts. The kernel is timed replayed from a CUDA graph with the L2 cache cleared before
+each call (so the touched weights come from HBM, as in a forward), and launched from Python; `route ms` is the
+sort-and-pad step alone, in a graph. A few other tile shapes are timed beside the default plan.
+
+    PYTHONPATH=. python benchmarks/moe.py --out DIR     # GPU: LLaDA2-mini and Qwen3-30B-A3B (SDAR-30B-A3B) experts
+    PYTHONPATH=. python benchmarks/moe.py --smoke --out DIR   # anywhere: tiny, one call each, checked against torch
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+import triton  # noqa: E402
+from kernels import measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
+
+from diffulex_kernels.moe import MoeLaunch, fused_moe, fused_moe_reference, plan_moe_launch, route_to_tiles  # noqa: E402
+
+
+@dataclass(frozen=True)
+class MoeShape:
+    name: str
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+
+
+FULL_SHAPES = [MoeShape("LLaDA2-mini", 256, 2048, 512, 8), MoeShape("Qwen3-30B-A3B", 128, 2048, 768, 8)]
+FULL_TOKENS = (32, 256, 1024, 2048)
+SMOKE_SHAPES = [MoeShape("tiny", 8, 64, 32, 2)]
+SMOKE_TOKENS = (4, 16)
+# Tile shapes timed beside the default plan (the default is never timed twice).
+VARIANTS = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 128, 64, 4, 4),
+            MoeLaunch(32, 64, 128, 4, 4), MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(128, 128, 64, 8, 3)]
+
+
+def label(launch: MoeLaunch) -> str:
+    return f"m{launch.block_m} n{launch.block_n} k{launch.block_k} w{launch.num_warps} s{launch.num_stages}"
+
+
+def moe_case(shape: MoeShape, tokens: int, device: torch.device):
+    hidden = torch.randn(tokens, shape.hidden, device=device).to(torch.bfloat16)
+    w_gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) * 0.02).to(torch.bfloat16)
+    w_down = (torch.randn(shape.experts, shape.hidden, shape.inter, device=device) * 0.02).to(torch.bfloat16)
+    scores, topk_ids = torch.randn(tokens, shape.experts, device=device).topk(shape.top_k, dim=1)
+    return hidden, w_gate_up, w_down, topk_ids, torch.softmax(scores, dim=1)
+
+
+def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smoke: bool) -> list[dict]:
+    args = moe_case(shape, tokens, device)
+    touched = args[3].unique().numel()
+    expert_bytes = 3 * shape.hidden * shape.inter * args[1].element_size()
+    weight_floor_ms = 1e3 * touched * expert_bytes / ceilings.bandwidth
+    compute_floor_ms = 1e3 * 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter / ceilings.matmul_rate
+    default = plan_moe_launch(tokens * shape.top_k, shape.experts)
+    if smoke:  # the smoke run also checks the product
+        out, ref = fused_moe(*args), fused_moe_reference(*args)
+        error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert error < 1.5e-2, f"{shape.name} T={tokens}: relative error {error:.2e} against the reference"
+    route_ms = time_graph_ms(lambda: route_to_tiles(args[3], shape.experts, default.block_m))
+    reference_ms = time_eager_ms(lambda: fused_moe_reference(*args))
+    rows = []
+    for launch in dict.fromkeys([default] + ([] if smoke else VARIANTS)):
+        try:
+            kernel_ms = time_graph_ms(lambda: fused_moe(*args, launch=launch))
+        except triton.runtime.errors.OutOfResources:
+            continue  # the tile does not fit in shared memory
+        eager_ms = time_eager_ms(lambda: fused_moe(*args, launch=launch)) if launch == default else math.nan
+        rows.append(dict(
+            model=shape.name, tokens=tokens, launch=("default " if launch == default else "") + label(launch),
+            touched_experts=touched, kernel_ms=round(kernel_ms, 4), eager_ms=round(eager_ms, 4),
+            route_ms=round(route_ms, 4), weight_floor_ms=round(weight_floor_ms, 4),
+            compute_floor_ms=round(compute_floor_ms, 4), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
+            vs_compute_floor=round(kernel_ms / compute_floor_ms, 2),
+            vs_larger_floor=round(kernel_ms / max(weight_floor_ms, compute_floor_ms), 2),
+            reference_ms=round(reference_ms, 4), reference_vs_kernel=round(reference_ms / kernel_ms, 3),
+        ))
+        print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+    del args
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    lines = ["| model | T | touched experts | kernel ms | weight floor ms | x weight floor | compute floor ms | "
+             "x compute floor | x larger floor | route ms | eager ms | reference ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if r["launch"].startswith("default"):
+            lines.append(f"| {r['model']} | {r['tokens']} | {r['touched_experts']} | {r['kernel_ms']:.4f} | "
+                         f"{r['weight_floor_ms']:.4f} | {r['vs_weight_floor']:.2f} | {r['compute_floor_ms']:.4f} | "
+                         f"{r['vs_compute_floor']:.2f} | {r['vs_larger_floor']:.2f} | {r['route_ms']:.4f} | "
+                         f"{r['eager_ms']:.4f} | {r['reference_ms']:.3f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each")
+    parser.add_argument("--out", type=pathlib.Path, help="folder for moe.md and moe.csv")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    shapes, token_counts = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (FULL_SHAPES, FULL_TOKENS)
+    ceilings = measure_ceilings(device, args.smoke)
+    header = (
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}; "
+        f"torch {torch.__version__}, triton {triton.__version__}\n"
+        f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
+    )
+    print(header, flush=True)
+    rows = [row for shape in shapes for tokens in token_counts
+            for row in bench_case(shape, tokens, device, ceilings, args.smoke)]
+    table = format_table(rows)
+    print(table)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "moe.md").write_text(f"{header}\n\n{table}\n")
+        with open(args.out / "moe.csv", "w", newline="") as f:
+            writer = csv.DictWriter(f, list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+
+
+if __name__ == "__main__":
+    main()

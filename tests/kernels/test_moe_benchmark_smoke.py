@@ -1,0 +1,23 @@
+"""Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape (and checks the product there), so it
+cannot rot between GPU runs, and the floors a reader compares against are finite, below the measured time, and the
+ratios are what their names say."""
+import csv
+import math
+
+import pytest
+from test_benchmark_smoke import run_smoke
+
+
+def test_moe_benchmark_smoke_run_puts_the_layer_above_both_floors(tmp_path):
+    run_smoke("moe.py", tmp_path)
+    rows = list(csv.DictReader(open(tmp_path / "moe.csv")))
+    assert [row["tokens"] for row in rows] == ["4", "16"]
+    assert "| tiny | 16 |" in (tmp_path / "moe.md").read_text()
+    for row in rows:
+        kernel_ms, weight_ms, compute_ms = (float(row[k]) for k in ("kernel_ms", "weight_floor_ms", "compute_floor_ms"))
+        assert all(math.isfinite(v) and v > 0 for v in (kernel_ms, weight_ms, compute_ms))
+        assert 0 < int(row["touched_experts"]) <= 8
+        # Floors are lower bounds from the same run's ceilings: the layer beats neither, on the CPU either.
+        assert weight_ms < kernel_ms and compute_ms < kernel_ms
+        assert float(row["vs_weight_floor"]) == pytest.approx(kernel_ms / weight_ms, rel=0.01)
+        assert float(row["vs_compute_floor"]) == pytest.approx(kernel_ms / compute_ms, rel=0.01)
