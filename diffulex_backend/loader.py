@@ -116,7 +116,7 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
                             raise CheckpointError(
                                 f"{file}: weight {name!r} has shape {shape}, expected {expected.shape}"
                             )
-                        params[expected.param][expected.rows].copy_(f.get_tensor(name))
+                        expected.target(params).copy_(f.get_tensor(name))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
 

@@ -1,5 +1,6 @@
-"""One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)). LLaDA's llama block and the
-Qwen2/Qwen3 decoder layer are this block under different weight names."""
+"""One pre-norm transformer block: x + attn(norm(x)), then h + mlp(norm(h)). LLaDA's llama block, the
+Qwen2/Qwen3 decoder layer and LLaDA2's and Qwen3-MoE's layers are this block under different weight names; the
+MLP is the dense gated one or, in a MoE model's MoE layers, the mixture of experts."""
 from __future__ import annotations
 
 import torch
@@ -7,18 +8,19 @@ from torch import nn
 
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.mlp import GatedMLP
+from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.self_attention import AttentionFn, SelfAttention
 from diffulex_backend.models.arch import ModelArch
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn, layer: int):
         super().__init__()
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.attn = SelfAttention(arch, attention_fn)
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = MoE(arch) if arch.is_moe_layer(layer) else GatedMLP(arch.hidden_size, arch.intermediate_size)
 
     def forward(
         self,

@@ -1,24 +1,29 @@
-"""Rotary position embedding in the rotate-half layout (LLaDA, Qwen2, Qwen3).
+"""Rotary position embedding in the rotate-half layout (LLaDA, LLaDA2, Qwen2, Qwen3).
 
 The angles come from the token positions of this forward, so any position works without a precomputed
-table, and the same code runs inside a CUDA graph (no host sync).
+table, and the same code runs inside a CUDA graph (no host sync). Partial rotary (LLaDA2: `partial_rotary_factor`
+0.5) rotates the first `rotary_dim` dims of each head with rotate-half over those dims, with frequencies of a
+`rotary_dim`-wide rotary embedding, and passes the rest through unchanged.
 """
 from __future__ import annotations
 
 import torch
 
 
-def rotary_angles(positions: torch.Tensor, head_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and sin, each [T, head_dim // 2] float32, for positions [T]."""
-    exponents = torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim
+def rotary_angles(positions: torch.Tensor, rotary_dim: int, theta: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin, each [T, rotary_dim // 2] float32, for positions [T]. rotary_dim is head_dim unless partial."""
+    exponents = torch.arange(0, rotary_dim, 2, device=positions.device, dtype=torch.float32) / rotary_dim
     inv_freq = 1.0 / (theta ** exponents)
     angles = positions.float()[:, None] * inv_freq[None, :]
     return angles.cos(), angles.sin()
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, heads, head_dim]. Computed in float32 ("rope_full_precision"), returned in x's dtype."""
-    x1, x2 = x.float().chunk(2, dim=-1)
+    """x: [T, heads, head_dim]. Computed in float32 ("rope_full_precision"), returned in x's dtype. Rotates the
+    first 2 * cos.shape[-1] dims; any further dims pass through."""
+    rotary_dim = 2 * cos.shape[-1]
+    x32 = x.float()
+    x1, x2 = x32[..., :rotary_dim].chunk(2, dim=-1)
     cos, sin = cos[:, None, :], sin[:, None, :]
     # (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin) is x * cos + rotate_half(x) * sin on the halves.
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin, x32[..., rotary_dim:]), dim=-1).to(x.dtype)

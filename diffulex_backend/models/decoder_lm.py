@@ -2,8 +2,9 @@
 
 A family subclass says three things: how its config.json becomes a `ModelArch` (`parse_config`), how a
 `ModelArch` becomes its config.json (`config_dict`, for the random-checkpoint writer), and the names its
-weights have in the released safetensors (`TOP_WEIGHTS`, `LAYER_PREFIX`, `LAYER_WEIGHTS`). The loader and
-the writer both go through `checkpoint_layout()`, so the two can never disagree.
+weights have in the released safetensors (`TOP_WEIGHTS`, `LAYER_PREFIX`, `LAYER_WEIGHTS`, and for MoE models
+`EXPERT_WEIGHTS`). The loader and the writer both go through `checkpoint_layout()`, so the two can never
+disagree.
 """
 from __future__ import annotations
 
@@ -28,15 +29,21 @@ class FusedPart(enum.Enum):
     Q = "q"
     K = "k"
     V = "v"
-    GATE = "gate"
-    UP = "up"
+    GATE = "gate"  # the first half of a gate_up parameter's rows
+    UP = "up"  # the second half
 
 
 @dataclass(frozen=True)
 class CheckpointWeight:
     param: str  # name in this module's state dict
-    rows: slice  # rows of `param` this checkpoint tensor fills; all rows when the parameter is not fused
+    rows: slice  # rows of `param` (of `param[expert]`) this tensor fills; all rows when the parameter is not fused
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
+    expert: int | None = None  # for stacked experts [E, ...]: the expert this checkpoint tensor is
+
+    def target(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The view of the parameter that this checkpoint tensor fills."""
+        param = params[self.param]
+        return (param if self.expert is None else param[self.expert])[self.rows]
 
 
 class DecoderLM(nn.Module):
@@ -46,6 +53,10 @@ class DecoderLM(nn.Module):
     TOP_WEIGHTS: dict[str, str] = {}  # checkpoint name -> parameter name, outside the layers
     LAYER_PREFIX: str = ""  # checkpoint prefix of layer N, with {} for N
     LAYER_WEIGHTS: dict[str, tuple[str, FusedPart | None]] = {}  # suffix -> (parameter suffix, part)
+    # MoE layers' experts, stored one at a time: suffix with {} for the expert -> (stacked parameter suffix, part)
+    EXPERT_WEIGHTS: dict[str, tuple[str, FusedPart | None]] = {}
+    # ModelArch fields a random test checkpoint of this family takes unless told otherwise (the MoE routing).
+    RANDOM_ARCH: dict = {}
     # Run `layers.fused_forward` (Triton kernels, CUDA only) instead of the torch modules; the engine turns it
     # on when the Triton attention backend is selected.
     fused_kernels: bool = False
@@ -54,7 +65,7 @@ class DecoderLM(nn.Module):
         super().__init__()
         self.arch = arch
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, attention_fn) for _ in range(arch.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(arch, attention_fn, i) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
 
@@ -84,25 +95,37 @@ class DecoderLM(nn.Module):
         """Every checkpoint tensor name of this architecture and the parameter rows it fills."""
         arch = self.arch
         params = dict(self.named_parameters())
-        fused_rows = {
+        qkv_rows = {
             FusedPart.Q: slice(0, arch.q_size),
             FusedPart.K: slice(arch.q_size, arch.q_size + arch.kv_size),
             FusedPart.V: slice(arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size),
-            FusedPart.GATE: slice(0, arch.intermediate_size),
-            FusedPart.UP: slice(arch.intermediate_size, 2 * arch.intermediate_size),
         }
-        names: dict[str, tuple[str, FusedPart | None]] = {k: (v, None) for k, v in self.TOP_WEIGHTS.items()}
+        # checkpoint name -> (parameter, part, expert)
+        names: dict[str, tuple[str, FusedPart | None, int | None]] = {
+            k: (v, None, None) for k, v in self.TOP_WEIGHTS.items()}
         for layer in range(arch.num_layers):
             prefix = self.LAYER_PREFIX.format(layer)
             for suffix, (param, part) in self.LAYER_WEIGHTS.items():
-                names[prefix + suffix] = (f"layers.{layer}.{param}", part)
+                names[prefix + suffix] = (f"layers.{layer}.{param}", part, None)
+            if arch.is_moe_layer(layer):
+                for suffix, (param, part) in self.EXPERT_WEIGHTS.items():
+                    for expert in range(arch.num_experts):
+                        names[prefix + suffix.format(expert)] = (f"layers.{layer}.{param}", part, expert)
         layout = {}
-        for name, (param, part) in names.items():
-            if param not in params:  # e.g. lm_head when tied, q_norm without qk_norm, biases without qkv_bias
+        for name, (param, part, expert) in names.items():
+            if param not in params:  # e.g. lm_head when tied, q_norm without qk_norm, a dense MLP in a MoE layer
                 continue
-            rows = fused_rows[part] if part is not None else slice(0, params[param].shape[0])
-            shape = (rows.stop - rows.start, *params[param].shape[1:])
-            layout[name] = CheckpointWeight(param, rows, shape)
+            target = params[param] if expert is None else params[param][expert]
+            half = target.shape[0] // 2
+            if part in qkv_rows:
+                rows = qkv_rows[part]
+            elif part is FusedPart.GATE:
+                rows = slice(0, half)
+            elif part is FusedPart.UP:
+                rows = slice(half, 2 * half)
+            else:
+                rows = slice(0, target.shape[0])
+            layout[name] = CheckpointWeight(param, rows, (rows.stop - rows.start, *target.shape[1:]), expert)
         covered = {w.param for w in layout.values()}
         assert covered == set(params), f"parameters without a checkpoint name: {sorted(set(params) - covered)}"
         return layout
@@ -120,7 +143,7 @@ class DecoderLM(nn.Module):
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
 
             return fused_forward(self, input_ids, positions, meta, kv_cache)
-        cos, sin = rotary_angles(positions, self.arch.head_dim, self.arch.rope_theta)
+        cos, sin = rotary_angles(positions, self.arch.rotary_dim, self.arch.rope_theta)
         hidden = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             k_cache = v_cache = None

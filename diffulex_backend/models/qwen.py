@@ -68,10 +68,26 @@ class QwenModel(DecoderLM):
         else:
             head_dim = hidden_size // num_heads
         block_size = c.int("block_size", None, allow_none=True) if "block_size" in cls.CONFIG_KEYS else None
-        return ModelArch(
+        num_layers = c.int("num_hidden_layers")
+        fields = {**cls._dense_fields(c, hidden_size, num_heads, head_dim, num_layers, block_size),
+                  **cls.moe_fields(c, num_layers)}
+        try:
+            return ModelArch(**fields)
+        except ValueError as e:
+            raise ValueError(f"{path}: {e}") from e
+
+    @classmethod
+    def moe_fields(cls, c: ConfigReader, num_layers: int) -> dict:
+        """The ModelArch fields of a MoE family's experts; none for a dense one."""
+        return {}
+
+    @classmethod
+    def _dense_fields(cls, c: ConfigReader, hidden_size: int, num_heads: int, head_dim: int, num_layers: int,
+                      block_size: int | None) -> dict:
+        return dict(
             model_name=cls.FAMILY,
             hidden_size=hidden_size,
-            num_layers=c.int("num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
             num_kv_heads=c.int("num_key_value_heads", None, allow_none=True) or num_heads,
             head_dim=head_dim,

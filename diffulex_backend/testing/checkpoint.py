@@ -1,13 +1,15 @@
 """Random-weight models in each family's real Hugging Face layout.
 
-`write_random_checkpoint` writes a tiny checkpoint directory that the loader reads like a released one:
-config.json with the family's full key set, safetensors under the released weight names (sharded with an
-index when asked), and a byte-level tokenizer with an EOS and a mask token. `random_model` builds the same
+`write_random_checkpoint` writes a checkpoint directory that the loader (and any engine that reads the released
+files) reads like a released one: config.json with the family's full key set, safetensors under the released
+weight names (MoE experts one at a time; sharded with an index when asked, or when large), and a byte-level
+tokenizer with an EOS and a mask token. `random_model` builds the same
 model in memory, on any device and dtype, for benchmarks at the released shapes (`RELEASED_SHAPES`).
 Both go through `random_config`, so a written checkpoint and an in-memory model of the same arguments and
 seed on the same device hold the same weights.
 
-CLI: python -m diffulex_backend.testing.checkpoint OUT_DIR --model-name llada [--hidden-size 64 ...]
+CLI: python -m diffulex_backend.testing.checkpoint --family llada2 --shape llada2-mini OUT_DIR
+     python -m diffulex_backend.testing.checkpoint --family llada OUT_DIR [--hidden-size 64 ...]
 """
 from __future__ import annotations
 
@@ -51,7 +53,28 @@ RELEASED_SHAPES = {
                      intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072),
     "sdar-8b": dict(model_name="sdar", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768),
+    # LLaDA2.0-mini and LLaDA2.1-mini: 16 B parameters, 1.4 B active.
+    "llada2-mini": dict(model_name="llada2", hidden_size=2048, num_layers=20, num_heads=16, num_kv_heads=4,
+                        head_dim=128, intermediate_size=5120, vocab_size=157184, max_position_embeddings=32768,
+                        rope_theta=600000.0, rms_norm_eps=1e-6, qk_norm=True, partial_rotary_factor=0.5,
+                        num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512, num_shared_experts=1,
+                        dense_layers=(0,), num_expert_groups=8, topk_groups=4, routed_scaling_factor=2.5),
+    # SDAR-30B-A3B: the Qwen3-30B-A3B shape.
+    "sdar-30b-a3b": dict(model_name="sdar_moe", hidden_size=2048, num_layers=48, num_heads=32, num_kv_heads=4,
+                         head_dim=128, intermediate_size=6144, vocab_size=151936, max_position_embeddings=32768,
+                         rope_theta=1000000.0, rms_norm_eps=1e-6, qk_norm=True, num_experts=128,
+                         num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True),
 }
+
+# ModelArch fields beyond the dense shape that `random_config` takes as arguments (the rest of its keyword
+# arguments are config.json keys); a family's RANDOM_ARCH gives their defaults.
+ARCH_ARGUMENTS = frozenset({
+    "rope_theta", "rms_norm_eps", "qk_norm", "partial_rotary_factor", "num_experts", "num_experts_per_tok",
+    "moe_intermediate_size", "num_shared_experts", "dense_layers", "num_expert_groups", "topk_groups",
+    "routed_scaling_factor", "norm_topk_prob",
+})
+# Shards of a written checkpoint hold about this many bytes, as released checkpoints do.
+SHARD_BYTES = 4 << 30
 
 
 def random_config(
@@ -67,8 +90,11 @@ def random_config(
     max_position_embeddings: int = 512,
     **extra_config,
 ) -> dict:
-    """The family's config.json for this shape; `extra_config` overrides or adds config.json keys."""
+    """The family's config.json for this shape; `extra_config` overrides or adds config.json keys, except the
+    names in ARCH_ARGUMENTS, which set ModelArch fields (a MoE family's routing, say)."""
     family = AutoModelForDiffusionLM.get(model_name)
+    arch_fields = dict(rope_theta=10000.0, rms_norm_eps=1e-5, **family.RANDOM_ARCH)
+    arch_fields.update({k: extra_config.pop(k) for k in list(extra_config) if k in ARCH_ARGUMENTS})
     arch = ModelArch(
         model_name=model_name,
         hidden_size=hidden_size,
@@ -78,14 +104,13 @@ def random_config(
         head_dim=head_dim or hidden_size // num_heads,
         intermediate_size=intermediate_size,
         vocab_size=vocab_size or TOKENIZER_VOCAB_SIZE,
-        rope_theta=10000.0,
-        rms_norm_eps=1e-5,
         max_position_embeddings=max_position_embeddings,
         tie_word_embeddings=False,
         mask_token_id=MASK_TOKEN_ID,
         eos_token_ids=(EOS_TOKEN_ID,),
         shifted=False,
         block_size=None,
+        **arch_fields,
     )
     return {**family.config_dict(arch), **extra_config}
 
@@ -109,14 +134,14 @@ def init_random_(model: DecoderLM, seed: int) -> DecoderLM:
                 param.normal_(ATTENTION_SHARPNESS, 0.1, generator=generator)
             elif name.endswith("norm.weight"):
                 param.normal_(1.0, 0.1, generator=generator)
-            elif name.endswith(".bias"):
+            elif name.endswith((".bias", "expert_bias")):
                 param.normal_(0.0, 0.1, generator=generator)
             elif name == "lm_head.weight" or (name == "embed_tokens.weight" and model.lm_head is None):
                 param.normal_(0.0, LOGIT_SCALE / math.sqrt(arch.hidden_size), generator=generator)
             elif name == "embed_tokens.weight":
                 param.normal_(0.0, EMBEDDING_STD, generator=generator)
             else:
-                param.normal_(0.0, 1.0 / math.sqrt(param.shape[1]), generator=generator)
+                param.normal_(0.0, 1.0 / math.sqrt(param.shape[-1]), generator=generator)  # [(E,) out, in]
                 if name.endswith("qkv_proj.weight") and not arch.qk_norm:
                     param[:qk_rows] *= ATTENTION_SHARPNESS
     return model
@@ -157,11 +182,12 @@ def write_random_checkpoint(
     *,
     seed: int = 0,
     dtype: torch.dtype = torch.float32,
-    num_shards: int = 1,
+    num_shards: int | None = 1,
     tokenizer: bool = True,
     **shape_and_config,
 ) -> Path:
-    """A checkpoint directory in the family's real layout; `shape_and_config` as for `random_config`."""
+    """A checkpoint directory in the family's real layout; `shape_and_config` as for `random_config`.
+    num_shards None: as many shards of about SHARD_BYTES as the weights need (one file when they fit)."""
     directory = Path(path)
     config = random_config(model_name, **shape_and_config)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
@@ -174,24 +200,31 @@ def write_random_checkpoint(
     return directory
 
 
-def write_weights(model: DecoderLM, directory: Path, num_shards: int) -> None:
+def write_weights(model: DecoderLM, directory: Path, num_shards: int | None) -> None:
     """Safetensors under the checkpoint names: model.safetensors, or num_shards files and an index."""
     params = dict(model.named_parameters())
-    # Clone: fused parameters are split into views of one storage, which safetensors refuses to save.
-    tensors = {name: params[w.param][w.rows].detach().clone() for name, w in model.checkpoint_layout().items()}
+    layout = model.checkpoint_layout()
+    names = list(layout)
+    total_size = sum(math.prod(w.shape) * params[w.param].element_size() for w in layout.values())
+    if num_shards is None:
+        num_shards = max(1, math.ceil(total_size / SHARD_BYTES))
+
+    def tensors(chunk: list[str]) -> dict[str, torch.Tensor]:
+        # Clone: fused parameters are split into views of one storage, which safetensors refuses to save. One
+        # shard at a time, so a released-shape model is not held twice in memory.
+        return {name: layout[name].target(params).detach().clone() for name in chunk}
+
     if num_shards == 1:
-        save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+        save_file(tensors(names), directory / "model.safetensors", metadata={"format": "pt"})
         return
-    names = list(tensors)
     if not 1 <= num_shards <= len(names):
         raise ValueError(f"num_shards must be in [1, {len(names)}] for this model, got {num_shards}")
     weight_map = {}
     for shard in range(num_shards):
         file = f"model-{shard + 1:05d}-of-{num_shards:05d}.safetensors"
         chunk = names[shard * len(names) // num_shards:(shard + 1) * len(names) // num_shards]
-        save_file({name: tensors[name] for name in chunk}, directory / file, metadata={"format": "pt"})
+        save_file(tensors(chunk), directory / file, metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(chunk, file))
-    total_size = sum(t.numel() * t.element_size() for t in tensors.values())
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
 
@@ -243,40 +276,48 @@ def write_byte_tokenizer(directory: Path, model_max_length: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description="Write a random-weight checkpoint in a family's HF layout.")
+    families = AutoModelForDiffusionLM.keys()
+    shapes = {**RELEASED_SHAPES, **{f"{name}-tiny": dict(model_name=name) for name in families}}
+    parser = argparse.ArgumentParser(description="Write a random-weight checkpoint in a family's released layout.")
     parser.add_argument("out_dir", type=Path)
-    parser.add_argument("--model-name", required=True, choices=AutoModelForDiffusionLM.keys())
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--num-heads", type=int, default=4)
-    parser.add_argument("--num-kv-heads", type=int, default=2)
-    parser.add_argument("--intermediate-size", type=int, default=128)
-    parser.add_argument("--head-dim", type=int, default=None)
-    parser.add_argument("--vocab-size", type=int, default=None)
-    parser.add_argument("--max-position-embeddings", type=int, default=512)
+    parser.add_argument("--family", "--model-name", dest="model_name", choices=families,
+                        help="the model family (default: the --shape's)")
+    parser.add_argument("--shape", choices=sorted(shapes),
+                        help="a released shape, or FAMILY-tiny; the flags below override single fields")
+    for flag in ("hidden-size", "num-layers", "num-heads", "num-kv-heads", "intermediate-size", "head-dim",
+                 "vocab-size", "max-position-embeddings"):
+        parser.add_argument(f"--{flag}", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
-    parser.add_argument("--num-shards", type=int, default=1)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="default: bfloat16 for a released shape, else float32")
+    parser.add_argument("--num-shards", type=int, default=None,
+                        help=f"default: shards of about {SHARD_BYTES >> 30} GiB (one file when the weights fit)")
     parser.add_argument("--no-tokenizer", action="store_true")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="set a config.json key, e.g. --set block_size=8 --set tie_word_embeddings=true")
     args = parser.parse_args(argv)
-    extra = {}
+    spec = dict(shapes[args.shape]) if args.shape else {}
+    family = spec.pop("model_name", None)
+    if args.model_name and family and args.model_name != family:
+        parser.error(f"--shape {args.shape} is a {family!r} shape, not {args.model_name!r}")
+    family = args.model_name or family
+    if family is None:
+        parser.error("give --family or --shape")
+    for field in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size", "head_dim",
+                  "vocab_size", "max_position_embeddings"):
+        if getattr(args, field) is not None:
+            spec[field] = getattr(args, field)
     for item in args.set:
         key, sep, value = item.partition("=")
         if not sep:
             parser.error(f"--set expects KEY=JSON, got {item!r}")
         try:
-            extra[key] = json.loads(value)
+            spec[key] = json.loads(value)
         except json.JSONDecodeError:
             parser.error(f"--set {key}: {value!r} is not JSON (quote strings: {key}='\"text\"')")
-    out = write_random_checkpoint(
-        args.out_dir, args.model_name, hidden_size=args.hidden_size, num_layers=args.num_layers,
-        num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, intermediate_size=args.intermediate_size,
-        head_dim=args.head_dim, vocab_size=args.vocab_size, max_position_embeddings=args.max_position_embeddings,
-        seed=args.seed, dtype=getattr(torch, args.dtype), num_shards=args.num_shards,
-        tokenizer=not args.no_tokenizer, **extra,
-    )
+    dtype = args.dtype or ("bfloat16" if args.shape in RELEASED_SHAPES else "float32")
+    out = write_random_checkpoint(args.out_dir, family, seed=args.seed, dtype=getattr(torch, dtype),
+                                  num_shards=args.num_shards, tokenizer=not args.no_tokenizer, **spec)
     print(out)
 
 

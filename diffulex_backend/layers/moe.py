@@ -1,0 +1,114 @@
+"""The mixture-of-experts MLP that LLaDA2 and SDAR-MoE share: a router, routed experts stored stacked, and an
+optional shared expert.
+
+Routing (`select_experts`) is plain torch on every device; the experts run as the fused-MoE Triton kernel on
+CUDA (`forward(x, fused=True)`, from `fused_forward`) and as `experts_reference` otherwise. Both read the
+experts as two stacked parameters, the layout the kernel wants and the loader packs the per-expert checkpoint
+tensors into:
+- `w_gate_up` [E, 2 * I, H]: rows gate then up;
+- `w_down` [E, H, I].
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from diffulex_backend.layers.mlp import GatedMLP
+from diffulex_backend.models.arch import ModelArch, RouterScore
+
+
+class MoE(nn.Module):
+    def __init__(self, arch: ModelArch):
+        super().__init__()
+        self.arch = arch
+        experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
+        self.gate = nn.Linear(hidden, experts, bias=False)  # the router
+        # A parameter (frozen like every other) rather than a buffer, so the loader fills it like any weight.
+        self.expert_bias = nn.Parameter(torch.zeros(experts)) if arch.router_bias else None
+        self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
+        self.w_down = nn.Parameter(torch.empty(experts, hidden, inter))
+        shared = arch.num_shared_experts * inter
+        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+
+    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        topk_ids, topk_weights = select_experts(self.gate(x), self.expert_bias, self.arch)
+        if fused:
+            from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
+
+            out = fused_moe(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+        else:
+            out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return out
+
+
+def select_experts(
+    logits: torch.Tensor,  # [T, E], the router's output
+    bias: torch.Tensor | None,  # [E]: added to the scores to pick the experts, never to weight them
+    arch: ModelArch,
+) -> tuple[torch.Tensor, torch.Tensor]:  # topk_ids [T, K] int64, topk_weights [T, K] float32 (float64 in float64)
+    """The experts each token goes through and their weights.
+
+    1. scores: softmax or sigmoid of the logits, in float32 at least (the released routers run in float32);
+    2. with groups, each group is scored by the sum of its two best biased scores, and only the experts of the
+       `topk_groups` best groups stay eligible;
+    3. the K best biased scores among the eligible experts are selected;
+    4. their weights are the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    Equal scores go to the lower expert (and group) index: torch.topk leaves their order open, a stable sort
+    does not, so the CPU reference and the GPU agree on ties.
+    """
+    dtype = torch.promote_types(logits.dtype, torch.float32)
+    logits = logits.to(dtype)
+    scores = logits.sigmoid() if arch.router_score is RouterScore.SIGMOID else logits.softmax(dim=-1)
+    biased = scores if bias is None else scores + bias.to(dtype)
+    if arch.num_expert_groups > 1:
+        tokens = biased.shape[0]
+        grouped = biased.view(tokens, arch.num_expert_groups, -1)  # [T, G, E / G]
+        group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)  # [T, G]
+        best_groups = _top_indices(group_scores, arch.topk_groups)
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
+        biased = grouped.masked_fill(~keep[:, :, None], float("-inf")).view(tokens, -1)
+    topk_ids = _top_indices(biased, arch.num_experts_per_tok)
+    weights = scores.gather(1, topk_ids)
+    if arch.norm_topk_prob:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return topk_ids, weights * arch.routed_scaling_factor
+
+
+def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:  # [T, N] -> [T, k] int64, ties to the lower index
+    return torch.sort(values, dim=-1, descending=True, stable=True).indices[:, :k]
+
+
+def experts_reference(
+    x: torch.Tensor,  # [T, H]
+    w_gate_up: torch.Tensor,  # [E, 2 * I, H]: rows gate then up
+    w_down: torch.Tensor,  # [E, H, I]
+    topk_ids: torch.Tensor,  # [T, K] int64
+    topk_weights: torch.Tensor,  # [T, K]
+) -> torch.Tensor:  # [T, H] in x's dtype
+    """out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]: the fused
+    kernel's contract, in torch. One matmul per expert that got tokens; the (token, choice) pairs are sorted by
+    expert so each expert reads a contiguous slice. The counts go to the host, so this path is not for CUDA
+    graphs; on CUDA the kernel runs instead."""
+    tokens, k = topk_ids.shape
+    inter = w_down.shape[-1]
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)  # (token, choice) pairs grouped by expert
+    pair_token = order // k
+    counts = torch.bincount(flat_ids, minlength=w_gate_up.shape[0]).tolist()
+    pair_out = x.new_empty(tokens * k, x.shape[1])
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = slice(start, start + count)
+        xs = x[pair_token[rows]]
+        gate, up = F.linear(xs, w_gate_up[expert]).split(inter, dim=-1)
+        pair_out[rows] = F.linear(F.silu(gate) * up, w_down[expert])
+        start += count
+    # Weighted and summed in the weights' float32 (float64) precision, as the released models combine them.
+    weighted = pair_out.to(topk_weights.dtype) * topk_weights.reshape(-1)[order, None]
+    out = torch.zeros(x.shape, dtype=topk_weights.dtype, device=x.device).index_add_(0, pair_token, weighted)
+    return out.to(x.dtype)
