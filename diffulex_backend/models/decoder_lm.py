@@ -143,7 +143,8 @@ class DecoderLM(nn.Module):
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
 
             return fused_forward(self, input_ids, positions, meta, kv_cache)
-        cos, sin = rotary_angles(positions, self.arch.rotary_dim, self.arch.rope_theta)
+        cos, sin = rotary_angles(positions, self.arch.rotary_dim, self.arch.rope_theta,
+                                 torch.promote_types(self.embed_tokens.weight.dtype, torch.float32))
         hidden = self.embed_tokens(input_ids)
         for index, layer in enumerate(self.layers):
             k_cache = v_cache = None
