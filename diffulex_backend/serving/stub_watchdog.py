@@ -74,13 +74,18 @@ def repository_call(host: str, port: int, model: str, action: str) -> tuple[int 
         connection.close()
 
 
-def reload_model(host: str, port: int, model: str) -> bool:
-    for action in ("unload", "load"):
-        status, body = repository_call(host, port, model, action)
-        logger.warning("%s of model '%s': %s %s", action, model, status, body[:300])
-        if status != 200:
-            return False
-    return True
+def reload_model(host: str, port: int, model: str, attempts: int = 5) -> bool:
+    """Unload, then load. A load can be refused while another reload of the same model is under way (its engine
+    failed again at once); it is tried again, a second apart."""
+    status, body = repository_call(host, port, model, "unload")
+    logger.warning("unload of model '%s': %s %s", model, status, body[:300])
+    for attempt in range(attempts):
+        status, body = repository_call(host, port, model, "load")
+        logger.warning("load of model '%s': %s %s", model, status, body[:300])
+        if status == 200 or status is None:  # None: the server is gone
+            return status == 200
+        time.sleep(1.0)
+    return False
 
 
 def watch(stub_pid: int, model: str, host: str, port: int, server_pid: int) -> None:

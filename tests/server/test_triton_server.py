@@ -241,6 +241,12 @@ def test_an_engine_failure_ends_open_requests_and_the_model_comes_back_in_a_fres
         with pytest.raises(InferenceServerException) as caught:
             grpc_stream(server, grpc_inputs("hello", GREEDY, stream=True), model="diffulex_failing")
         assert "RuntimeError: device lost" in caught.value.message()
+        # Failures and reloads racing 16 concurrent requests: each ends with an error, and the server lives on.
+        with ThreadPoolExecutor(16) as pool:
+            answers = list(pool.map(lambda i: post(f"{server.http_url}/v2/models/diffulex_failing/generate",
+                                                   {"text_input": f"race {i}", "parameters": GREEDY}), range(16)))
+        assert all(status in (400, 404, 503) and json.loads(payload)["error"] for status, payload in answers), answers
+        assert server.process.poll() is None
         wait_for(lambda: client.is_model_ready("diffulex_failing"), timeout_s=120)
         client.unload_model("diffulex_failing")
         wait_for(lambda: model_state(client, "diffulex_failing") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
