@@ -36,6 +36,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LEAVING_MESSAGE = "the server is shutting down or unloading this model"
+CANCEL_POLLS_PER_TICK = 8
 
 
 class ErrorKind(enum.Enum):
@@ -141,6 +142,7 @@ class EngineLoop:
         self._on_failure = on_failure
         self._server_is_leaving = server_is_leaving  # asked while requests are open (server_watch.py)
         self._server_check_interval_s = server_check_interval_s
+        self._next_cancel_poll = 0  # where the next round of cancellation polls starts among the open requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         # Guards the state against submits racing a failure or a stop, so no Submit is left unanswered in
@@ -275,8 +277,9 @@ class EngineLoop:
     def _handle(self, event, open_requests: dict[str, OpenRequest]) -> None:
         if isinstance(event, Stepped):
             self._metrics.update_engine(event.snapshot)
-            for output in event.outputs:
-                self._deliver(output, event.time, open_requests)
+            generated = sum(self._deliver(output, event.time, open_requests) for output in event.outputs)
+            if generated:  # one increment a step, not one per request: each is a round trip to the server
+                self._metrics.generation_tokens.increment(generated)
         elif isinstance(event, Opened):
             open_requests[event.request_id] = OpenRequest(event.stream, event.arrival_time)
             self._metrics.update_engine(event.snapshot)
@@ -294,15 +297,16 @@ class EngineLoop:
             open_requests.clear()
             self._on_failure(event.message)
 
-    def _deliver(self, output: StepOutput, now: float, open_requests: dict[str, OpenRequest]) -> None:
+    def _deliver(self, output: StepOutput, now: float, open_requests: dict[str, OpenRequest]) -> int:
+        """Send what the output is due; returns the generated tokens it delivered."""
         request = open_requests.get(output.request_id)
         if request is None:
-            return
+            return 0
         if request.cancelling:
             if output.finished:  # it finished before the abort arrived, so no Aborted event will come
                 del open_requests[output.request_id]
                 _send_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
-            return
+            return 0
         try:
             self._observe(request, output, now)
         except Exception:
@@ -314,9 +318,10 @@ class EngineLoop:
             del open_requests[output.request_id]
             self._commands.put(Abort(output.request_id))  # free its pages
             _send_error(request.stream, ErrorKind.INTERNAL, f"building the response failed: {type(err).__name__}: {err}")
-            return
+            return 0
         if output.finished:
             del open_requests[output.request_id]
+        return len(output.token_ids)
 
     def _observe(self, request: OpenRequest, output: StepOutput, now: float) -> None:
         metrics = self._metrics
@@ -324,7 +329,6 @@ class EngineLoop:
             request.counted_prompt = True
             metrics.prompt_tokens.increment(output.num_prompt_tokens)
         if output.token_ids:
-            metrics.generation_tokens.increment(len(output.token_ids))
             if not request.got_first_token:
                 request.got_first_token = True
                 metrics.time_to_first_token.observe(now - request.arrival_time)
@@ -347,10 +351,19 @@ class EngineLoop:
         open_requests.clear()
 
     def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:
-        for request_id, request in open_requests.items():
+        """Poll the next CANCEL_POLLS_PER_TICK open requests, in turn: each poll is a round trip to the server
+        (about 70 us on an H100 host), and polling all of 32 open requests every 20 ms took some 48 of them per
+        step. A cancelled request is still noticed within (open requests / CANCEL_POLLS_PER_TICK) ticks."""
+        ids = list(open_requests)
+        if not ids:
+            return
+        start = self._next_cancel_poll % len(ids)
+        for request_id in (ids[start:] + ids[:start])[:CANCEL_POLLS_PER_TICK]:
+            request = open_requests[request_id]
             if not request.cancelling and _is_cancelled(request.stream):
                 request.cancelling = True
                 self._commands.put(Abort(request_id))
+        self._next_cancel_poll = start + CANCEL_POLLS_PER_TICK
 
 
 def _is_cancelled(stream: ResponseStream) -> bool:

@@ -174,3 +174,33 @@ def test_the_response_thread_sleeps_while_nothing_is_open(checkpoint):
 def thread_cpu_seconds(native_id: int) -> float:
     fields = open(f"/proc/self/task/{native_id}/stat").read().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+class CancellableStream(RecordingStream):
+    def __init__(self):
+        super().__init__()
+        self.cancelled = False
+        self.polls = 0
+
+    def is_cancelled(self) -> bool:
+        self.polls += 1
+        return self.cancelled
+
+
+def test_cancellation_polls_take_open_requests_in_turn_and_every_cancel_is_noticed(checkpoint):
+    served = Diffulex(str(checkpoint), **TEST_SETTINGS)
+    loop, _ = start_loop(served, cancel_poll_interval_s=0.005)
+    streams = [CancellableStream() for _ in range(20)]
+    for stream in streams:
+        loop.submit(served.prepare_request("a long one", SamplingParams(max_tokens=400)), stream)
+    time.sleep(0.5)
+    for stream in streams[::2]:
+        stream.cancelled = True
+    wait_all(streams[::2])
+    assert all(stream.error == (ErrorKind.CANCELLED, "the request was cancelled") for stream in streams[::2])
+    assert all(stream.polls > 0 for stream in streams)  # every open request was polled, in turn
+    deadline = time.monotonic() + 30
+    while served.metrics().num_running != 10:  # the cancelled half left the engine
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    loop.stop()
