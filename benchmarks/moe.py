@@ -93,7 +93,6 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
             reference_ms=round(reference_ms, 4), reference_vs_kernel=round(reference_ms / kernel_ms, 3),
         ))
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    del args
     return rows
 
 

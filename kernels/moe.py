@@ -5,9 +5,11 @@
 
 Three steps, none of which waits on the host, so the whole layer can live in a CUDA graph:
 
-1. `route_to_tiles` sorts the T*K (token, choice) pairs by expert (stable: token order inside an expert) and pads
-   each expert's run up to a multiple of the row tile BLOCK_M. A tile holds rows of one expert only; an expert that
-   got no token gets no tile. The number of tiles is only known on the device, so the grid is launched for the
+1. `route_to_tiles` sorts the T*K (token, choice) pairs by expert (token order inside an expert) and pads each
+   expert's run up to a multiple of the row tile BLOCK_M. A tile holds rows of one expert only; an expert that got
+   no token gets no tile. Three small kernels: count each chunk's pairs per expert, plan the runs in one program,
+   scatter each pair to its row (a chain of torch sort, cumsum and scatter ops took 60-140 us on an H100, a fifth
+   of the whole layer at decode). The number of tiles is only known on the device, so the grid is launched for the
    most tiles any routing can need, and the programs past the last real tile return at once, before any load.
 2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,
    streams the expert's gate rows and the up rows that pair with them, and writes silu(gate) * up into
@@ -49,14 +51,17 @@ class MoeLaunch:
 
 
 def plan_moe_launch(num_pairs: int, num_experts: int) -> MoeLaunch:
-    """The launch `fused_moe` uses: the row tile follows the average number of pairs per expert (16 at decode, see
-    the module's note), and tall tiles take wide weight tiles, as a compute-bound GEMM wants."""
-    per_expert = triton.cdiv(num_pairs, num_experts)
-    block_m = min(64, max(16, triton.next_power_of_2(per_expert)))
-    if block_m <= 32:
+    """The launch `fused_moe` uses. The row tile follows the average number of pairs per expert: 16 at decode (see
+    the module's note); past that, a tile about as tall as the average run, with wide weight tiles, as a
+    compute-bound GEMM wants. On an H100 at LLaDA2-mini's and Qwen3-30B-A3B's expert shapes this picks the fastest
+    of the tiles benchmarks/moe.py times, or one within 3% of it (docs/kernels.md)."""
+    per_expert = num_pairs / num_experts
+    if per_expert <= 8:
         # Weight-bound: 4 stages of a 64x128 weight tile pair keep enough bytes in flight (as in linear.py).
-        return MoeLaunch(block_m, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return MoeLaunch(block_m, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        return MoeLaunch(16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    if per_expert <= 16:
+        return MoeLaunch(32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    return MoeLaunch(64 if per_expert <= 64 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
 
 
 @dataclass(frozen=True)
@@ -77,30 +82,107 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
     return (num_pairs + min(num_experts, num_pairs) * (block_m - 1)) // block_m
 
 
+ROUTE_CHUNK = 128  # pairs per program of the counting and scattering kernels
+PLAN_CHUNKS = 16  # chunks per step of the planning kernel
+PLAN_TILES = 64  # tiles per step of the planning kernel
+
+
+@triton.jit
+def _count_experts_kernel(ids_ptr, chunk_counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """chunk_counts[c, e]: how many pairs of chunk c go to expert e."""
+    wait_for_previous_kernel(USE_PDL)
+    chunk = tl.program_id(0)
+    offs = chunk * CHUNK + tl.arange(0, CHUNK)
+    valid = offs < num_pairs
+    experts = tl.load(ids_ptr + offs, mask=valid, other=0).to(tl.int32)
+    tl.store(chunk_counts_ptr + chunk * E_POW2 + tl.arange(0, E_POW2), tl.histogram(experts, E_POW2, mask=valid))
+
+
+@triton.jit
+def _plan_tiles_kernel(chunk_counts_ptr, chunk_starts_ptr, pair_ids_ptr, tile_experts_ptr,
+                       num_pairs, num_experts, num_chunks, num_tiles,
+                       E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, TILES: tl.constexpr,
+                       USE_PDL: tl.constexpr):
+    """One program: each expert's run of tiles, the row where each chunk's pairs of each expert start, the expert
+    of every tile, and the padding rows."""
+    wait_for_previous_kernel(USE_PDL)
+    experts = tl.arange(0, E_POW2)
+    counts = tl.zeros([E_POW2], dtype=tl.int32)
+    for c in range(0, num_chunks, CHUNKS):
+        chunks = c + tl.arange(0, CHUNKS)
+        block = tl.load(chunk_counts_ptr + chunks[:, None] * E_POW2 + experts[None, :],
+                        mask=chunks[:, None] < num_chunks, other=0)  # [CHUNKS, E_POW2]
+        counts += tl.sum(block, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tiles_end = tl.cumsum(tiles, 0)  # [E_POW2] the tile after each expert's run
+    seen = (tiles_end - tiles) * BLOCK_M  # the row of each expert's next pair
+    for c in range(0, num_chunks, CHUNKS):
+        chunks = c + tl.arange(0, CHUNKS)
+        in_range = chunks[:, None] < num_chunks
+        block = tl.load(chunk_counts_ptr + chunks[:, None] * E_POW2 + experts[None, :], mask=in_range, other=0)
+        tl.store(chunk_starts_ptr + chunks[:, None] * E_POW2 + experts[None, :],
+                 seen[None, :] + tl.cumsum(block, 0) - block, mask=in_range)
+        seen += tl.sum(block, 0)
+    rows = tl.arange(0, BLOCK_M)
+    for t in range(0, num_tiles, TILES):
+        tile = t + tl.arange(0, TILES)
+        passed = tiles_end[None, :] <= tile[:, None]  # [TILES, E_POW2] experts whose run ends before the tile
+        expert = tl.sum(passed.to(tl.int32), 1)  # E_POW2 past the last run
+        run_start = tl.max(tl.where(passed, tiles_end[None, :], 0), 1)
+        count = tl.sum(tl.where(experts[None, :] == expert[:, None], counts[None, :], 0), 1)
+        in_range = tile < num_tiles
+        tl.store(tile_experts_ptr + tile, tl.minimum(expert, num_experts), mask=in_range)
+        padding = (tile[:, None] - run_start[:, None]) * BLOCK_M + rows[None, :] >= count[:, None]
+        tl.store(pair_ids_ptr + tile[:, None] * BLOCK_M + rows[None, :], tl.full([TILES, BLOCK_M], 0, tl.int32)
+                 + num_pairs, mask=padding & in_range[:, None])
+
+
+@triton.jit
+def _scatter_pairs_kernel(ids_ptr, chunk_starts_ptr, pair_ids_ptr, num_pairs, E_POW2: tl.constexpr,
+                          CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
+    """Each pair to its row: its chunk's start for its expert, plus the chunk's earlier pairs of that expert."""
+    wait_for_previous_kernel(USE_PDL)
+    chunk = tl.program_id(0)
+    lane = tl.arange(0, CHUNK)
+    offs = chunk * CHUNK + lane
+    valid = offs < num_pairs
+    experts = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+    earlier = (experts[:, None] == experts[None, :]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
+    rank = tl.sum(earlier.to(tl.int32), 1)
+    row = tl.load(chunk_starts_ptr + chunk * E_POW2 + experts, mask=valid, other=0) + rank
+    tl.store(pair_ids_ptr + row, offs, mask=valid)
+
+
 def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutedTiles:
-    """Sorts the pairs of topk_ids [T, K] by expert and pads each expert's run to block_m rows, with torch ops on
-    topk_ids' device and no host synchronisation (the sizes come from the shapes alone)."""
-    experts = topk_ids.reshape(-1).long()  # [P] expert of each pair
-    num_pairs, device = experts.numel(), experts.device
+    """Sorts the pairs of topk_ids [T, K] by expert (token order inside an expert) and pads each expert's run to
+    block_m rows. Three small kernels and no host synchronisation: the sizes come from the shapes alone."""
+    ids = topk_ids.reshape(-1)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    num_pairs, device = ids.numel(), ids.device
     num_tiles = max_tiles(num_pairs, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(0, experts, torch.ones_like(experts))
-    tiles = (counts + block_m - 1) // block_m  # [E]
-    tiles_end = tiles.cumsum(0)
-    # Tile i belongs to the first expert whose tiles end past i; past the last real tile that is num_experts.
-    tile_experts = torch.searchsorted(tiles_end, torch.arange(num_tiles, device=device), right=True)
-    sorted_experts, order = torch.sort(experts, stable=True)
-    first_pair = counts.cumsum(0) - counts  # [E] where each expert's run starts among the sorted pairs
-    rank = torch.arange(num_pairs, device=device) - first_pair[sorted_experts]
-    rows = (tiles_end - tiles)[sorted_experts] * block_m + rank
-    pair_ids = torch.full((num_tiles * block_m,), num_pairs, dtype=torch.int32, device=device)
-    pair_ids.scatter_(0, rows, order.to(torch.int32))
-    return RoutedTiles(pair_ids, tile_experts.to(torch.int32), block_m)
+    num_chunks = triton.cdiv(num_pairs, ROUTE_CHUNK)
+    e_pow2 = triton.next_power_of_2(num_experts)
+    chunk_counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=device)
+    chunk_starts = torch.empty_like(chunk_counts)
+    pair_ids = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)
+    tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
+    pdl = use_pdl(ids)
+    _count_experts_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, E_POW2=e_pow2, CHUNK=ROUTE_CHUNK,
+                                         USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    _plan_tiles_kernel[(1,)](chunk_counts, chunk_starts, pair_ids, tile_experts, num_pairs, num_experts, num_chunks,
+                             num_tiles, E_POW2=e_pow2, BLOCK_M=block_m, CHUNKS=PLAN_CHUNKS, TILES=PLAN_TILES,
+                             USE_PDL=pdl, launch_pdl=pdl, num_warps=8)
+    _scatter_pairs_kernel[(num_chunks,)](ids, chunk_starts, pair_ids, num_pairs, E_POW2=e_pow2, CHUNK=ROUTE_CHUNK,
+                                         USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    return RoutedTiles(pair_ids, tile_experts, block_m)
 
 
 @triton.jit
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr,
-    num_pairs, num_experts, H, I, stride_xt, stride_we, stride_wn, stride_am,
+    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -114,10 +196,10 @@ def _gate_up_kernel(
     m_valid = pairs < num_pairs
     tokens = pairs // TOP_K
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_valid = offs_n < I
+    n_valid = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + I * stride_wn
+    up_ptrs = gate_ptrs + INTER * stride_wn
     x_ptrs = x_ptr + tokens[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -145,7 +227,7 @@ def _gate_up_kernel(
 @triton.jit
 def _down_kernel(
     act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr,
-    num_pairs, num_experts, H, I, stride_am, stride_we, stride_wn, stride_op,
+    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
@@ -163,12 +245,12 @@ def _down_kernel(
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     a_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(0, I, BLOCK_K):
+    for k in range(0, INTER, BLOCK_K):
         if EVEN_K:
             a = tl.load(a_ptrs, mask=m_valid[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=n_valid[:, None], other=0.0)
         else:
-            k_valid = offs_k + k < I
+            k_valid = offs_k + k < INTER
             a = tl.load(a_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         acc = tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)

@@ -148,7 +148,30 @@ def test_no_routing_needs_more_tiles_than_the_bound():
     assert routed.max_tiles == 12 and (routed.tile_experts == torch.arange(12, device=DEVICE)).all()
 
 
+def test_routing_of_many_chunks_equals_a_stable_sort_by_expert():
+    # More pairs than one step of the planning kernel takes (several chunk steps, several tile steps), six experts.
+    num_experts, block_m = 6, 16
+    gen = generator(17)
+    topk_ids, _ = route(700, num_experts, 4, gen)
+    routed = route_to_tiles(topk_ids, num_experts, block_m)
+    flat = topk_ids.flatten()
+    order = torch.sort(flat, stable=True).indices
+    counts = torch.bincount(flat, minlength=num_experts).tolist()
+    expected_pairs, expected_experts = [], []
+    for expert, count in enumerate(counts):
+        tiles = -(-count // block_m)
+        run = order[flat[order] == expert].tolist()
+        expected_pairs += run + [flat.numel()] * (tiles * block_m - count)
+        expected_experts += [expert] * tiles
+    num_real = len(expected_experts)
+    assert routed.max_tiles > 64 and routed.tile_experts[:num_real].tolist() == expected_experts
+    assert (routed.tile_experts[num_real:] == num_experts).all()
+    assert routed.pair_ids[:num_real * block_m].tolist() == expected_pairs
+    assert (routed.pair_ids[num_real * block_m:] == flat.numel()).all()
+
+
 def test_decode_tiles_are_16_rows_and_grow_with_the_pairs_per_expert():
     assert plan_moe_launch(32 * 8, 256).block_m == 16  # one block of 32 tokens: ~1.6 pairs per touched expert
-    assert plan_moe_launch(1024 * 8, 256).block_m == 32
-    assert plan_moe_launch(2048 * 8, 128).block_m == 64
+    assert plan_moe_launch(256 * 8, 128).block_m == 32
+    assert plan_moe_launch(1024 * 8, 256).block_m == 64
+    assert plan_moe_launch(2048 * 8, 128).block_m == 128
