@@ -9,7 +9,12 @@ reference and the CPU path), in fewer launches.
   down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up, and the
   gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
-small kernels would otherwise cost more than the weights take to stream. Roundings differ from the torch modules
+small kernels would otherwise cost more than the weights take to stream.
+- A MoE layer's MLP (LLaDA2, SDAR-MoE) is its module called with `fused=True`: routing in torch, the routed
+  experts in the fused-MoE kernel, the shared expert as the torch GatedMLP; its [T, hidden] output goes to the
+  same residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
+- Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
+  stride), after the per-head norms. Roundings differ from the torch modules
 only where a kernel keeps float32 between two ops that the modules round in between.
 """
 from __future__ import annotations
@@ -17,6 +22,7 @@ from __future__ import annotations
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
@@ -31,7 +37,7 @@ def fused_forward(
     meta: AttentionMetadata,
     kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
 ) -> torch.Tensor:  # [T, hidden], after the final norm
-    cos, sin = rotary_angles(positions, model.arch.head_dim, model.arch.rope_theta)
+    cos, sin = rotary_angles(positions, model.arch.rotary_dim, model.arch.rope_theta)  # float32, as the kernel wants
     residual = model.embed_tokens(input_ids)
     first_norm = model.layers[0].attn_norm
     x = rmsnorm(residual, first_norm.weight, first_norm.eps)
@@ -43,7 +49,10 @@ def fused_forward(
         attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache)
         x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
-        mlp_out = linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+        if isinstance(mlp, MoE):
+            mlp_out = mlp(x, fused=True)  # [T, hidden]
+        else:
+            mlp_out = linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight), mlp.down_proj.weight)
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
 
@@ -64,8 +73,11 @@ def _self_attention(
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
-    kv_stored = attn.q_norm is None and k_cache is not None
-    if attn.q_norm is None:
+    rotary_dim = 2 * cos.shape[-1]
+    # The store-fused launch rotates whole heads; a partial-rotary model takes the view path below.
+    fuse_store = attn.q_norm is None and rotary_dim == head_dim
+    kv_stored = fuse_store and k_cache is not None
+    if fuse_store:
         # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both, and the
         # same launch stores the rotated k and v of the tokens that have a cache slot.
         qk = qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
@@ -74,6 +86,11 @@ def _self_attention(
         else:
             rotate_in_place(qk, cos, sin)
     else:
-        q, k = rotate_in_place(attn.q_norm(q), cos, sin), rotate_in_place(attn.k_norm(k), cos, sin)
+        if attn.q_norm is not None:
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        # Views of the first rotary_dim dims of each head ([T, heads, rotary_dim], head stride head_dim): the rest
+        # of each head passes through unrotated.
+        rotate_in_place(q[..., :rotary_dim], cos, sin)
+        rotate_in_place(k[..., :rotary_dim], cos, sin)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)  # [T, heads, head_dim]
     return linear_partials(out.reshape(tokens, q_size), attn.o_proj.weight)

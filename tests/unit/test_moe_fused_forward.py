@@ -1,0 +1,69 @@
+"""The MoE families' CUDA forward (`layers.fused_forward`: the fused-MoE kernel for the routed experts, partial
+rotary through views of q and k, the dense first layer on the dense kernels) gives the hidden states and the paged
+cache of the torch modules. On a machine without a GPU the kernels run under TRITON_INTERPRET=1."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_model
+
+DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+PAGE_SIZE = 4
+# float32 throughout; on the GPU the matrix products run in tf32.
+TOLERANCE = 2e-2 if DEVICE.type == "cuda" else 1e-5
+
+pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
+                                reason="the Triton kernels need a GPU or TRITON_INTERPRET=1")
+
+
+def metadata(query_lens, context_lens, slot_mapping, page_tables) -> AttentionMetadata:
+    cu = [0]
+    for n in query_lens:
+        cu.append(cu[-1] + n)
+    # Block ids: a prefill (no context) is causal, one block per token; a decode step is one block over its context.
+    block_ids = [i if c == 0 else c for n, c in zip(query_lens, context_lens) for i in range(n)]
+    as_tensor = lambda values, dtype: torch.tensor(values, dtype=dtype, device=DEVICE)  # noqa: E731
+    return AttentionMetadata(
+        cu_seqlens_q=as_tensor(cu, torch.int32), context_lens=as_tensor(context_lens, torch.int32),
+        page_tables=as_tensor(page_tables, torch.int32), slot_mapping=as_tensor(slot_mapping, torch.int64),
+        block_ids=as_tensor(block_ids, torch.int32), max_seqlen_q=max(query_lens),
+        max_context_len=max(context_lens), cu_seqlens_q_host=tuple(cu), context_lens_host=tuple(context_lens))
+
+
+def relative_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+@pytest.mark.parametrize("model_name", ["llada2", "sdar_moe"])  # partial rotary + groups + shared; softmax router
+def test_fused_forward_of_a_moe_model_matches_the_torch_modules(model_name):
+    import diffulex_kernels
+
+    # head_dim 64: the attention kernel's smallest; LLaDA2 then rotates the first 32 dims of each head.
+    shape = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=64)
+    reference = random_model(model_name, **shape, device=DEVICE, seed=11)
+    fused = random_model(model_name, **shape, device=DEVICE, seed=11, attention_fn=diffulex_kernels.paged_attention)
+    fused.fused_kernels = True
+    arch = reference.arch
+    caches = [torch.zeros(2, arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, device=DEVICE)
+              for _ in range(2)]
+    pages = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    slots = lambda seq, n: [pages[seq][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(n)]  # noqa: E731
+    # A causal prefill of two prompts (6 and 9 tokens) that stores every token, then an 8-token block per
+    # sequence over that cached context.
+    prefill = metadata([6, 9], [0, 0], slots(0, 6) + slots(1, 9), pages)
+    decode = metadata([8, 8], [6, 9], [-1] * 16, pages)
+    gen = torch.Generator().manual_seed(3)
+    steps = [
+        (torch.randint(0, 258, (15,), generator=gen), torch.cat([torch.arange(6), torch.arange(9)]), prefill),
+        (torch.full((16,), MASK_TOKEN_ID), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]), decode),
+    ]
+    with torch.inference_mode():
+        for input_ids, positions, meta in steps:
+            want = reference(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[0])
+            got = fused(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[1])
+            assert relative_error(got, want) < TOLERANCE
+    assert relative_error(caches[1], caches[0]) < TOLERANCE
