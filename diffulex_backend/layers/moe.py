@@ -19,6 +19,10 @@ from diffulex_backend.models.arch import ModelArch, RouterScore
 
 
 class MoE(nn.Module):
+    # Kept in float32 in a bf16/fp16 model, as the released LLaDA2 keeps its expert_bias buffer: a bias rounded to
+    # bf16 would move the selection of experts whose scores are close.
+    FLOAT32_PARAMS = ("expert_bias",)
+
     def __init__(self, arch: ModelArch):
         super().__init__()
         self.arch = arch
@@ -32,7 +36,10 @@ class MoE(nn.Module):
         self.shared_experts = GatedMLP(hidden, shared) if shared else None
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
-        topk_ids, topk_weights = select_experts(self.gate(x), self.expert_bias, self.arch)
+        # The router runs in float32 (float64 in a float64 model), as the released routers do.
+        router_dtype = torch.promote_types(x.dtype, torch.float32)
+        logits = F.linear(x.to(router_dtype), self.gate.weight.to(router_dtype))  # [T, E]
+        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch)
         if fused:
             from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
 

@@ -88,8 +88,14 @@ class DecoderLM(nn.Module):
         """The model with uninitialized parameters, allocated once, directly on `device` in `dtype`."""
         with torch.device("meta"):
             model = cls(arch, attention_fn)
+            model.to(dtype)
+            for module in model.modules():  # parameters a layer keeps in float32 at least (a router's bias)
+                for name in getattr(module, "FLOAT32_PARAMS", ()):
+                    param = getattr(module, name)
+                    if param is not None:
+                        setattr(module, name, nn.Parameter(param.to(torch.promote_types(dtype, torch.float32))))
         # Inference only: no parameter takes part in autograd.
-        return model.to(dtype).to_empty(device=device).requires_grad_(False)
+        return model.to_empty(device=device).requires_grad_(False)
 
     def checkpoint_layout(self) -> dict[str, CheckpointWeight]:
         """Every checkpoint tensor name of this architecture and the parameter rows it fills."""

@@ -145,3 +145,13 @@ def test_checkpoint_command_writes_a_tiny_llada2_in_the_released_layout(tmp_path
 def test_checkpoint_command_refuses_a_shape_of_another_family(tmp_path):
     with pytest.raises(SystemExit):
         main(["--family", "llada", "--shape", "llada2-mini", str(tmp_path / "x")])
+
+
+def test_a_bf16_model_keeps_the_expert_bias_in_float32(sharded_llada2):
+    name = LAYER1 + "gate.expert_bias"
+    stored = load_file(shard_of(sharded_llada2, name))[name]
+    assert stored.dtype == torch.float32  # written as the released buffer is
+    model = load_model(sharded_llada2, dtype=torch.bfloat16)
+    mlp = model.layers[1].mlp
+    assert mlp.w_gate_up.dtype == torch.bfloat16
+    assert mlp.expert_bias.dtype == torch.float32 and torch.equal(mlp.expert_bias, stored)
