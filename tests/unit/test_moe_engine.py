@@ -97,3 +97,21 @@ def test_llada2_is_served_under_the_names_diffulex_users_pass(moe_checkpoints, a
     assert by_alias.model.arch.model_name == detected.model.arch.model_name == "llada2"
     assert [s.token_ids for s in run_requests(by_alias, ["ab"], PARAMS)] == \
         [s.token_ids for s in run_requests(detected, ["ab"], PARAMS)]
+
+
+def test_config_pbtxt_parameters_pick_llada2_by_model_name(moe_checkpoints):
+    """What model.py does with config.pbtxt's `parameters`, in process: `model` relative to the model's folder and
+    `model_name` the Diffulex name, so the served engine decodes like one built directly."""
+    from pathlib import Path
+
+    from diffulex_backend.serving.engine_settings import engine_settings
+
+    path = Path(moe_checkpoints["llada2"])
+    parameters = {"model": path.name, "model_name": "llada2_mini", "decoding_strategy": "multi_bd",
+                  "block_size": "4", "page_size": "4", "max_model_len": "96", "dtype": "float64"}
+    settings = engine_settings({k: {"string_value": v} for k, v in parameters.items()}, model_dir=path.parent)
+    served = Diffulex(settings.pop("model"), device="cpu", **settings)
+    assert served.model.arch.model_name == "llada2"
+    direct = tiny_engine(str(path), decoding_strategy="multi_bd")
+    assert [s.token_ids for s in run_requests(served, ["ab"], PARAMS)] == \
+        [s.token_ids for s in run_requests(direct, ["ab"], PARAMS)]
