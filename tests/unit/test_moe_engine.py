@@ -115,3 +115,27 @@ def test_config_pbtxt_parameters_pick_llada2_by_model_name(moe_checkpoints):
     direct = tiny_engine(str(path), decoding_strategy="multi_bd")
     assert [s.token_ids for s in run_requests(served, ["ab"], PARAMS)] == \
         [s.token_ids for s in run_requests(direct, ["ab"], PARAMS)]
+
+
+@pytest.mark.parametrize("dual_cache", [False, True])
+def test_llada2_fast_dllm_refreshed_every_step_equals_vanilla_with_threshold_acceptance(moe_checkpoints, dual_cache):
+    path, limits = moe_checkpoints["llada2"], dict(block_size=8, accept_threshold=0.5)
+    vanilla = run_requests(tiny_engine(path, decoding_strategy="vanilla", sampling_mode="threshold", **limits),
+                           PROMPTS, PARAMS)
+    fast = run_requests(tiny_engine(path, decoding_strategy="fast_dllm", cache_refresh_interval=1,
+                                    dual_cache=dual_cache, **limits), PROMPTS, PARAMS)
+    assert [s.token_ids for s in fast] == [s.token_ids for s in vanilla]
+    assert [s.nfe for s in fast] == [s.nfe for s in vanilla]
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_d2f_differs_from_multi_bd_only_through_the_prompt_attention(moe_checkpoints, family):
+    path, config = moe_checkpoints[family], dict(buffer_size=2, accept_threshold=0.5)
+
+    def tokens(strategy, prompts):
+        return [s.token_ids for s in run_requests(tiny_engine(path, decoding_strategy=strategy, **config),
+                                                  prompts, PARAMS)]
+
+    one_token = ["x", "y", "z"]  # no attention inside the prompt to open up
+    assert tokens("d2f", one_token) == tokens("multi_bd", one_token)
+    assert tokens("d2f", ENGINE_PROMPTS) != tokens("multi_bd", ENGINE_PROMPTS)
