@@ -109,6 +109,14 @@ class ModelArch:
         """Parameters of one routed expert: gate, up and down."""
         return 3 * self.hidden_size * self.moe_intermediate_size
 
+    def expected_touched_experts(self, num_tokens: int) -> float:
+        """The mean number of distinct experts that num_tokens tokens reach in one MoE layer if each token's
+        num_experts_per_tok choices were uniform: E (1 - (1 - K / E)^T). A 32-token block of LLaDA2-mini (E 256,
+        K 8) reaches about 163."""
+        if not self.num_experts:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens)
+
     def touched_expert_bytes(self, experts_touched_per_layer: float, bytes_per_param: int) -> float:
         """Bytes of routed-expert weights one forward streams when each MoE layer's tokens land on
         `experts_touched_per_layer` distinct experts: the weight floor of a decode step, which at a few tokens

@@ -115,3 +115,6 @@ def test_active_params_and_touched_expert_bytes_of_llada2_mini():
     assert arch.num_moe_layers == 19 and arch.rotary_dim == 64
     # 160 of 256 experts touched in each of the 19 MoE layers, bf16: 160 * 3 * 2048 * 512 * 2 bytes per layer.
     assert arch.touched_expert_bytes(160, 2) == 19 * 160 * 3 * 2048 * 512 * 2
+    assert arch.expected_touched_experts(1) == pytest.approx(8)
+    assert arch.expected_touched_experts(32) == pytest.approx(163.4, abs=0.1)  # "about 160 of 256"
+    assert arch.expected_touched_experts(4096) == pytest.approx(256)
