@@ -8,7 +8,8 @@
 Routing is uniform: each token's K experts are the top K of random scores, so one block of 32 tokens x 8 choices
 touches about 160 of 256 experts. The kernel is timed replayed from a CUDA graph with the L2 cache cleared before
 each call (so the touched weights come from HBM, as in a forward), and launched from Python; `route ms` is the
-sort-and-pad step alone, in a graph. A few other tile shapes are timed beside the default plan.
+sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
+per-token sum) alone. A few other tile shapes are timed beside the default plan.
 
     PYTHONPATH=. python benchmarks/moe.py --out DIR     # GPU: LLaDA2-mini and Qwen3-30B-A3B (SDAR-30B-A3B) experts
     PYTHONPATH=. python benchmarks/moe.py --smoke --out DIR   # anywhere: tiny, one call each, checked against torch
@@ -30,7 +31,9 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 from kernels import measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
 
-from diffulex_kernels.moe import MoeLaunch, fused_moe, fused_moe_reference, plan_moe_launch, route_to_tiles  # noqa: E402
+from diffulex_kernels.moe import (  # noqa: E402
+    MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_silu, plan_moe_launch, route_to_tiles,
+)
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,14 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
         out, ref = fused_moe(*args), fused_moe_reference(*args)
         error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert error < 1.5e-2, f"{shape.name} T={tokens}: relative error {error:.2e} against the reference"
-    route_ms = time_graph_ms(lambda: route_to_tiles(args[3], shape.experts, default.block_m))
+    hidden, w_gate_up, w_down, topk_ids, topk_weights = args
+    routed = route_to_tiles(topk_ids, shape.experts, default.block_m)
+    act = gate_up_silu(hidden, w_gate_up, routed, shape.top_k, default)
+    stages_ms = [time_graph_ms(stage) for stage in (
+        lambda: route_to_tiles(topk_ids, shape.experts, default.block_m),
+        lambda: gate_up_silu(hidden, w_gate_up, routed, shape.top_k, default),
+        lambda: down_and_combine(act, w_down, topk_weights, routed, tokens, default),
+    )]
     reference_ms = time_eager_ms(lambda: fused_moe_reference(*args))
     rows = []
     for launch in dict.fromkeys([default] + ([] if smoke else VARIANTS)):
@@ -86,7 +96,8 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
         rows.append(dict(
             model=shape.name, tokens=tokens, launch=("default " if launch == default else "") + label(launch),
             touched_experts=touched, kernel_ms=round(kernel_ms, 4), eager_ms=round(eager_ms, 4),
-            route_ms=round(route_ms, 4), weight_floor_ms=round(weight_floor_ms, 4),
+            route_ms=round(stages_ms[0], 4), gate_up_ms=round(stages_ms[1], 4), down_ms=round(stages_ms[2], 4),
+            weight_floor_ms=round(weight_floor_ms, 4),
             compute_floor_ms=round(compute_floor_ms, 4), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
             vs_compute_floor=round(kernel_ms / compute_floor_ms, 2),
             vs_larger_floor=round(kernel_ms / max(weight_floor_ms, compute_floor_ms), 2),
@@ -98,13 +109,14 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| model | T | touched experts | kernel ms | weight floor ms | x weight floor | compute floor ms | "
-             "x compute floor | x larger floor | route ms | eager ms | reference ms |",
+             "x compute floor | x larger floor | route / gate_up / down ms | eager ms | reference ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["launch"].startswith("default"):
             lines.append(f"| {r['model']} | {r['tokens']} | {r['touched_experts']} | {r['kernel_ms']:.4f} | "
                          f"{r['weight_floor_ms']:.4f} | {r['vs_weight_floor']:.2f} | {r['compute_floor_ms']:.4f} | "
-                         f"{r['vs_compute_floor']:.2f} | {r['vs_larger_floor']:.2f} | {r['route_ms']:.4f} | "
+                         f"{r['vs_compute_floor']:.2f} | {r['vs_larger_floor']:.2f} | "
+                         f"{r['route_ms']:.3f} / {r['gate_up_ms']:.3f} / {r['down_ms']:.3f} | "
                          f"{r['eager_ms']:.4f} | {r['reference_ms']:.3f} |")
     return "\n".join(lines)
 

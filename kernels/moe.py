@@ -295,37 +295,54 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
     in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
-    tokens, hidden_size = hidden.shape
-    num_experts, inter = w_down.shape[0], w_down.shape[2]
-    top_k = topk_ids.shape[1]
-    num_pairs = tokens * top_k
-    out = torch.empty_like(hidden)
+    num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
     if num_pairs == 0:
-        return out
-    hidden, w_gate_up, w_down = hidden.contiguous(), w_gate_up.contiguous(), w_down.contiguous()
-    topk_weights = topk_weights.float().contiguous()
+        return torch.empty_like(hidden)
     launch = plan_moe_launch(num_pairs, num_experts) if launch is None else launch
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
-    act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
-    pair_out = torch.empty(num_pairs, hidden_size, dtype=torch.float32, device=hidden.device)
-    dot = dot_dtype(hidden)
+    act = gate_up_silu(hidden, w_gate_up, routed, topk_ids.shape[1], launch)
+    return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch)
+
+
+def _kernel_options(tensor: torch.Tensor, launch: MoeLaunch) -> dict:
+    dot = dot_dtype(tensor)
+    pdl = use_pdl(tensor)
     # A float32 product in tf32 on the GPU would be less exact than the float32 it promises.
-    precision = "ieee" if dot == tl.float32 else "tf32"
-    pdl = use_pdl(hidden)
-    common = dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_DTYPE=dot,
-                  PRECISION=precision, USE_PDL=pdl, launch_pdl=pdl, num_warps=launch.num_warps,
-                  num_stages=launch.num_stages)
+    return dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_DTYPE=dot,
+                PRECISION="ieee" if dot == tl.float32 else "tf32", USE_PDL=pdl, launch_pdl=pdl,
+                num_warps=launch.num_warps, num_stages=launch.num_stages)
+
+
+def gate_up_silu(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
+                 launch: MoeLaunch) -> torch.Tensor:
+    """silu(gate) * up of every routed row: [max_tiles * block_m, I] in hidden's dtype (padding rows unwritten)."""
+    hidden, w_gate_up = hidden.contiguous(), w_gate_up.contiguous()
+    num_experts, inter, hidden_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2, hidden.shape[1]
+    act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(routed.max_tiles, triton.cdiv(inter, launch.block_n))](
         hidden, w_gate_up, act, routed.pair_ids, routed.tile_experts,
-        num_pairs, num_experts, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0), w_gate_up.stride(1),
-        act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0, **common,
+        hidden.shape[0] * top_k, num_experts, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0),
+        w_gate_up.stride(1), act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
+        **_kernel_options(hidden, launch),
     )
+    return act
+
+
+def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routed: RoutedTiles,
+                     tokens: int, launch: MoeLaunch) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)): [tokens, H] in act's dtype."""
+    w_down, topk_weights = w_down.contiguous(), topk_weights.float().contiguous()
+    num_experts, hidden_size, inter = w_down.shape
+    top_k = topk_weights.shape[1]
+    pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=act.device)
     _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
         act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
-        num_pairs, num_experts, hidden_size, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
-        pair_out.stride(0), EVEN_K=inter % launch.block_k == 0, **common,
+        tokens * top_k, num_experts, hidden_size, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
+        pair_out.stride(0), EVEN_K=inter % launch.block_k == 0, **_kernel_options(act, launch),
     )
+    out = torch.empty(tokens, hidden_size, dtype=act.dtype, device=act.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
+    pdl = use_pdl(act)
     _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
         pair_out, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
