@@ -96,7 +96,9 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
         rows.append(dict(
             model=shape.name, tokens=tokens, launch=("default " if launch == default else "") + label(launch),
             touched_experts=touched, kernel_ms=round(kernel_ms, 4), eager_ms=round(eager_ms, 4),
-            route_ms=round(stages_ms[0], 4), gate_up_ms=round(stages_ms[1], 4), down_ms=round(stages_ms[2], 4),
+            # The stages are timed for the default plan only.
+            **{f"{name}_ms": round(ms, 4) if launch == default else math.nan
+               for name, ms in zip(("route", "gate_up", "down"), stages_ms)},
             weight_floor_ms=round(weight_floor_ms, 4),
             compute_floor_ms=round(compute_floor_ms, 4), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
             vs_compute_floor=round(kernel_ms / compute_floor_ms, 2),
