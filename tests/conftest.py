@@ -3,9 +3,9 @@ repository's diffulex model over a tiny random-weight checkpoint.
 
 The model repository is built in a temporary folder from the shipped config.pbtxt and model.py, with
 the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
-blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_bad_path` and
-`diffulex_failing` (an engine that fails at every step) are loaded by the tests that need them, which is
-why the server runs with explicit model control. Stopping the server is checked when the session ends.
+blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
+picked by model_name), `diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded
+by the tests that need them, which is why the server runs with explicit model control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
 bare GPU machine) the import name `diffulex_kernels` is mapped onto `kernels/`, as pyproject's package-dir does.
@@ -42,6 +42,12 @@ def checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def llada2_checkpoint(tmp_path_factory) -> Path:
+    """A tiny LLaDA2 (MoE) checkpoint in the released layout: sharded, one expert at a time."""
+    return write_random_checkpoint(tmp_path_factory.mktemp("checkpoint") / "llada2", "llada2", num_shards=2)
+
+
+@pytest.fixture(scope="session")
 def missing_checkpoint(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("empty") / "no-such-checkpoint"
 
@@ -53,10 +59,11 @@ def engine(checkpoint) -> Diffulex:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, checkpoint, missing_checkpoint):
+def server(tmp_path_factory, checkpoint, llada2_checkpoint, missing_checkpoint):
     repository = tmp_path_factory.mktemp("model_repository")
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
+    add_model(repository, "diffulex_llada2", model=llada2_checkpoint, model_name="llada2_mini", **TEST_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)

@@ -212,6 +212,20 @@ def test_model_loads_with_the_shipped_settings_and_unloads_after_streaming(serve
         wait_for(lambda: model_state(client, "diffulex_readme") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+def test_a_moe_family_picked_by_model_name_streams_the_engine_outputs(server, llada2_checkpoint):
+    """LLaDA2 (mixture of experts) through the server: config.pbtxt names the family by an alias of the Diffulex
+    flag, and the checkpoint is in the released sharded, one-expert-at-a-time layout."""
+    reference_engine = Diffulex(str(llada2_checkpoint), model_name="llada2_mini", **TEST_SETTINGS)
+    assert reference_engine.model.arch.num_experts > 1
+    (expected,) = reference(reference_engine, [PROMPTS[0]], **GREEDY)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_llada2")
+        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_llada2")
+        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+        client.unload_model("diffulex_llada2")
+        wait_for(lambda: model_state(client, "diffulex_llada2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
 def model_state(client, name: str) -> tuple[str, str]:
     (entry,) = [model for model in client.get_model_repository_index(as_json=True)["models"] if model["name"] == name]
     return entry.get("state", ""), entry.get("reason", "")
