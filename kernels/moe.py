@@ -7,10 +7,11 @@ Three steps, none of which waits on the host, so the whole layer can live in a C
 
 1. `route_to_tiles` sorts the T*K (token, choice) pairs by expert (token order inside an expert) and pads each
    expert's run up to a multiple of the row tile BLOCK_M. A tile holds rows of one expert only; an expert that got
-   no token gets no tile. Three small kernels: count each chunk's pairs per expert, plan the runs in one program,
-   scatter each pair to its row (a chain of torch sort, cumsum and scatter ops took 60-140 us on an H100, a fifth
-   of the whole layer at decode). The number of tiles is only known on the device, so the grid is launched for the
-   most tiles any routing can need, and the programs past the last real tile return at once, before any load.
+   no token gets no tile. Three small kernels: count each chunk's pairs per expert; plan the runs in one program;
+   scatter each pair to its row while other programs mark each tile's expert and padding rows. (A chain of torch
+   sort, cumsum and scatter ops took 60-140 us on an H100, a fifth of the whole layer at decode.) The number of
+   tiles is only known on the device, so the grid is launched for the most tiles any routing can need, and the
+   programs past the last real tile return at once, before any load.
 2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,
    streams the expert's gate rows and the up rows that pair with them, and writes silu(gate) * up into
    `act` [tiles * BLOCK_M, I], rounded once to hidden's dtype.
@@ -84,7 +85,7 @@ def max_tiles(num_pairs: int, num_experts: int, block_m: int) -> int:
 
 ROUTE_CHUNK = 128  # pairs per program of the counting and scattering kernels
 PLAN_CHUNKS = 16  # chunks per step of the planning kernel
-PLAN_TILES = 64  # tiles per step of the planning kernel
+TILE_BLOCK = 64  # tiles per program of the scattering kernel
 
 
 @triton.jit
@@ -100,12 +101,10 @@ def _count_experts_kernel(ids_ptr, chunk_counts_ptr, num_pairs, E_POW2: tl.const
 
 
 @triton.jit
-def _plan_tiles_kernel(chunk_counts_ptr, chunk_starts_ptr, pair_ids_ptr, tile_experts_ptr,
-                       num_pairs, num_experts, num_chunks, num_tiles,
-                       E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, TILES: tl.constexpr,
-                       USE_PDL: tl.constexpr):
-    """One program: each expert's run of tiles, the row where each chunk's pairs of each expert start, the expert
-    of every tile, and the padding rows."""
+def _plan_runs_kernel(chunk_counts_ptr, chunk_starts_ptr, runs_ptr, num_chunks,
+                      E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """One program: each expert's pair count and the tile after its run (runs [2, E_POW2]), and the row where each
+    chunk's pairs of each expert start (chunk_starts [chunks, E_POW2])."""
     wait_for_previous_kernel(USE_PDL)
     experts = tl.arange(0, E_POW2)
     counts = tl.zeros([E_POW2], dtype=tl.int32)
@@ -115,7 +114,9 @@ def _plan_tiles_kernel(chunk_counts_ptr, chunk_starts_ptr, pair_ids_ptr, tile_ex
                         mask=chunks[:, None] < num_chunks, other=0)  # [CHUNKS, E_POW2]
         counts += tl.sum(block, 0)
     tiles = (counts + BLOCK_M - 1) // BLOCK_M
-    tiles_end = tl.cumsum(tiles, 0)  # [E_POW2] the tile after each expert's run
+    tiles_end = tl.cumsum(tiles, 0)
+    tl.store(runs_ptr + experts, counts)
+    tl.store(runs_ptr + E_POW2 + experts, tiles_end)
     seen = (tiles_end - tiles) * BLOCK_M  # the row of each expert's next pair
     for c in range(0, num_chunks, CHUNKS):
         chunks = c + tl.arange(0, CHUNKS)
@@ -124,34 +125,42 @@ def _plan_tiles_kernel(chunk_counts_ptr, chunk_starts_ptr, pair_ids_ptr, tile_ex
         tl.store(chunk_starts_ptr + chunks[:, None] * E_POW2 + experts[None, :],
                  seen[None, :] + tl.cumsum(block, 0) - block, mask=in_range)
         seen += tl.sum(block, 0)
-    rows = tl.arange(0, BLOCK_M)
-    for t in range(0, num_tiles, TILES):
-        tile = t + tl.arange(0, TILES)
+
+
+@triton.jit
+def _scatter_pairs_kernel(ids_ptr, chunk_starts_ptr, runs_ptr, pair_ids_ptr, tile_experts_ptr,
+                          num_pairs, num_experts, num_chunks, num_tiles,
+                          E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """The first num_chunks programs put each pair of their chunk in its row: the chunk's start for its expert,
+    plus the chunk's earlier pairs of that expert. The others write the expert of TILES tiles each, and mark their
+    padding rows."""
+    wait_for_previous_kernel(USE_PDL)
+    pid = tl.program_id(0)
+    if pid < num_chunks:
+        lane = tl.arange(0, CHUNK)
+        offs = pid * CHUNK + lane
+        valid = offs < num_pairs
+        experts = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
+        earlier = (experts[:, None] == experts[None, :]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
+        rank = tl.sum(earlier.to(tl.int32), 1)
+        row = tl.load(chunk_starts_ptr + pid * E_POW2 + experts, mask=valid, other=0) + rank
+        tl.store(pair_ids_ptr + row, offs, mask=valid)
+    else:
+        experts = tl.arange(0, E_POW2)
+        counts = tl.load(runs_ptr + experts)
+        tiles_end = tl.load(runs_ptr + E_POW2 + experts)
+        tile = (pid - num_chunks) * TILES + tl.arange(0, TILES)
         passed = tiles_end[None, :] <= tile[:, None]  # [TILES, E_POW2] experts whose run ends before the tile
         expert = tl.sum(passed.to(tl.int32), 1)  # E_POW2 past the last run
         run_start = tl.max(tl.where(passed, tiles_end[None, :], 0), 1)
         count = tl.sum(tl.where(experts[None, :] == expert[:, None], counts[None, :], 0), 1)
         in_range = tile < num_tiles
         tl.store(tile_experts_ptr + tile, tl.minimum(expert, num_experts), mask=in_range)
+        rows = tl.arange(0, BLOCK_M)
         padding = (tile[:, None] - run_start[:, None]) * BLOCK_M + rows[None, :] >= count[:, None]
-        tl.store(pair_ids_ptr + tile[:, None] * BLOCK_M + rows[None, :], tl.full([TILES, BLOCK_M], 0, tl.int32)
-                 + num_pairs, mask=padding & in_range[:, None])
-
-
-@triton.jit
-def _scatter_pairs_kernel(ids_ptr, chunk_starts_ptr, pair_ids_ptr, num_pairs, E_POW2: tl.constexpr,
-                          CHUNK: tl.constexpr, USE_PDL: tl.constexpr):
-    """Each pair to its row: its chunk's start for its expert, plus the chunk's earlier pairs of that expert."""
-    wait_for_previous_kernel(USE_PDL)
-    chunk = tl.program_id(0)
-    lane = tl.arange(0, CHUNK)
-    offs = chunk * CHUNK + lane
-    valid = offs < num_pairs
-    experts = tl.load(ids_ptr + offs, mask=valid, other=-1).to(tl.int32)
-    earlier = (experts[:, None] == experts[None, :]) & (lane[None, :] < lane[:, None])  # [CHUNK, CHUNK]
-    rank = tl.sum(earlier.to(tl.int32), 1)
-    row = tl.load(chunk_starts_ptr + chunk * E_POW2 + experts, mask=valid, other=0) + rank
-    tl.store(pair_ids_ptr + row, offs, mask=valid)
+        tl.store(pair_ids_ptr + tile[:, None] * BLOCK_M + rows[None, :],
+                 tl.full([TILES, BLOCK_M], 0, tl.int32) + num_pairs, mask=padding & in_range[:, None])
 
 
 def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> RoutedTiles:
@@ -166,16 +175,19 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
     e_pow2 = triton.next_power_of_2(num_experts)
     chunk_counts = torch.empty(num_chunks, e_pow2, dtype=torch.int32, device=device)
     chunk_starts = torch.empty_like(chunk_counts)
+    runs = torch.empty(2, e_pow2, dtype=torch.int32, device=device)
     pair_ids = torch.empty(num_tiles * block_m, dtype=torch.int32, device=device)
     tile_experts = torch.empty(num_tiles, dtype=torch.int32, device=device)
     pdl = use_pdl(ids)
     _count_experts_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, E_POW2=e_pow2, CHUNK=ROUTE_CHUNK,
                                          USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
-    _plan_tiles_kernel[(1,)](chunk_counts, chunk_starts, pair_ids, tile_experts, num_pairs, num_experts, num_chunks,
-                             num_tiles, E_POW2=e_pow2, BLOCK_M=block_m, CHUNKS=PLAN_CHUNKS, TILES=PLAN_TILES,
-                             USE_PDL=pdl, launch_pdl=pdl, num_warps=8)
-    _scatter_pairs_kernel[(num_chunks,)](ids, chunk_starts, pair_ids, num_pairs, E_POW2=e_pow2, CHUNK=ROUTE_CHUNK,
-                                         USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    _plan_runs_kernel[(1,)](chunk_counts, chunk_starts, runs, num_chunks, E_POW2=e_pow2, BLOCK_M=block_m,
+                            CHUNKS=PLAN_CHUNKS, USE_PDL=pdl, launch_pdl=pdl, num_warps=8)
+    _scatter_pairs_kernel[(num_chunks + triton.cdiv(num_tiles, TILE_BLOCK),)](
+        ids, chunk_starts, runs, pair_ids, tile_experts, num_pairs, num_experts, num_chunks, num_tiles,
+        E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=ROUTE_CHUNK, TILES=TILE_BLOCK, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=4,
+    )
     return RoutedTiles(pair_ids, tile_experts, block_m)
 
 
