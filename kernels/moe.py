@@ -147,14 +147,14 @@ def _scatter_pairs_kernel(ids_ptr, chunk_starts_ptr, runs_ptr, pair_ids_ptr, til
         row = tl.load(chunk_starts_ptr + pid * E_POW2 + experts, mask=valid, other=0) + rank
         tl.store(pair_ids_ptr + row, offs, mask=valid)
     else:
-        experts = tl.arange(0, E_POW2)
-        counts = tl.load(runs_ptr + experts)
-        tiles_end = tl.load(runs_ptr + E_POW2 + experts)
+        all_experts = tl.arange(0, E_POW2)
+        counts = tl.load(runs_ptr + all_experts)
+        tiles_end = tl.load(runs_ptr + E_POW2 + all_experts)
         tile = (pid - num_chunks) * TILES + tl.arange(0, TILES)
         passed = tiles_end[None, :] <= tile[:, None]  # [TILES, E_POW2] experts whose run ends before the tile
         expert = tl.sum(passed.to(tl.int32), 1)  # E_POW2 past the last run
         run_start = tl.max(tl.where(passed, tiles_end[None, :], 0), 1)
-        count = tl.sum(tl.where(experts[None, :] == expert[:, None], counts[None, :], 0), 1)
+        count = tl.sum(tl.where(all_experts[None, :] == expert[:, None], counts[None, :], 0), 1)
         in_range = tile < num_tiles
         tl.store(tile_experts_ptr + tile, tl.minimum(expert, num_experts), mask=in_range)
         rows = tl.arange(0, BLOCK_M)
