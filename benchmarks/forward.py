@@ -4,11 +4,19 @@ One run measures, and prints as it goes:
   * the two ceilings: HBM bandwidth (a large device copy, bytes read plus written) and the bf16 matmul rate;
   * per model shape (random bf16 weights built on the GPU) and per case (batch, context), with one 32-token
     block per request:
-      - the floors: weight streaming = model bytes / bandwidth; compute = 2 * params * tokens / rate; and,
-        beside them, weights plus the cached K/V the attention reads, over bandwidth;
+      - the floors: weight streaming = the bytes of the weights the forward reads / bandwidth; compute =
+        2 * active params * tokens / rate; and, beside them, those weights plus the cached K/V the attention
+        reads, over bandwidth. For a dense model the weights read are all of them and every parameter is
+        active. For a mixture-of-experts model (LLaDA2, SDAR-MoE) the weights read are everything but the routed
+        experts plus the routed experts the forward's tokens actually reach: each MoE layer's router is recorded
+        during one eager forward over the same inputs and its distinct experts counted (`experts_touched`, the
+        mean over MoE layers; `experts_touched_uniform` beside it is what uniform routing would reach); the
+        active params are the non-expert ones plus K routed and the shared experts per token;
       - the engine's forward (graph replay and the block's logits) and its runner step (forward, sampler,
         acceptance, the one sync);
-      - plain PyTorch (plain_pytorch.py) over the same weights: eager, and captured in one CUDA graph;
+      - plain PyTorch (plain_pytorch.py) over the same weights: eager, and captured in one CUDA graph. It
+        implements the plain dense block only, so it is not run for models with experts, q/k norms or partial
+        rotary, and their rows say so;
   * end-to-end decode steps with k = 1, 2, 4 tokens accepted per block per forward (the engine's top-k
     schedule, so random weights cannot change how much each step decodes): ms per step and tokens/s, for the
     engine and for the plain loop;
@@ -20,7 +28,8 @@ It writes forward.csv, forward.md and a plot per model (time versus batch agains
 
     python benchmarks/forward.py --out DIR                     # GPU: LLaDA-8B
     python benchmarks/forward.py --out DIR --models llada-8b,dream-7b
-    python benchmarks/forward.py --smoke --out DIR             # anywhere: a tiny shape, one iteration each
+    python benchmarks/forward.py --out DIR --models llada2-mini --sections forward,decode,profile
+    python benchmarks/forward.py --smoke --out DIR             # anywhere: tiny dense and MoE shapes, one iteration each
 """
 from __future__ import annotations
 
@@ -48,6 +57,8 @@ from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
+from diffulex_backend.layers import moe as moe_layer  # noqa: E402
+from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
@@ -58,7 +69,8 @@ BLOCK = 32
 PAGE_SIZE = 32
 FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms", "plain_ms",
           "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
-          "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s", "note"]
+          "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s",
+          "experts_touched", "experts_touched_uniform", "weight_floor_uniform_ms", "note"]
 
 
 @dataclass(frozen=True)
@@ -83,6 +95,13 @@ SMOKE = Plan(batches=(1, 2), contexts=(64,), decode_batches=(2,), decode_context
              diffulex_batches=(1, 2), diffulex_prompt=16, diffulex_new_tokens=32, reps=1, smoke=True)
 SMOKE_SHAPE = dict(model_name="llada", hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4,
                    intermediate_size=128, vocab_size=300, max_position_embeddings=4096)
+# LLaDA2's routing in miniature (a dense first layer, groups, a shared expert), with enough experts that a block
+# reaches only some of them: its weight floor must come out under the all-experts one.
+SMOKE_MOE_SHAPE = dict(model_name="llada2", hidden_size=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+                       intermediate_size=128, vocab_size=300, max_position_embeddings=4096, qk_norm=True,
+                       partial_rotary_factor=0.5, num_experts=64, num_experts_per_tok=2, moe_intermediate_size=32,
+                       num_shared_experts=1, dense_layers=(0,), num_expert_groups=8, topk_groups=4,
+                       routed_scaling_factor=2.5)
 
 
 @dataclass
@@ -259,14 +278,93 @@ def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, 
 
 # ---- sections ------------------------------------------------------------------------------------------------
 
-def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int) -> dict:
+def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int,
+           experts_touched: float | None = None) -> dict:
+    """The floors of one forward of `tokens` tokens (batch requests over `context` cached tokens each).
+
+    Weight floor: the bytes of the weights the forward reads, over the bandwidth. A dense model reads them all.
+    A MoE model reads everything but the routed experts, and of those only the experts its tokens reach:
+    `experts_touched` per MoE layer (the mean over layers), as measured on this forward (`routed_experts`);
+    without it, the number uniform routing would reach (ModelArch.expected_touched_experts).
+    Compute floor: 2 * active params * tokens, where a token's active params are all but the routed experts
+    it does not take (equal to all params for a dense model)."""
     arch = model.arch
     itemsize = model.embed_tokens.weight.element_size()
-    weight_bytes = arch.num_params() * itemsize
+    uniform = arch.expected_touched_experts(tokens)
+    if experts_touched is None:
+        experts_touched = uniform
+    all_experts = arch.touched_expert_bytes(arch.num_experts, itemsize)  # 0 for a dense model
+
+    def weight_bytes_with(touched: float) -> float:
+        return arch.num_params() * itemsize - all_experts + arch.touched_expert_bytes(touched, itemsize)
+
+    weight_bytes = weight_bytes_with(experts_touched)
     kv_bytes = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
-    return dict(weight_floor_ms=1e3 * weight_bytes / ceilings.bandwidth,
-                compute_floor_ms=1e3 * 2 * arch.num_params() * tokens / ceilings.matmul_rate,
-                memory_floor_ms=1e3 * (weight_bytes + kv_bytes) / ceilings.bandwidth)
+    result = dict(weight_floor_ms=1e3 * weight_bytes / ceilings.bandwidth,
+                  compute_floor_ms=1e3 * 2 * arch.num_active_params() * tokens / ceilings.matmul_rate,
+                  memory_floor_ms=1e3 * (weight_bytes + kv_bytes) / ceilings.bandwidth)
+    if arch.num_experts:  # beside it, the weight floor if the tokens were routed uniformly
+        result["weight_floor_uniform_ms"] = 1e3 * weight_bytes_with(uniform) / ceilings.bandwidth
+    return result
+
+
+def expert_columns(model, tokens: int, routes: list | None) -> dict:
+    """The CSV's expert counts: measured (mean distinct experts per MoE layer) and under uniform routing."""
+    if not model.arch.num_experts:
+        return {}
+    return dict(experts_touched=touched_per_layer(routes) if routes else "",
+                experts_touched_uniform=model.arch.expected_touched_experts(tokens))
+
+
+class RecordRouting:
+    """Within the block, the experts each MoE layer's router picks: every call of `select_experts`, the routing
+    MoE.forward uses, appends its (topk_ids, topk_weights), so one eager forward gives one entry per MoE layer in
+    layer order. Only for eager forwards: a CUDA-graph replay runs no Python."""
+
+    def __init__(self):
+        self.routes: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __enter__(self):
+        self.original = moe_layer.select_experts
+
+        def recording(*args, **kwargs):
+            ids, weights = self.original(*args, **kwargs)
+            self.routes.append((ids, weights))
+            return ids, weights
+
+        moe_layer.select_experts = recording
+        return self
+
+    def __exit__(self, *exc):
+        moe_layer.select_experts = self.original
+
+
+def routed_experts(engine, plans: list[SeqPlan]) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """The routing of the engine's forward over `plans`, one (topk_ids, topk_weights) per MoE layer, from one eager
+    forward over the same inputs; None for a dense model."""
+    model = engine.model
+    if not model.arch.num_experts:
+        return None
+    with torch.inference_mode(), RecordRouting() as record:
+        input_ids, positions, meta = engine.runner.build_batch(plans).to_device(engine.device)
+        model(input_ids, positions, meta, engine.runner.kv_cache)
+    if len(record.routes) != model.arch.num_moe_layers:
+        raise RuntimeError(f"recorded {len(record.routes)} routings for {model.arch.num_moe_layers} MoE layers")
+    return record.routes
+
+
+def touched_per_layer(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
+    return statistics.mean(int(ids.unique().numel()) for ids, _ in routes)
+
+
+def plain_supported(model) -> bool:
+    """plain_pytorch.py writes out the plain dense block: full rotary, no q/k norm, a dense MLP in every layer."""
+    arch = model.arch
+    return not arch.num_experts and not arch.qk_norm and arch.partial_rotary_factor == 1
+
+
+PLAIN_SKIPPED = ("plain PyTorch not run: plain_pytorch.py implements the dense block only (no experts, q/k norm "
+                 "or partial rotary)")
 
 
 def plain_inputs(model, batch: int, context: int, generator: torch.Generator, device: torch.device):
@@ -292,39 +390,47 @@ def graph_replay_ms(fn, device: torch.device, reps: int) -> float:
 def forward_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     generator = torch.Generator().manual_seed(0)
     largest = max(plan.batches) * -(-(max(plan.contexts) + BLOCK) // PAGE_SIZE)
+    with_plain = plain_supported(model)
     # Leave room for plain PyTorch's largest case: its cache, the concatenated copy and the logits.
-    pages = pool_pages(model, device, largest, reserve_bytes=16e9)
+    pages = pool_pages(model, device, largest, reserve_bytes=16e9 if with_plain else 8e9)
     engine = make_engine(model, model_dir, device, plan, max_model_len=max(plan.contexts) + 2 * BLOCK,
                          max_num_reqs=max(plan.batches), max_num_batched_tokens=max(4096, max(plan.batches) * BLOCK),
                          num_kv_pages=pages)
     fill_cache(engine, seed=1)
-    plain = PlainDecoder(model)
+    plain = PlainDecoder(model) if with_plain else None
     for context in plan.contexts:
         for batch in plan.batches:
             tokens = batch * BLOCK
             plans = cached_context_plans(engine, batch, context, generator)
+            routes = routed_experts(engine, plans)
             forward_ms = device_ms(lambda: engine_logits(engine, plans), device, plan.reps)
             sched = SchedulerOutput(plans=plans)
             step_ms = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device)
                                         for _ in range(plan.reps + 1))
-            block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
+            note = f"pool {pages} pages" + (" (page tables wrap)" if pages < len(plans) * len(
+                plans[0].page_table) else "")
+            plain_columns = {}
+            if with_plain:
+                block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
 
-            def plain_forward():
-                return plain.forward(block, positions, past_k, past_v)
+                def plain_forward():
+                    return plain.forward(block, positions, past_k, past_v)
 
-            with torch.inference_mode():
-                plain_ms = device_ms(plain_forward, device, max(1, plan.reps // 2))
-                graph_ms = graph_replay_ms(plain_forward, device, plan.reps)
-            del block, past_k, past_v
+                with torch.inference_mode():
+                    plain_ms = device_ms(plain_forward, device, max(1, plan.reps // 2))
+                    graph_ms = graph_replay_ms(plain_forward, device, plan.reps)
+                del block, past_k, past_v
+                plain_columns = dict(plain_ms=plain_ms, plain_graph_ms=graph_ms, engine_vs_plain=forward_ms / plain_ms)
+            else:
+                note += "; " + PLAIN_SKIPPED
             free_memory(device)
-            f = floors(model, ceilings, batch, context, tokens)
+            f = floors(model, ceilings, batch, context, tokens,
+                       touched_per_layer(routes) if routes else None)
             report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
-                       tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, plain_ms=plain_ms,
-                       plain_graph_ms=graph_ms, **f, engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
+                       tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, **plain_columns, **f,
+                       engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
                        engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
-                       engine_vs_plain=forward_ms / plain_ms,
-                       note=f"pool {pages} pages" + (" (page tables wrap)" if pages < len(plans) * len(
-                           plans[0].page_table) else ""))
+                       **expert_columns(model, tokens, routes), note=note)
     del engine
     free_memory(device)
 
@@ -332,7 +438,7 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
 def decode_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     """Steady decode with exactly k tokens accepted per block per forward (top-k schedule, steps = 32 / k)."""
     generator = torch.Generator().manual_seed(1)
-    plain = PlainDecoder(model)
+    plain = PlainDecoder(model) if plain_supported(model) else None
     context = plan.decode_context
     for batch in plan.decode_batches:
         max_tokens = BLOCK * (4 if plan.smoke else 5)
@@ -340,12 +446,21 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
         # Every prompt prefills in the first forward, so the requests decode in step: each commit is one step.
         engine = make_engine(model, model_dir, device, plan, sampling_mode="topk", max_model_len=context + max_tokens,
                              max_num_reqs=batch, max_num_batched_tokens=batch * (context + BLOCK), num_kv_pages=pages)
-        block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
-        with torch.inference_mode():
-            plain_step_ms = device_ms(lambda: plain.decode_step(block, positions, past_k, past_v,
-                                                                engine.config.mask_token_id, 1), device,
-                                      max(1, plan.reps // 2))
-        del block, past_k, past_v
+        # The floors of one step that feeds one block per request over the prompt, with the experts such a
+        # forward reaches (measured on random cached K/V before any request is added).
+        routes = None
+        if model.arch.num_experts:
+            fill_cache(engine, seed=9)
+            routes = routed_experts(engine, cached_context_plans(engine, batch, context, generator))
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None)
+        plain_step_ms = None
+        if plain is not None:
+            block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
+            with torch.inference_mode():
+                plain_step_ms = device_ms(lambda: plain.decode_step(block, positions, past_k, past_v,
+                                                                    engine.config.mask_token_id, 1), device,
+                                          max(1, plan.reps // 2))
+            del block, past_k, past_v
         for k in plan.tokens_per_step:
             params = SamplingParams(max_tokens=max_tokens, steps=BLOCK // k, ignore_eos=True)
             prompts = [random_prompt(context, model.arch.vocab_size, generator) for _ in range(batch)]
@@ -365,12 +480,19 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
             step_ms = 1e3 * elapsed / timed
             for r in requests:
                 engine.abort(r.request_id)
+            plain_columns, plain_note = {}, PLAIN_SKIPPED
+            if plain_step_ms is not None:
+                plain_columns = dict(plain_ms=plain_step_ms, plain_tokens_per_s=batch * k / (plain_step_ms * 1e-3),
+                                     engine_vs_plain=step_ms / plain_step_ms)
+                plain_note = "plain: forward + confidence + top-k per step, no commit pass"
             report.add(section="decode_fixed_k", model=name, case=f"b{batch}_ctx{context}_k{k}", batch=batch,
-                       context=context, k=k, engine_step_ms=step_ms, plain_ms=plain_step_ms,
+                       context=context, k=k, tokens=batch * BLOCK, engine_step_ms=step_ms, **plain_columns, **f,
+                       engine_vs_weight_floor=step_ms / f["weight_floor_ms"],
+                       engine_vs_compute_floor=step_ms / f["compute_floor_ms"],
                        engine_tokens_per_s=(decoded - decoded_before) / elapsed,
-                       plain_tokens_per_s=batch * k / (plain_step_ms * 1e-3), engine_vs_plain=step_ms / plain_step_ms,
-                       note=f"{timed} steps timed after {warm + 1}; plain: forward + confidence + top-k per step, "
-                            "no commit pass")
+                       **expert_columns(model, batch * BLOCK, routes),
+                       note=f"{timed} steps timed after {warm + 1}; floors of one block per request over the "
+                            f"{context}-token prompt (commit steps feed two); {plain_note}")
         del engine
         free_memory(device)
 
@@ -469,29 +591,57 @@ def check_section(report: Report, name: str, model, model_dir: str, device, plan
 def profile_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     """Where a forward's time goes (one block per request over a 512-token context, batch 1 and 32): the
     forward's matrix products alone, in one CUDA graph; and the device time of each kind of kernel in the eager
-    forward."""
+    forward. In a MoE layer the matrix products are the router, the routed experts through the fused-MoE kernel
+    on the routing this forward's tokens get (its sort into tiles included), and the shared expert."""
     context = plan.contexts[0]
     batches = (plan.batches[0], plan.batches[-2])
     engine = make_engine(model, model_dir, device, plan, max_model_len=context + 2 * BLOCK,
                          max_num_reqs=max(batches), num_kv_pages=max(batches) * -(-(context + BLOCK) // PAGE_SIZE))
     fill_cache(engine, seed=7)
-    arch, dtype = model.arch, model.embed_tokens.weight.dtype
-    gate_ups = {id(layer.mlp.gate_up_proj.weight) for layer in model.layers}
-    weights = [w for layer in model.layers for w in (layer.attn.qkv_proj.weight, layer.attn.o_proj.weight,
-                                                      layer.mlp.gate_up_proj.weight, layer.mlp.down_proj.weight)]
-    weights.append(model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight)
+    dtype = model.embed_tokens.weight.dtype
+    head = model.embed_tokens.weight if model.lm_head is None else model.lm_head.weight
     for batch in batches:
         plans = cached_context_plans(engine, batch, context, torch.Generator().manual_seed(8))
+        routes = routed_experts(engine, plans)
         forward_ms = device_ms(lambda: engine_logits(engine, plans), device, plan.reps)
-        inputs = {size: torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
-                  for size in (arch.hidden_size, arch.q_size, arch.intermediate_size)}
+        inputs = {}
 
-        def matmuls():  # as the fused forward runs them: the weight-streaming kernel at a few tokens, gate_up
-            for weight in weights:  # with SiLU-and-mul in its epilogue
-                if model.fused_kernels:
-                    (linear_silu_and_mul if id(weight) in gate_ups else linear)(inputs[weight.shape[1]], weight)
+        def x_for(weight):  # one random input per input width
+            size = weight.shape[-1]
+            if size not in inputs:
+                inputs[size] = torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
+            return inputs[size]
+
+        def gated(mlp):  # as the fused forward runs them: gate_up with SiLU-and-mul in its epilogue
+            if model.fused_kernels:
+                act = linear_silu_and_mul(x_for(mlp.gate_up_proj.weight), mlp.gate_up_proj.weight)
+                linear(act, mlp.down_proj.weight)
+            else:
+                torch.nn.functional.linear(x_for(mlp.gate_up_proj.weight), mlp.gate_up_proj.weight)
+                torch.nn.functional.linear(x_for(mlp.down_proj.weight), mlp.down_proj.weight)
+
+        def matmuls():  # the weight-streaming kernel at a few tokens, as the fused forward calls them
+            mm = linear if model.fused_kernels else torch.nn.functional.linear
+            moe_index = 0
+            for layer in model.layers:
+                mm(x_for(layer.attn.qkv_proj.weight), layer.attn.qkv_proj.weight)
+                mm(x_for(layer.attn.o_proj.weight), layer.attn.o_proj.weight)
+                mlp = layer.mlp
+                if isinstance(mlp, MoE):
+                    x = x_for(mlp.w_gate_up)
+                    torch.nn.functional.linear(x.float(), mlp.gate.weight.float())  # the router, in float32
+                    ids, weights = routes[moe_index]
+                    moe_index += 1
+                    if model.fused_kernels:
+                        from diffulex_kernels.moe import fused_moe
+                        fused_moe(x, mlp.w_gate_up, mlp.w_down, ids, weights)
+                    else:
+                        experts_reference(x, mlp.w_gate_up, mlp.w_down, ids, weights)
+                    if mlp.shared_experts is not None:
+                        gated(mlp.shared_experts)
                 else:
-                    torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+                    gated(mlp)
+            mm(x_for(head), head)
 
         with torch.inference_mode():
             if device.type == "cuda":
@@ -511,12 +661,13 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
             kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3
         kinds.pop("host", None)
         breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
-        f = floors(model, ceilings, batch, context, batch * BLOCK)
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None)
         floor_ms = max(f["weight_floor_ms"], f["compute_floor_ms"])
         report.add(section="profile", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
                    tokens=batch * BLOCK, engine_ms=forward_ms, **f,
                    engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
                    engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
+                   **expert_columns(model, batch * BLOCK, routes),
                    note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
                         f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms by kernel kind: "
                         f"{breakdown}; sum {sum(kinds.values()):.2f}")
@@ -526,7 +677,9 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
-    for kind, marks in (("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm",
+    for kind, marks in (("moe experts", ("_gate_up_kernel", "_down_kernel", "_combine_kernel")),
+                        ("moe routing", ("_count_experts", "_plan_runs", "_scatter_pairs", "sort", "topk")),
+                        ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm",
                                     "linear_kernel", "splitkreduce")),
                         ("attention", ("paged_attention", "merge_splits")), ("kv store", ("store_kv",)),
                         ("rmsnorm", ("rmsnorm",)), ("rope", ("rotary",)), ("silu*up", ("silu",)),
@@ -626,7 +779,10 @@ def main(argv: list[str] | None = None) -> None:
     ceilings = measure_ceilings(device, plan)
     report.add(section="ceiling", case="hbm_copy", note=f"{ceilings.bandwidth / 1e12:.3g} TB/s read + write")
     report.add(section="ceiling", case="bf16_matmul", note=f"{ceilings.matmul_rate / 1e12:.3g} TFLOP/s")
-    models = {"smoke": SMOKE_SHAPE} if args.smoke else {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
+    if args.smoke:
+        models = {"smoke": SMOKE_SHAPE, "smoke-moe": SMOKE_MOE_SHAPE}
+    else:
+        models = {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in models.items():

@@ -1,6 +1,8 @@
-"""A smoke run of the forward benchmark: every section end to end on a tiny CPU model, so the script cannot rot
-between GPU runs, and the ratios a reader takes from its table are there, finite, and what their names say."""
+"""A smoke run of the forward benchmark: every section end to end on a tiny dense and a tiny MoE model on the CPU,
+so the script cannot rot between GPU runs, and the ratios a reader takes from its table are there, finite, and
+what their names say; and the MoE floors, which count only the experts a forward reaches."""
 import csv
+import importlib.util
 import math
 import os
 import pathlib
@@ -8,8 +10,26 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
+
+
+def import_forward_benchmark():
+    """benchmarks/forward.py as a module (it is a script, beside the modules it imports)."""
+    if "forward_benchmark" in sys.modules:
+        return sys.modules["forward_benchmark"]
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        spec = importlib.util.spec_from_file_location("forward_benchmark", REPO / "benchmarks" / "forward.py")
+        module = sys.modules["forward_benchmark"] = importlib.util.module_from_spec(spec)  # for its dataclasses
+        spec.loader.exec_module(module)
+    except BaseException:
+        sys.modules.pop("forward_benchmark", None)
+        raise
+    finally:
+        sys.path.remove(str(REPO / "benchmarks"))
+    return module
 
 
 def ratio(row: dict, numerator: str, denominator: str) -> float:
@@ -32,25 +52,102 @@ def test_smoke_run_reports_every_section_with_its_ratios(tmp_path):
     by_section = {}
     for row in rows:
         by_section.setdefault(row["section"], []).append(row)
-    assert sorted(r["case"] for r in by_section["forward"]) == ["b1_ctx64", "b2_ctx64"]
+    assert sorted((r["model"], r["case"]) for r in by_section["forward"]) == [
+        ("smoke", "b1_ctx64"), ("smoke", "b2_ctx64"), ("smoke-moe", "b1_ctx64"), ("smoke-moe", "b2_ctx64")]
     for row in by_section["forward"]:
-        for key in ("engine_ms", "engine_step_ms", "plain_ms", "weight_floor_ms", "compute_floor_ms"):
+        for key in ("engine_ms", "engine_step_ms", "weight_floor_ms", "compute_floor_ms"):
             assert float(row[key]) > 0
         # A floor is a lower bound: no measured forward beats it, on the CPU as on the GPU.
         assert ratio(row, "engine_ms", "weight_floor_ms") > 1
         assert ratio(row, "engine_ms", "compute_floor_ms") > 1
-        ratio(row, "engine_ms", "plain_ms")
-    assert [r["k"] for r in by_section["decode_fixed_k"]] == ["1", "4"]
+        if row["model"] == "smoke":
+            ratio(row, "engine_ms", "plain_ms")
+            assert row["experts_touched"] == ""
+        else:  # plain_pytorch.py has no MoE block: no plain figure, and the row says why
+            assert row["plain_ms"] == row["plain_graph_ms"] == row["engine_vs_plain"] == ""
+            assert "plain PyTorch not run" in row["note"]
+    fwd = import_forward_benchmark()
+    from diffulex_backend.registry import AutoModelForDiffusionLM
+    from diffulex_backend.testing.checkpoint import random_config
+    shape = dict(fwd.SMOKE_MOE_SHAPE)
+    family = AutoModelForDiffusionLM.get(shape["model_name"])
+    arch = family.parse_config(random_config(**shape), "smoke-moe")
+    moe_rows = [r for rows_ in by_section.values() for r in rows_ if r["model"] == "smoke-moe" and r["experts_touched"]]
+    assert {r["section"] for r in moe_rows} == {"forward", "decode_fixed_k", "profile"}
+    for row in moe_rows:
+        # Measured on the forward's own routing: some experts of each MoE layer, not all of them; and the weight
+        # floor counts those, against the one uniform routing would give.
+        touched, uniform = float(row["experts_touched"]), float(row["experts_touched_uniform"])
+        assert 1 <= touched < arch.num_experts
+        assert uniform == pytest.approx(arch.expected_touched_experts(int(row["tokens"])), rel=1e-3)
+        non_expert = arch.num_params() - arch.num_moe_layers * arch.num_experts * arch.expert_params
+        expected = (non_expert + arch.num_moe_layers * touched * arch.expert_params) / (
+            non_expert + arch.num_moe_layers * uniform * arch.expert_params)
+        floor_ratio = float(row["weight_floor_ms"]) / float(row["weight_floor_uniform_ms"])
+        assert floor_ratio == pytest.approx(expected, rel=2e-3)
+    assert [(r["model"], r["k"]) for r in by_section["decode_fixed_k"]] == [
+        ("smoke", "1"), ("smoke", "4"), ("smoke-moe", "1"), ("smoke-moe", "4")]
     # Exactly k tokens per request per step: tokens/s over the step time gives k * batch back.
     for row in by_section["decode_fixed_k"]:
         per_step = float(row["engine_tokens_per_s"]) * float(row["engine_step_ms"]) * 1e-3
         assert abs(per_step - int(row["k"]) * int(row["batch"])) < 0.05 * per_step
-    assert sorted(r["case"] for r in by_section["diffulex"]) == [
+        # The step against the floors of the forward it runs (the engine_vs_* columns, for a step).
+        for floor in ("weight_floor", "compute_floor"):
+            assert float(row[f"engine_vs_{floor}"]) == pytest.approx(
+                float(row["engine_step_ms"]) / float(row[f"{floor}_ms"]), rel=2e-3)
+    assert sorted(r["case"] for r in by_section["diffulex"] if r["model"] == "smoke") == [
         "d2f_buffer4_b1", "d2f_buffer4_b2", "multi_bd_buffer1_b1", "multi_bd_buffer1_b2"]
     # Diffulex's settings, the engine's figures only: no column compares with a figure this run did not measure.
     assert all(float(r["engine_step_ms"]) > 0 and int(r["tokens"]) > 0 for r in by_section["diffulex"])
     assert not [column for column in rows[0] if "reference" in column or "diffulex" in column]
     # On the CPU every path of the check is the float32 torch path, so they must agree exactly.
-    assert by_section["check"][0]["note"].count("greedy output equal to the float32 path for 2/2 requests") == 2
+    for row in by_section["check"]:
+        assert row["note"].count("greedy output equal to the float32 path for 2/2 requests") == 2
     assert "matmul" in by_section["profile"][0]["note"]
     assert (tmp_path / "forward.md").read_text().count("### ") == 5
+
+
+def test_moe_floors_count_the_touched_experts_and_the_active_params():
+    fwd = import_forward_benchmark()
+    from diffulex_backend.testing.checkpoint import random_model
+
+    model = random_model(**fwd.SMOKE_MOE_SHAPE, dtype=torch.float32, seed=0)
+    arch, ceilings = model.arch, fwd.Ceilings(bandwidth=1e12, matmul_rate=1e14)
+    bytes_per_param = 4
+    # Every expert touched: the whole model streams, as for a dense one.
+    every = fwd.floors(model, ceilings, batch=1, context=64, tokens=32, experts_touched=arch.num_experts)
+    assert every["weight_floor_ms"] == pytest.approx(1e3 * arch.num_params() * bytes_per_param / 1e12)
+    # Eight per MoE layer: the rest of the experts leave the floor.
+    eight = fwd.floors(model, ceilings, batch=1, context=64, tokens=32, experts_touched=8)
+    streamed = arch.num_params() - arch.num_moe_layers * (arch.num_experts - 8) * arch.expert_params
+    assert eight["weight_floor_ms"] == pytest.approx(1e3 * streamed * bytes_per_param / 1e12)
+    assert eight["weight_floor_ms"] < every["weight_floor_ms"]
+    # Compute: the active params (K routed experts and the shared one per token), not all of them.
+    assert arch.num_active_params() < arch.num_params()
+    assert eight["compute_floor_ms"] == pytest.approx(1e3 * 2 * arch.num_active_params() * 32 / 1e14)
+    assert every["compute_floor_ms"] == eight["compute_floor_ms"]
+    # Unmeasured: the count uniform routing would reach.
+    uniform = fwd.floors(model, ceilings, batch=1, context=64, tokens=32)
+    assert uniform["weight_floor_ms"] == pytest.approx(fwd.floors(
+        model, ceilings, 1, 64, 32, experts_touched=arch.expected_touched_experts(32))["weight_floor_ms"])
+    assert uniform["weight_floor_ms"] == pytest.approx(uniform["weight_floor_uniform_ms"])
+
+
+def test_routing_recorder_sees_every_moe_layer_and_restores_the_router():
+    fwd = import_forward_benchmark()
+    from diffulex_backend.layers import moe as moe_layer
+    from diffulex_backend.testing.checkpoint import random_model
+
+    model = random_model(**fwd.SMOKE_MOE_SHAPE, dtype=torch.float32, seed=0)
+    original = moe_layer.select_experts
+    x = torch.randn(5, model.arch.hidden_size)
+    moes = [layer.mlp for layer in model.layers if isinstance(layer.mlp, moe_layer.MoE)]
+    with torch.no_grad(), fwd.RecordRouting() as record:
+        for mlp in moes:
+            mlp(x)
+    assert moe_layer.select_experts is original
+    assert len(record.routes) == len(moes) == model.arch.num_moe_layers
+    for ids, weights in record.routes:
+        assert ids.shape == weights.shape == (5, model.arch.num_experts_per_tok)
+    assert fwd.touched_per_layer(record.routes) == pytest.approx(
+        sum(len(set(ids.flatten().tolist())) for ids, _ in record.routes) / len(moes))
