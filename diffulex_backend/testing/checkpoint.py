@@ -51,6 +51,10 @@ RELEASED_SHAPES = {
                      intermediate_size=12288, vocab_size=126464, max_position_embeddings=4096),
     "dream-7b": dict(model_name="dream", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                      intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072),
+    # Fast_dLLM_v2_7B: the Qwen2.5-7B-Instruct shape.
+    "fast_dllm_v2-7b": dict(model_name="fast_dllm_v2", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                            intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
+                            rope_theta=1000000.0, rms_norm_eps=1e-6),
     "sdar-8b": dict(model_name="sdar", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768),
     # LLaDA2.0-mini and LLaDA2.1-mini: 16 B parameters, 1.4 B active.

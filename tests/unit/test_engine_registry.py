@@ -36,7 +36,7 @@ def test_unknown_strategy_in_the_config_lists_the_registered_keys(llada_checkpoi
 
 
 def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint):
-    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['dream', 'llada', 'llada2', 'sdar', 'sdar_moe']"
+    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['dream', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe']"
     with pytest.raises(CheckpointError, match="^" + re.escape(message) + "$"):
         tiny_engine(llada_checkpoint, model_name="gpt2")
 
@@ -88,7 +88,7 @@ def test_a_strategy_and_its_alias_cannot_be_registered_twice():
 
 
 def test_model_families_are_registered_by_name():
-    assert AutoModelForDiffusionLM.keys() == ["dream", "llada", "llada2", "sdar", "sdar_moe"]
+    assert AutoModelForDiffusionLM.keys() == ["dream", "fast_dllm_v2", "llada", "llada2", "sdar", "sdar_moe"]
 
 
 def test_a_registry_refuses_a_key_or_alias_twice_and_without_default_says_so():
