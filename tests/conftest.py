@@ -8,7 +8,8 @@ picked by model_name), `diffulex_bad_path` and `diffulex_failing` (an engine tha
 by the tests that need them, which is why the server runs with explicit model control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
-bare GPU machine) the import name `diffulex_kernels` is mapped onto `kernels/`, as pyproject's package-dir does.
+bare GPU machine) the import names `diffulex_kernels` and `diffulex_client` are mapped onto `kernels/` and
+`client/`, as pyproject's package-dir does.
 """
 
 import importlib.util
@@ -22,12 +23,14 @@ if not torch.cuda.is_available():
     # Must be set before any kernel is defined: triton.jit reads it at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-if importlib.util.find_spec("diffulex_kernels") is None:
-    _kernels = Path(__file__).resolve().parents[1] / "kernels"
-    _spec = importlib.util.spec_from_file_location("diffulex_kernels", _kernels / "__init__.py",
-                                                   submodule_search_locations=[str(_kernels)])
-    sys.modules["diffulex_kernels"] = importlib.util.module_from_spec(_spec)
-    _spec.loader.exec_module(sys.modules["diffulex_kernels"])
+# The import names that pyproject's package-dir gives two folders, for a checkout that is not pip-installed.
+for _name, _folder in (("diffulex_kernels", "kernels"), ("diffulex_client", "client")):
+    if importlib.util.find_spec(_name) is None:
+        _path = Path(__file__).resolve().parents[1] / _folder
+        _spec = importlib.util.spec_from_file_location(_name, _path / "__init__.py",
+                                                       submodule_search_locations=[str(_path)])
+        sys.modules[_name] = importlib.util.module_from_spec(_spec)
+        _spec.loader.exec_module(sys.modules[_name])
 
 import pytest  # noqa: E402
 from triton_server import SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model  # noqa: E402
