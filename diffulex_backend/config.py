@@ -54,6 +54,7 @@ class Config:
     mask_token_id: int | None = None  # from config.json, then the tokenizer, when None
     dual_cache: bool = False  # fast_dllm: also cache the suffix after the current block
     cache_refresh_interval: int = 0  # fast_dllm: recompute the cache every N steps inside a block; 0 = at block starts only
+    sub_block_size: int = 8  # fast_dllm_v2: a block is decoded sub-block by sub-block, left to right
     tensor_parallel_size: int = 1
     seed: int = 0  # noise seed of requests that bring none
 
@@ -103,7 +104,8 @@ class Config:
         if self.sampling_mode is not None and self.sampling_mode not in [m.value for m in SamplingMode]:
             fail("sampling_mode", f"one of {[m.value for m in SamplingMode]}")
         for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_num_batched_tokens", 1),
-                          ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1), ("seed", 0)):
+                          ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1), ("seed", 0),
+                          ("sub_block_size", 1)):
             check_int(name, low)
         for name, low in (("max_model_len", 2), ("num_kv_pages", 1), ("mask_token_id", 0)):
             if getattr(self, name) is not None:

@@ -186,6 +186,7 @@ class DiffulexEngine:
             raise ValueError(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
                              f"max_model_len ({limit})")
         self.req_cls.check_prompt(n, self.config)
+        self.req_cls.check_params(params, self.config)
         pages = -(-(n + m) // self.config.page_size)
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
             raise ValueError(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}")

@@ -39,6 +39,13 @@ class Request:
     def check_prompt(cls, num_prompt_tokens: int, config: "Config") -> None:
         """Raise ValueError if a prompt of this length could never be scheduled."""
 
+    @classmethod
+    def check_params(cls, params: SamplingParams, config: "Config") -> None:
+        """Raise ValueError for sampling parameters this strategy cannot honour."""
+        if params.sub_block_size is not None:
+            raise ValueError(f"sampling parameter 'sub_block_size' applies to decoding_strategy 'fast_dllm_v2' only, "
+                             f"not '{config.decoding_strategy}'")
+
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
                  mask_token_id: int, seed: int, shifted: bool):
         self.request_id = request_id

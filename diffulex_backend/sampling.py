@@ -45,6 +45,7 @@ class SamplingParams:
     steps: int | None = None  # denoising steps per block for the top-k schedule; None means one token per step
     accept_threshold: float | None = None  # None takes the engine's setting
     remask_threshold: float | None = None
+    sub_block_size: int | None = None  # fast_dllm_v2; None takes the engine's setting
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -75,6 +76,9 @@ class SamplingParams:
             fail("confidence", f"one of {sorted(CONFIDENCE_NAMES)}")
         if self.steps is not None and (not _is_int(self.steps) or not 1 <= self.steps <= INT32_MAX):
             fail("steps", f"an integer in [1, {INT32_MAX}] or null")
+        if self.sub_block_size is not None and (not _is_int(self.sub_block_size)
+                                                or not 1 <= self.sub_block_size <= INT32_MAX):
+            fail("sub_block_size", f"an integer in [1, {INT32_MAX}] or null")
         for name in ("accept_threshold", "remask_threshold"):
             value = getattr(self, name)
             if value is not None and (not _is_finite(value) or not 0 <= value <= 1):

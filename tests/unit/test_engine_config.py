@@ -17,7 +17,7 @@ from engine_driver import run_requests, tiny_engine
 INVALID = {
     "model": ("", "a path to a checkpoint directory"),
     "model_name": (5, "a registered model name or null"),
-    "decoding_strategy": ("nope", "one of ['d2f', 'fast_dllm', 'multi_bd', 'vanilla']"),
+    "decoding_strategy": ("nope", "one of ['d2f', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
     "sampling_mode": ("greedy", "one of ['threshold', 'topk']"),
     "block_size": (0, "an integer >= 1"),
     "buffer_size": (0, "an integer >= 1"),
@@ -39,6 +39,7 @@ INVALID = {
     "mask_token_id": (-1, "an integer >= 0"),
     "dual_cache": ("no", "true or false"),
     "cache_refresh_interval": (-1, "an integer >= 0"),
+    "sub_block_size": (0, "an integer >= 1"),
     "tensor_parallel_size": (2, "1 (tensor parallelism is not supported)"),
     "seed": (-1, "an integer >= 0"),
 }

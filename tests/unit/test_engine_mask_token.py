@@ -31,7 +31,8 @@ def mask_predicting_checkpoint(tmp_path_factory):
     dict(decoding_strategy="d2f"),
     dict(decoding_strategy="vanilla"),
     dict(decoding_strategy="fast_dllm"),
-], ids=["multi_bd", "d2f", "vanilla", "fast_dllm"])
+    dict(decoding_strategy="fast_dllm_v2", sub_block_size=2),
+], ids=["multi_bd", "d2f", "vanilla", "fast_dllm", "fast_dllm_v2"])
 def test_a_model_that_predicts_the_mask_token_still_finishes_without_it(mask_predicting_checkpoint, strategy):
     llm = tiny_engine(mask_predicting_checkpoint, **strategy)
     stream = run_requests(llm, ["hello"], PARAMS, max_steps=64)[0]

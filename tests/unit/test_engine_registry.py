@@ -15,7 +15,7 @@ from diffulex_backend.registry import (AutoKVCacheManager, AutoModelForDiffusion
 from engine_driver import run_requests, tiny_engine
 
 STRATEGY_REGISTRIES = [AutoReq, AutoScheduler, AutoKVCacheManager, AutoModelRunner, AutoSampler]
-STRATEGIES = ["d2f", "fast_dllm", "multi_bd", "vanilla"]
+STRATEGIES = ["d2f", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
 
 
 @pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)
@@ -43,7 +43,7 @@ def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint
 
 @pytest.mark.parametrize("alias, name", [
     ("bd", "multi_bd"), ("block_diffusion", "multi_bd"), ("diffusion_forcing", "d2f"), ("llada", "vanilla"),
-    ("fastdllm", "fast_dllm"), ("fast-dllm", "fast_dllm"),
+    ("fastdllm", "fast_dllm"), ("fast-dllm", "fast_dllm"), ("fast-dllm-v2", "fast_dllm_v2"),
 ])
 def test_an_alias_resolves_to_its_strategy(llada_checkpoint, alias, name):
     assert Config(model=llada_checkpoint, decoding_strategy=alias).decoding_strategy == name
