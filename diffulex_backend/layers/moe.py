@@ -1,10 +1,10 @@
 """The mixture-of-experts MLP that LLaDA2 and SDAR-MoE share: a router, routed experts stored stacked, and an
 optional shared expert.
 
-Routing (`select_experts`) is plain torch on every device; the experts run as the fused-MoE Triton kernel on
-CUDA (`forward(x, fused=True)`, from `fused_forward`) and as `experts_reference` otherwise. Both read the
-experts as two stacked parameters, the layout the kernel wants and the loader packs the per-expert checkpoint
-tensors into:
+With `forward(x, fused=True)` (from `fused_forward`, on CUDA) routing is one Triton kernel (`route_experts`) and
+the experts the fused-MoE kernel; otherwise routing is the torch `select_experts`, the kernel's reference, and the
+experts `experts_reference`. Both expert paths read the experts as two stacked parameters, the layout the kernel
+wants and the loader packs the per-expert checkpoint tensors into:
 - `w_gate_up` [E, 2 * I, H]: rows gate then up;
 - `w_down` [E, H, I].
 """
@@ -39,7 +39,7 @@ class MoE(nn.Module):
         # The router runs in float32 (float64 in a float64 model), as the released routers do.
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         logits = F.linear(x.to(router_dtype), self.gate.weight.to(router_dtype))  # [T, E]
-        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch)
+        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused)
         if fused:
             from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
 
@@ -55,6 +55,7 @@ def select_experts(
     logits: torch.Tensor,  # [T, E], the router's output
     bias: torch.Tensor | None,  # [E]: added to the scores to pick the experts, never to weight them
     arch: ModelArch,
+    fused: bool = False,  # one Triton kernel instead of the torch below (not in float64)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # topk_ids [T, K] int64, topk_weights [T, K] float32 (float64 in float64)
     """The experts each token goes through and their weights.
 
@@ -65,7 +66,21 @@ def select_experts(
     4. their weights are the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
     Equal scores go to the lower expert (and group) index: torch.topk leaves their order open, a stable sort
     does not, so the CPU reference and the GPU agree on ties.
+
+    The ids come best first in both paths. `fused` runs all four steps as `route_experts`, one launch where the
+    torch steps below take about fifteen per layer; the torch is its reference and the CPU path. The choice is made
+    here, not in `MoE.forward`, so that whoever wraps this function (benchmarks/forward.py records the routing)
+    sees both paths.
     """
+    if fused and logits.dtype != torch.float64:
+        # Imports Triton: only when asked.
+        from diffulex_kernels.moe_routing import SIGMOID, SOFTMAX, route_experts
+
+        return route_experts(
+            logits, bias, top_k=arch.num_experts_per_tok, num_groups=arch.num_expert_groups,
+            topk_groups=arch.topk_groups, score=SIGMOID if arch.router_score is RouterScore.SIGMOID else SOFTMAX,
+            renormalize=arch.norm_topk_prob, scaling=arch.routed_scaling_factor,
+        )
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(dtype)
     scores = logits.sigmoid() if arch.router_score is RouterScore.SIGMOID else logits.softmax(dim=-1)
