@@ -51,6 +51,9 @@ class FastDLLMv2Request(Request):
             error = sub_block_size_error(params.sub_block_size, config.block_size, "sampling parameter")
             if error:
                 raise ValueError(error)
+        if params.remask_threshold:  # accepted tokens are final here: a remask threshold would reach no code
+            raise ValueError("sampling parameter 'remask_threshold' must be 0 or null for decoding_strategy "
+                             f"'fast_dllm_v2', which never remasks, got {params.remask_threshold!r}")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -156,6 +156,13 @@ def test_request_sub_block_size_must_divide_the_block(checkpoint):
     assert not llm.has_unfinished_requests()
 
 
+def test_a_request_remask_threshold_is_refused_since_nothing_would_read_it(checkpoint):
+    llm = engine(checkpoint)
+    with pytest.raises(ValueError, match="'remask_threshold' must be 0 or null for decoding_strategy 'fast_dllm_v2'"):
+        llm.add_request("hi", SamplingParams(max_tokens=8, remask_threshold=0.5))
+    assert not llm.has_unfinished_requests()
+
+
 def test_request_sub_block_size_is_refused_by_other_strategies(checkpoint):
     llm = tiny_engine(checkpoint, decoding_strategy="multi_bd")
     with pytest.raises(ValueError, match="applies to decoding_strategy 'fast_dllm_v2' only, not 'multi_bd'"):
