@@ -9,11 +9,15 @@ from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
 
 __all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
+           "FAST_DLLM_V2_SETTINGS",
            "TritonServer", "add_model", "free_ports", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same.
 TEST_SETTINGS = {"block_size": 4, "page_size": 4, "buffer_size": 2, "max_model_len": 512}
+# Fast-dLLM v2's model: blocks of 8 decoded in sub-blocks of 4, a low threshold so that sub-blocks take several tokens.
+FAST_DLLM_V2_SETTINGS = {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4, "page_size": 4,
+                         "accept_threshold": 0.3, "max_model_len": 512}
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
 

@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_server import TEST_SETTINGS
+from triton_server import FAST_DLLM_V2_SETTINGS, TEST_SETTINGS
 from served import (decoded, generate, generate_stream, grpc_inputs, grpc_stream, ids, is_final, metrics, post,
                     reference, stub_pids, tensor, wait_for)
 from tritonclient.utils import InferenceServerException
@@ -224,6 +224,27 @@ def test_a_moe_family_picked_by_model_name_streams_the_engine_outputs(server, ll
         assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
         client.unload_model("diffulex_llada2")
         wait_for(lambda: model_state(client, "diffulex_llada2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
+def test_fast_dllm_v2_streams_a_response_per_block_with_per_request_overrides(server, fast_dllm_v2_checkpoint):
+    """Block-causal blocks decoded sub-block by sub-block; a request's sub_block_size and accept_threshold change
+    what it decodes (the two parameter sets give different tokens and forward counts in process)."""
+    reference_engine = Diffulex(str(fast_dllm_v2_checkpoint), **FAST_DLLM_V2_SETTINGS)
+    seen = []
+    for params in ({"max_tokens": 16, "temperature": 0, "ignore_eos": True},
+                   {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "sub_block_size": 2, "accept_threshold": 0.6}):
+        (expected,) = reference(reference_engine, [PROMPTS[1]], **params)
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            client.load_model("diffulex_fast_dllm_v2")
+            results = grpc_stream(server, grpc_inputs(PROMPTS[1], params, stream=True), model="diffulex_fast_dllm_v2")
+        outputs = [result.as_numpy("output_ids").reshape(-1).tolist() for result in results]
+        assert sum(outputs, []) == expected.token_ids
+        assert len(results) >= 2 and all(len(ids) <= FAST_DLLM_V2_SETTINGS["block_size"] for ids in outputs)
+        seen.append((expected.token_ids, expected.nfe))
+    assert seen[0] != seen[1]
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.unload_model("diffulex_fast_dllm_v2")
+        wait_for(lambda: model_state(client, "diffulex_fast_dllm_v2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
 def model_state(client, name: str) -> tuple[str, str]:
