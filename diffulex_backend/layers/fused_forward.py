@@ -10,12 +10,14 @@ reference and the CPU path), in fewer launches.
   gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
 small kernels would otherwise cost more than the weights take to stream.
-- A MoE layer's MLP (LLaDA2, SDAR-MoE) is its module called with `fused=True`: routing in torch, the routed
-  experts in the fused-MoE kernel, the shared expert as the torch GatedMLP; its [T, hidden] output goes to the
-  same residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
+- A MoE layer's MLP (LLaDA2, SDAR-MoE) is its module called with `fused=True`: the router's scores in torch, the
+  group-limited top-k in one kernel (`diffulex_kernels.route_experts`), the routed experts in the fused-MoE
+  kernel, the shared expert as the torch GatedMLP; its [T, hidden] output goes to the same residual-add RMSNorm.
+  Dense layers of a MoE model take the dense path above.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
-  stride), after the per-head norms. Roundings differ from the torch modules
-only where a kernel keeps float32 between two ops that the modules round in between.
+  stride), after the per-head norms.
+Roundings differ from the torch modules only where a kernel keeps float32 between two ops that the modules round
+in between.
 """
 from __future__ import annotations
 
