@@ -26,6 +26,9 @@ class SamplingMode(enum.Enum):
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
+# dmax_topk: DMax's mixture of the top-k tokens and the mask embedding; iter_smooth_topk: the token's own
+# embedding plus the weighted top-k embeddings (Diffulex's second token-merge mode).
+TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
 
 
 @dataclass(frozen=True)
@@ -55,6 +58,13 @@ class Config:
     dual_cache: bool = False  # fast_dllm: also cache the suffix after the current block
     cache_refresh_interval: int = 0  # fast_dllm: recompute the cache every N steps inside a block; 0 = at block starts only
     sub_block_size: int = 8  # fast_dllm_v2: a block is decoded sub-block by sub-block, left to right
+    # dmax: soft parallel decoding (strategies/dmax.py). A decoded, uncommitted position is fed as a mixture of
+    # its predicted tokens' embeddings and the mask embedding instead of its token's embedding.
+    token_merge_mode: str = "dmax_topk"  # or "iter_smooth_topk"
+    token_merge_top_k: int = 1  # predicted tokens per position in the mixture
+    token_merge_renormalize: bool = True  # rescale the mixture to the probability-weighted norm of its parts
+    token_merge_weight: float = 1.0  # 0 feeds the token itself (hard decoding); 1 the mixture
+    edit_threshold: float = 0.9  # dmax: 0 leaves decoded tokens final; else they are revised until stable
     tensor_parallel_size: int = 1
     seed: int = 0  # noise seed of requests that bring none
 
@@ -105,18 +115,22 @@ class Config:
             fail("sampling_mode", f"one of {[m.value for m in SamplingMode]}")
         for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_num_batched_tokens", 1),
                           ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1), ("seed", 0),
-                          ("sub_block_size", 1)):
+                          ("sub_block_size", 1), ("token_merge_top_k", 1)):
             check_int(name, low)
         for name, low in (("max_model_len", 2), ("num_kv_pages", 1), ("mask_token_id", 0)):
             if getattr(self, name) is not None:
                 check_int(name, low)
-        for name in ("accept_threshold", "remask_threshold", "add_block_threshold", "semi_complete_threshold"):
+        for name in ("accept_threshold", "remask_threshold", "add_block_threshold", "semi_complete_threshold",
+                     "token_merge_weight", "edit_threshold"):
             check_fraction(name)
         value = self.gpu_memory_utilization
         if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
             fail("gpu_memory_utilization", "a number in (0, 1]")
         check_bool("enforce_eager")
         check_bool("dual_cache")
+        check_bool("token_merge_renormalize")
+        if self.token_merge_mode not in TOKEN_MERGE_MODES:
+            fail("token_merge_mode", f"one of {list(TOKEN_MERGE_MODES)}")
         check_bool("enable_prefix_caching", optional=True)
         if self.attention_backend not in ATTENTION_BACKENDS:
             fail("attention_backend", f"one of {list(ATTENTION_BACKENDS)}")

@@ -25,6 +25,7 @@ import torch
 from .attention import AttentionMetadata
 from .config import Config
 from .forward_batch import ForwardBatch, flat_layout, round_up_seqs, round_up_tokens
+from .models.decoder_lm import SoftInputs, TokenMerge
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,8 @@ def next_power_of_2(n: int) -> int:
 class PaddedForward:
     """The model forward over a batch padded into static buffers, run eagerly."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device):
+    def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
+                 merge: TokenMerge | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -54,6 +56,12 @@ class PaddedForward:
         # Every bucket's inputs are views into this one buffer, laid out for that bucket (FlatLayout).
         self.static = torch.zeros(flat_layout(self.max_tokens, self.max_seqs, self.num_page_columns).size,
                                   dtype=torch.int64, device=device)
+        # Soft inputs (dmax): every forward of such an engine takes them, so a graph computes the mixture
+        # (decoder_lm.soft_embeddings) from these two buffers; a batch without soft rows fills weights of 0.
+        self.merge = merge
+        if merge is not None:
+            self.static_soft_ids = torch.zeros((self.max_tokens, merge.top_k), dtype=torch.int64, device=device)
+            self.static_soft_coef = torch.zeros((self.max_tokens, merge.top_k + 1), dtype=torch.float32, device=device)
 
     def bucket_for(self, batch: ForwardBatch) -> GraphBucket | None:
         """The bucket the batch pads into, or None when it fits none (it then runs eagerly)."""
@@ -67,7 +75,21 @@ class PaddedForward:
         layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
         # One copy for all seven inputs, from the batch's own (pinned) buffer unless a test asks for another bucket.
         self.static[: layout.size].copy_(batch.padded_flat(layout), non_blocking=True)
+        if self.merge is not None:
+            n = bucket.num_tokens
+            if batch.soft_ids is None:
+                self.static_soft_coef[:n].zero_()
+            else:
+                ids, coef = batch.padded_soft(n)
+                self.static_soft_ids[:n].copy_(ids, non_blocking=True)
+                self.static_soft_coef[:n].copy_(coef, non_blocking=True)
         return self._forward(bucket, batch)[: batch.num_tokens]
+
+    def _static_soft(self, bucket: GraphBucket) -> SoftInputs | None:
+        if self.merge is None:
+            return None
+        n = bucket.num_tokens
+        return SoftInputs(self.static_soft_ids[:n], self.static_soft_coef[:n], self.merge)
 
     def _static_inputs(self, bucket: GraphBucket,
                        batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
@@ -87,7 +109,7 @@ class PaddedForward:
 
     def _forward(self, bucket: GraphBucket, batch: ForwardBatch) -> torch.Tensor:  # [bucket tokens, hidden]
         input_ids, positions, meta = self._static_inputs(bucket, batch)
-        return self.model(input_ids, positions, meta, self.kv_cache)
+        return self.model(input_ids, positions, meta, self.kv_cache, self._static_soft(bucket))
 
 
 class CUDAGraphForward(PaddedForward):
@@ -108,15 +130,16 @@ class CUDAGraphForward(PaddedForward):
 
     def _capture(self, bucket: GraphBucket, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         input_ids, positions, meta = self._static_inputs(bucket, batch)
+        soft = self._static_soft(bucket)
         # One eager run on a side stream first, as capture requires: Triton compiles its kernels and cuBLAS
         # sets up its workspaces outside the graph. It stores the same K/V the replay stores again.
         main = torch.cuda.current_stream(self.device)
         warmup = torch.cuda.Stream(self.device)
         warmup.wait_stream(main)
         with torch.cuda.stream(warmup):
-            self.model(input_ids, positions, meta, self.kv_cache)
+            self.model(input_ids, positions, meta, self.kv_cache, soft)
         main.wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(input_ids, positions, meta, self.kv_cache)
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, soft)
         return graph, hidden

@@ -245,6 +245,8 @@ class DiffulexEngine:
         tokens = result.tokens.numpy()
         for plan, block, at in result.blocks:
             reqs[plan.request_id].tokens[block.start:block.end] = tokens[at:at + block.end - block.start]
+            if result.predictions is not None:  # fed back as soft inputs (dmax)
+                reqs[plan.request_id].record_predictions(block.start, block.end, result.predictions, at)
         outputs = []
         for plan in sched.plans:
             if not plan.blocks:

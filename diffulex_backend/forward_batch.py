@@ -91,6 +91,9 @@ class ForwardBatch:
     num_seqs: int
     max_seqlen_q: int
     max_context_len: int
+    # Soft inputs (dmax; SeqPlan.soft_ids), padded to layout.num_tokens rows with weight 0, or None.
+    soft_ids: torch.Tensor | None = None  # [layout.num_tokens, K] int64
+    soft_coef: torch.Tensor | None = None  # [layout.num_tokens, K + 1] float32
 
     @functools.cached_property
     def inputs(self) -> list[torch.Tensor]:
@@ -125,6 +128,23 @@ class ForwardBatch:
         page_tables.fill(-1)
         page_tables[:b, :width] = self.page_tables.numpy()
         return flat
+
+    def padded_soft(self, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The soft inputs with `num_tokens` rows (>= the real ones): rows past the real ones have weight 0."""
+        if self.soft_ids.shape[0] == num_tokens:
+            return self.soft_ids, self.soft_coef
+        ids = torch.zeros((num_tokens, self.soft_ids.shape[1]), dtype=torch.int64)
+        coef = torch.zeros((num_tokens, self.soft_coef.shape[1]), dtype=torch.float32)
+        n = self.num_tokens
+        ids[:n], coef[:n] = self.soft_ids[:n], self.soft_coef[:n]
+        return ids, coef
+
+    def soft_to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The real rows of the soft inputs on `device`, copied without blocking the host; None when there are none."""
+        if self.soft_ids is None:
+            return None
+        n = self.num_tokens
+        return (self.soft_ids[:n].to(device, non_blocking=True), self.soft_coef[:n].to(device, non_blocking=True))
 
     def to_device(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """(input_ids, positions, metadata) on `device`, copied without blocking the host."""
@@ -187,5 +207,18 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int
     np.multiply(lookup[seq_of_token, page], page_size, out=slots)
     slots += offset
     slot_mapping[num_tokens:] = -1
+    soft_ids = soft_coef = None
+    soft = [p for p in plans if p.soft_ids is not None]
+    if soft:
+        # Zero rows (weight 0: fed as their token) for the padding and for plans without soft inputs.
+        k = soft[0].soft_ids.shape[1]
+        soft_ids = torch.zeros((layout.num_tokens, k), dtype=torch.int64, pin_memory=pin_memory)
+        soft_coef = torch.zeros((layout.num_tokens, k + 1), dtype=torch.float32, pin_memory=pin_memory)
+        ids_out, coef_out = soft_ids.numpy(), soft_coef.numpy()
+        for p, first in zip(plans, cu_seqlens_q):
+            if p.soft_ids is not None:
+                ids_out[first:first + p.num_tokens] = p.soft_ids
+                coef_out[first:first + p.num_tokens] = p.soft_coef
     return ForwardBatch(flat=flat, layout=layout, num_tokens=num_tokens, num_seqs=num_seqs,
-                        max_seqlen_q=max(counts), max_context_len=max(context_lens))
+                        max_seqlen_q=max(counts), max_context_len=max(context_lens), soft_ids=soft_ids,
+                        soft_coef=soft_coef)

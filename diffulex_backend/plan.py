@@ -25,6 +25,7 @@ class RequestSampling:
     confidence_kind: Confidence
     accept_threshold: float
     remask_threshold: float
+    edit_threshold: float = 0.0  # dmax: above 0, decoded tokens of blocks in flight follow the new predictions
 
 
 @dataclass(frozen=True)
@@ -55,6 +56,11 @@ class SeqPlan:
     committed_end: int  # positions [0, committed_end) are final; shifted models keep the hidden state before it
     step: int  # forwards of this request that predicted tokens before this one: the step in the noise key
     sampling: RequestSampling
+    # Soft inputs (dmax), or None when every position is fed as its token. Row i of the fed positions is fed as
+    # the mixture of the embeddings of soft_ids[i] with weights soft_coef[i, :K], mixed into its token's
+    # embedding by soft_coef[i, K] (0: the token's embedding alone). See models/decoder_lm.py soft_embeddings.
+    soft_ids: np.ndarray | None = None  # [end - start, K] int64
+    soft_coef: np.ndarray | None = None  # [end - start, K + 1] float32
 
     @property
     def num_tokens(self) -> int:

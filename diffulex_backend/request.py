@@ -42,9 +42,10 @@ class Request:
     @classmethod
     def check_params(cls, params: SamplingParams, config: "Config") -> None:
         """Raise ValueError for sampling parameters this strategy cannot honour."""
-        if params.sub_block_size is not None:
-            raise ValueError(f"sampling parameter 'sub_block_size' applies to decoding_strategy 'fast_dllm_v2' only, "
-                             f"not '{config.decoding_strategy}'")
+        for name, strategy in (("sub_block_size", "fast_dllm_v2"), ("edit_threshold", "dmax")):
+            if getattr(params, name) is not None and config.decoding_strategy != strategy:
+                raise ValueError(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
+                                 f"not '{config.decoding_strategy}'")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
                  mask_token_id: int, seed: int, shifted: bool):

@@ -27,9 +27,18 @@ from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .kv_cache import KVCacheManager
+from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .sampling import SampleResult, row_keys, sample_reference
 from .upload import upload
+
+
+@dataclass
+class Predictions:
+    """The top-k of each predicted position's distribution, for strategies that feed them back (dmax)."""
+
+    ids: torch.Tensor  # [A, K] int64 on the host, most probable first
+    probs: torch.Tensor  # [A, K] float32 on the host
 
 
 @dataclass
@@ -38,6 +47,7 @@ class StepResult:
     blocks: list[tuple[SeqPlan, LogitBlock, int]]  # each predicted block and its offset into `tokens`
     num_tokens: int  # tokens fed
     flops: float  # model FLOPs of the forward
+    predictions: Predictions | None = None  # aligned with `tokens`; None unless the runner's strategy wants them
 
 
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -117,8 +127,9 @@ class ModelRunner:
         self.attn_flops_per_pair = 4.0 * model.arch.num_layers * model.arch.num_heads * model.arch.head_dim
         self.use_kernels = model.fused_kernels
         self.padded_forward: PaddedForward | None = None
+        self.token_merge = self.make_token_merge()
         if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
-            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device)
+            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
         if self.use_kernels:
             from diffulex_kernels.sampling import compile_launches
 
@@ -131,14 +142,19 @@ class ModelRunner:
         hidden = self.forward(batch)  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
-        tokens = self._predict(plans, blocks, hidden) if blocks else torch.zeros(0, dtype=torch.int64)
+        tokens, predictions = self._predict(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64), None)
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
         pairs = sum(p.num_tokens * (p.context_len + p.num_tokens) for p in plans)
         flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
-        return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops)
+        return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
+                          predictions=predictions)
+
+    def make_token_merge(self) -> TokenMerge | None:
+        """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
+        return None
 
     def release(self, request_id: str) -> None:
         """Forget a request's state: it finished, was aborted, or was preempted (it recomputes from scratch)."""
@@ -153,7 +169,9 @@ class ModelRunner:
         if bucket is not None:
             return self.padded_forward.run(bucket, batch)
         input_ids, positions, meta = batch.to_device(self.device)
-        return self.model(input_ids, positions, meta, self.kv_cache)
+        soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
+        return self.model(input_ids, positions, meta, self.kv_cache,
+                          None if soft is None else SoftInputs(*soft, self.token_merge))
 
     def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The hidden row that predicts each predicted position: its own row, or the row before it for shifted
@@ -183,8 +201,9 @@ class ModelRunner:
             row += p.num_tokens
 
     def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
-                 hidden: torch.Tensor) -> torch.Tensor:
-        """Sample every predicted position, then apply the acceptance rule; returns host tokens."""
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, Predictions | None]:
+        """Sample every predicted position, then apply the acceptance rule; returns host tokens (and predictions
+        where the strategy asks for them)."""
         # Host side first: none of it waits for the forward. Values are gathered per block (segment), then
         # repeated per predicted position in one call per dtype.
         logit_rows, carry = self.logit_rows(plans)
@@ -237,4 +256,17 @@ class ModelRunner:
             seg_remask_threshold=seg_remask,
             seg_num_transfer=seg_num_transfer,
         )
-        return self.acceptance(batch, use_kernel=self.use_kernels).cpu()  # the step's one device-to-host sync
+        tokens, top = self.accept(batch, logits, blocks)
+        if top is None:
+            return tokens.cpu(), None  # the step's one device-to-host sync
+        # One sync for all three: the probabilities travel as their float32 bits.
+        bits = top[1].to(torch.float32).view(torch.int32).to(torch.int64)
+        host = torch.cat([tokens[:, None], top[0], bits], 1).cpu()
+        k = top[0].shape[1]
+        return host[:, 0], Predictions(host[:, 1:k + 1], host[:, k + 1:].to(torch.int32).view(torch.float32))
+
+    def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+        """[A] tokens after this step, on the device, and the predictions' top-k ([A, K] ids, [A, K]
+        probabilities) where the strategy feeds them back."""
+        return self.acceptance(batch, use_kernel=self.use_kernels), None

@@ -38,9 +38,10 @@ def fused_forward(
     positions: torch.Tensor,  # [T] long
     meta: AttentionMetadata,
     kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
+    soft=None,  # models.decoder_lm.SoftInputs: rows fed as embedding mixtures (dmax), in torch ops
 ) -> torch.Tensor:  # [T, hidden], after the final norm
     cos, sin = rotary_angles(positions, model.arch.rotary_dim, model.arch.rope_theta)  # float32, as the kernel wants
-    residual = model.embed_tokens(input_ids)
+    residual = model.input_embeddings(input_ids, soft)
     first_norm = model.layers[0].attn_norm
     x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]

@@ -46,6 +46,48 @@ class CheckpointWeight:
         return (param if self.expert is None else param[self.expert])[self.rows]
 
 
+@dataclass(frozen=True)
+class TokenMerge:
+    """The engine's token-merge setting (dmax): fixed for its lifetime, so a CUDA graph may capture it."""
+
+    mask_token_id: int
+    mode: str  # "dmax_topk" or "iter_smooth_topk" (config.TOKEN_MERGE_MODES)
+    renormalize: bool
+    top_k: int  # K: tokens mixed per row
+
+
+@dataclass(frozen=True)
+class SoftInputs:
+    """Soft inputs (dmax): rows of the forward fed as a mixture of embeddings instead of their token's embedding."""
+
+    ids: torch.Tensor  # [T, K] int64: the tokens mixed into each row
+    coef: torch.Tensor  # [T, K + 1] float32: their probabilities p_k, then the row's merge weight w (0: hard)
+    merge: TokenMerge
+
+
+def soft_embeddings(table: torch.Tensor, input_ids: torch.Tensor, soft: SoftInputs) -> torch.Tensor:
+    """[T, hidden]: each row's input embedding. With e = table[input_id], e_k = table[ids_k], m = table[mask]
+    and r = max(0, 1 - sum p_k):
+      dmax_topk:        x = sum_k p_k e_k + r m, rescaled (renormalize) to the norm sum_k p_k |e_k| + r |m|;
+                        fed as e + w (x - e), so w = 1 feeds DMax's mixture and w = 0 the token itself;
+      iter_smooth_topk: fed as e + w sum_k p_k e_k.
+    Batched over rows, no host sync: it runs inside a CUDA graph. Computed in float32 at least."""
+    hard = F.embedding(input_ids, table)  # [T, hidden]
+    work = torch.promote_types(table.dtype, torch.float32)
+    probs, weight = soft.coef[:, :-1].to(work), soft.coef[:, -1:].to(work)  # [T, K], [T, 1]
+    topk = F.embedding(soft.ids, table).to(work)  # [T, K, hidden]
+    weighted = (probs[:, :, None] * topk).sum(1)  # [T, hidden]
+    if soft.merge.mode == "iter_smooth_topk":
+        return (hard.to(work) + weight * weighted).to(hard.dtype)
+    mask = table[soft.merge.mask_token_id].to(work)  # [hidden]
+    rest = (1 - probs.sum(1, keepdim=True)).clamp_min(0)  # [T, 1]
+    mixed = weighted + rest * mask
+    if soft.merge.renormalize:
+        target = (probs * topk.norm(dim=-1)).sum(1, keepdim=True) + rest * mask.norm()
+        mixed = mixed * (target / mixed.norm(dim=-1, keepdim=True).clamp_min(1e-12))
+    return (hard.to(work) + weight * (mixed - hard.to(work))).to(hard.dtype)
+
+
 class DecoderLM(nn.Module):
     # Set by each family.
     MODEL_TYPES: tuple[str, ...] = ()  # config.json "model_type" values that name this family
@@ -144,20 +186,26 @@ class DecoderLM(nn.Module):
         positions: torch.Tensor,  # [T] long
         meta: AttentionMetadata,
         kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
+        soft: SoftInputs | None = None,  # rows fed as embedding mixtures (dmax); None: every row is its token
     ) -> torch.Tensor:  # [T, hidden], after the final norm
         if self.fused_kernels:
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
 
-            return fused_forward(self, input_ids, positions, meta, kv_cache)
+            return fused_forward(self, input_ids, positions, meta, kv_cache, soft)
         cos, sin = rotary_angles(positions, self.arch.rotary_dim, self.arch.rope_theta,
                                  torch.promote_types(self.embed_tokens.weight.dtype, torch.float32))
-        hidden = self.embed_tokens(input_ids)
+        hidden = self.input_embeddings(input_ids, soft)
         for index, layer in enumerate(self.layers):
             k_cache = v_cache = None
             if kv_cache is not None:
                 k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
             hidden = layer(hidden, cos, sin, meta, k_cache, v_cache)
         return self.norm(hidden)
+
+    def input_embeddings(self, input_ids: torch.Tensor, soft: SoftInputs | None) -> torch.Tensor:  # [T, hidden]
+        if soft is None:
+            return self.embed_tokens(input_ids)
+        return soft_embeddings(self.embed_tokens.weight, input_ids, soft)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight

@@ -17,7 +17,7 @@ from engine_driver import run_requests, tiny_engine
 INVALID = {
     "model": ("", "a path to a checkpoint directory"),
     "model_name": (5, "a registered model name or null"),
-    "decoding_strategy": ("nope", "one of ['d2f', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
+    "decoding_strategy": ("nope", "one of ['d2f', 'dmax', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
     "sampling_mode": ("greedy", "one of ['threshold', 'topk']"),
     "block_size": (0, "an integer >= 1"),
     "buffer_size": (0, "an integer >= 1"),
@@ -40,6 +40,11 @@ INVALID = {
     "dual_cache": ("no", "true or false"),
     "cache_refresh_interval": (-1, "an integer >= 0"),
     "sub_block_size": (0, "an integer >= 1"),
+    "token_merge_mode": ("soft", "one of ['dmax_topk', 'iter_smooth_topk']"),
+    "token_merge_top_k": (0, "an integer >= 1"),
+    "token_merge_renormalize": ("yes", "true or false"),
+    "token_merge_weight": (1.5, "a number in [0, 1]"),
+    "edit_threshold": (-0.1, "a number in [0, 1]"),
     "tensor_parallel_size": (2, "1 (tensor parallelism is not supported)"),
     "seed": (-1, "an integer >= 0"),
 }

@@ -15,7 +15,7 @@ from diffulex_backend.registry import (AutoKVCacheManager, AutoModelForDiffusion
 from engine_driver import run_requests, tiny_engine
 
 STRATEGY_REGISTRIES = [AutoReq, AutoScheduler, AutoKVCacheManager, AutoModelRunner, AutoSampler]
-STRATEGIES = ["d2f", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
+STRATEGIES = ["d2f", "dmax", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
 
 
 @pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)

@@ -1,0 +1,138 @@
+"""`dmax`: DMax's soft parallel decoding (Chen et al., 2026, "DMax: Aggressive Parallel Decoding for dLLMs") on
+top of block diffusion with several blocks in flight (block_diffusion.py: the same blocks, joining, acceptance
+of masked positions and commit of the first block).
+
+What it adds, following the authors' decoder (czg1225/DMax, dInfer `decode_uniform`) and Diffulex's token merge:
+- Soft inputs. Every step records, for each predicted position, the top-k (`token_merge_top_k`) tokens of its
+  distribution and their probabilities p_k. Next step, a decoded position of an uncommitted block is fed not as
+  its token's embedding e but as a mixture (models/decoder_lm.py `soft_embeddings`):
+      x = sum_k p_k e_k + r m,  r = max(0, 1 - sum_k p_k),  m = the mask token's embedding,
+  rescaled when `token_merge_renormalize` to the norm sum_k p_k |e_k| + r |m|, and fed as e + w (x - e) with
+  w = `token_merge_weight` (w = 1 is DMax's input; w = 0 feeds the token: plain block diffusion). The probabilities
+  are the raw ones, not renormalised over the top k: what the top k leave goes to the mask embedding. Masked
+  positions stay the mask embedding, committed ones their token's, so the cache holds hard K/V only.
+  `token_merge_mode` "iter_smooth_topk" feeds e + w sum_k p_k e_k instead (Diffulex's second mode).
+- Editing (`edit_threshold` > 0). A decoded position of an accepting block in flight takes the new prediction at
+  every step (DMax's self-revision); remasked positions stay masked. A full first block commits only once it is
+  stable: the last step gave every position a top-1 probability >= edit_threshold, or changed none of its
+  tokens (DMax's two stopping rules; its threshold is the 0.9 of the reference code). Decoding must end, so a
+  full block that has not settled after block_size further steps commits as it is (Diffulex caps the same loop
+  with max_post_edit_steps). edit_threshold 0 turns editing off: decoded tokens are final, as in multi_bd.
+Deviation: masked positions are accepted by the engine's acceptance rule (every position whose confidence clears
+the threshold, at least one in the first block), not only the leading run of confident ones as in the reference.
+On CUDA the mixture is computed inside the decode graphs from two static buffers (cuda_graph.py).
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from ..acceptance import AcceptanceBatch, AcceptanceRule
+from ..config import SamplingMode
+from ..kv_cache import KVCacheManager
+from ..models.decoder_lm import TokenMerge
+from ..plan import LogitBlock, SeqPlan
+from ..registry import Strategy, register_strategy
+from ..runner import ModelRunner, Predictions
+from ..scheduler import Scheduler
+from .block_diffusion import BlockDiffusionRequest, validate_multi_bd
+
+
+class DMaxRequest(BlockDiffusionRequest):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        edit = self.config.edit_threshold if self.params.edit_threshold is None else self.params.edit_threshold
+        self.sampling = dataclasses.replace(self.sampling, edit_threshold=edit)
+        k = self.config.token_merge_top_k
+        # The last prediction of each generated position: top-k tokens and probabilities (0: never predicted).
+        self.pred_ids = np.zeros((self.params.max_tokens, k), dtype=np.int64)
+        self.pred_probs = np.zeros((self.params.max_tokens, k), dtype=np.float32)
+        self.last_plan: SeqPlan | None = None  # what the last forward fed: the tokens before its step
+        self.steps_full = 0  # steps the first block in flight has been full without settling
+
+    def make_plan(self, start: int, end: int, context_len: int, cache_index: np.ndarray, block_ids: np.ndarray,
+                  blocks: list[LogitBlock]) -> SeqPlan:
+        plan = super().make_plan(start, end, context_len, cache_index, block_ids, blocks)
+        k = self.config.token_merge_top_k
+        ids = np.zeros((end - start, k), dtype=np.int64)
+        coef = np.zeros((end - start, k + 1), dtype=np.float32)
+        lo = max(start, self.committed_end)  # uncommitted positions: the only ones fed soft
+        if lo < end:
+            rows, gen = slice(lo - start, end - start), slice(lo - self.gen_start, end - self.gen_start)
+            ids[rows] = self.pred_ids[gen]
+            coef[rows, :k] = self.pred_probs[gen]
+            decoded = (self.tokens[lo:end] != self.mask_token_id) & (self.pred_probs[gen, 0] > 0)
+            coef[rows, k] = np.where(decoded, np.float32(self.config.token_merge_weight), np.float32(0))
+        plan.soft_ids, plan.soft_coef = ids, coef
+        return plan
+
+    def after_forward(self, plan: SeqPlan) -> None:
+        super().after_forward(plan)
+        self.last_plan = plan
+
+    def record_predictions(self, start: int, end: int, predictions: Predictions, at: int) -> None:
+        """Keep the step's top-k of positions [start, end), rows [at, ...) of `predictions`."""
+        gen = slice(start - self.gen_start, end - self.gen_start)
+        self.pred_ids[gen] = predictions.ids[at:at + end - start].numpy()
+        self.pred_probs[gen] = predictions.probs[at:at + end - start].numpy()
+
+    def commit_ready_blocks(self) -> int:
+        limit = self.num_committed_blocks
+        while limit < self.num_joined_blocks and self._is_settled(limit):
+            limit += 1
+        committed = self.commit_filled_blocks(limit)
+        if committed:
+            self.steps_full = 0
+        self._join_blocks()
+        return committed
+
+    def _is_settled(self, k: int) -> bool:
+        """Block k may commit: full, and (without editing) always, else stable after the last step."""
+        start, end = self.block_span(k)
+        if bool((self.tokens[start:end] == self.mask_token_id).any()):
+            return False
+        threshold = self.sampling.edit_threshold
+        if threshold == 0:
+            return True
+        if k == self.num_committed_blocks:
+            self.steps_full += 1
+            if self.steps_full > self.config.block_size:
+                return True  # decoding must end: it stopped settling
+        if bool((self.pred_probs[start - self.gen_start:end - self.gen_start, 0] >= threshold).all()):
+            return True
+        plan = self.last_plan
+        fed = plan is not None and plan.start <= start and end <= plan.end
+        return fed and bool((self.tokens[start:end] == plan.token_ids[start - plan.start:end - plan.start]).all())
+
+
+class DMaxRunner(ModelRunner):
+    """Feeds soft inputs and returns each step's top-k; applies the edits after the acceptance rule."""
+
+    def make_token_merge(self) -> TokenMerge:
+        c = self.config
+        return TokenMerge(self.acceptance.mask_token_id, c.token_merge_mode, c.token_merge_renormalize,
+                          c.token_merge_top_k)
+
+    def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
+               ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        tokens = self.acceptance(batch, use_kernel=self.use_kernels)  # [A]
+        top_logits, top_ids = logits.topk(self.token_merge.top_k, dim=-1)  # [A, K]
+        top_probs = torch.exp(top_logits.to(batch.logsumexp.dtype) - batch.logsumexp[:, None])
+        editing = torch.tensor([p.sampling.edit_threshold > 0 for p, _ in blocks])
+        if bool(editing.any()):
+            mask = self.acceptance.mask_token_id
+            seg_edit = editing.to(tokens.device) & batch.seg_enabled  # [S]
+            seg = torch.repeat_interleave(torch.arange(seg_edit.numel(), device=tokens.device),
+                                          batch.seg_offsets.diff(), output_size=tokens.numel())
+            edit = seg_edit[seg] & (batch.current != mask) & (tokens != mask)
+            tokens = torch.where(edit, batch.predicted, tokens)
+        return tokens, (top_ids, top_probs)
+
+
+register_strategy(Strategy(
+    name="dmax", request_cls=DMaxRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
+    runner_cls=DMaxRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
+    supports_prefix_caching=True, validate=validate_multi_bd, aliases=("soft_parallel",),
+))
