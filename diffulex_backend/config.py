@@ -67,6 +67,11 @@ class Config:
     edit_threshold: float = 0.9  # dmax: 0 leaves decoded tokens final; else they are revised until stable
     tensor_parallel_size: int = 1
     seed: int = 0  # noise seed of requests that bring none
+    lora_path: str | None = None  # a PEFT LoRA directory merged into the weights at load (needs pre_merge_lora)
+    pre_merge_lora: bool = False
+    lora_modules: str | None = None  # "name=path,name=path": adapters a request picks by its lora_name
+    max_loras: int = 8  # the most adapters lora_modules may register; all of them stay loaded
+    max_lora_rank: int = 64  # adapters of a higher rank are refused at load
 
     def __post_init__(self):
         self._validate_fields()
@@ -86,6 +91,22 @@ class Config:
     @property
     def mode(self) -> SamplingMode:
         return SamplingMode(self.sampling_mode)
+
+    @property
+    def lora_module_paths(self) -> dict[str, str]:
+        """lora_modules as {name: path}, in the order given."""
+        modules: dict[str, str] = {}
+        if self.lora_modules is None:
+            return modules
+        for item in self.lora_modules.split(","):
+            name, sep, path = (part.strip() for part in item.partition("="))
+            if not sep or not name or not path:
+                raise ValueError(f"config field 'lora_modules' must be name=path pairs separated by commas, "
+                                 f"got {item.strip()!r}")
+            if name in modules:
+                raise ValueError(f"config field 'lora_modules' names adapter {name!r} twice")
+            modules[name] = path
+        return modules
 
     def _validate_fields(self):
         """The checks that hold whatever the strategy."""
@@ -142,6 +163,28 @@ class Config:
             fail("tensor_parallel_size", "1 (tensor parallelism is not supported)")
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
+        self._validate_lora()
+
+    def _validate_lora(self):
+        for name in ("max_loras", "max_lora_rank"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"config field '{name}' must be an integer >= 1, got {value!r}")
+        if not isinstance(self.pre_merge_lora, bool):
+            raise ValueError(f"config field 'pre_merge_lora' must be true or false, got {self.pre_merge_lora!r}")
+        if self.lora_path is not None and (not isinstance(self.lora_path, str) or not self.lora_path):
+            raise ValueError(f"config field 'lora_path' must be an adapter directory, got {self.lora_path!r}")
+        if (self.lora_path is not None) != self.pre_merge_lora:
+            raise ValueError("config fields 'lora_path' and 'pre_merge_lora' go together: lora_path is merged into "
+                             "the weights at load; adapters chosen per request go in 'lora_modules'")
+        if self.lora_modules is not None:
+            if not isinstance(self.lora_modules, str):
+                raise ValueError(f"config field 'lora_modules' must be name=path pairs separated by commas, "
+                                 f"got {self.lora_modules!r}")
+            count = len(self.lora_module_paths)
+            if count > self.max_loras:
+                raise ValueError(f"config field 'lora_modules' registers {count} adapters, more than "
+                                 f"'max_loras' ({self.max_loras})")
 
 
 def _valid_device(device) -> bool:

@@ -15,6 +15,7 @@ from .attention import paged_attention_reference
 from .config import Config
 from .kv_cache import KVCacheManager
 from .loader import load_model
+from .lora import attach_adapters, load_adapter, merge_adapter
 from .output import Detokenizer, RequestOutput, StepOutput
 from .registry import STRATEGIES
 from .request import FinishReason, Request, RequestStatus
@@ -129,7 +130,14 @@ class DiffulexEngine:
 
     def _load_model(self):
         config = self.config
-        return load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device)
+        model = load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device)
+        if config.lora_path is not None:
+            merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
+        adapters = [load_adapter(path, model, name, config.max_lora_rank)
+                    for name, path in config.lora_module_paths.items()]
+        attach_adapters(model, adapters)
+        self.lora_slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}  # lora_name -> stack slot
+        return model
 
     def _num_kv_pages(self) -> int:
         config = self.config
@@ -187,6 +195,9 @@ class DiffulexEngine:
                              f"max_model_len ({limit})")
         self.req_cls.check_prompt(n, self.config)
         self.req_cls.check_params(params, self.config)
+        if params.lora_name is not None and params.lora_name not in self.lora_slots:
+            raise ValueError(f"sampling parameter 'lora_name' is {params.lora_name!r}, which names no adapter; "
+                             f"registered (config field 'lora_modules'): {sorted(self.lora_slots)}")
         pages = -(-(n + m) // self.config.page_size)
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
             raise ValueError(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}")
@@ -209,6 +220,8 @@ class DiffulexEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.req_cls(request_id, prepared.prompt_ids, prepared.params, self.config, self.config.mask_token_id,
                            prepared.seed, self.model.arch.shifted)
+        if prepared.params.lora_name is not None:  # the adapter's slot travels to the runner in each plan
+            req.sampling = dataclasses.replace(req.sampling, lora_index=self.lora_slots[prepared.params.lora_name])
         self.requests[request_id] = req
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop)
         self.scheduler.add(req)

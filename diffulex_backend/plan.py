@@ -25,6 +25,7 @@ class RequestSampling:
     confidence_kind: Confidence
     accept_threshold: float
     remask_threshold: float
+    lora_index: int = -1  # the request's adapter: its slot in the model's LoRA stacks; -1 = none
     edit_threshold: float = 0.0  # dmax: above 0, decoded tokens of blocks in flight follow the new predictions
 
 

@@ -27,6 +27,8 @@ from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .kv_cache import KVCacheManager
+from .layers.lora import LoraBatch
+from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .sampling import SampleResult, row_keys, sample_reference
@@ -139,7 +141,7 @@ class ModelRunner:
     def execute(self, sched: SchedulerOutput) -> StepResult:
         plans = sched.plans
         batch = self.build_batch(plans)
-        hidden = self.forward(batch)  # queued on the device; the host goes on below
+        hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
         tokens, predictions = self._predict(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64), None)
@@ -163,15 +165,18 @@ class ModelRunner:
     def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
         return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory)
 
-    def forward(self, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden]
-        """The model forward: a graph replay when the batch fits a bucket, else eager."""
-        bucket = self.padded_forward.bucket_for(batch) if self.padded_forward is not None else None
+    def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden]
+        """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows
+        always runs eagerly: the graphs capture the fused path, which has no LoRA delta."""
+        bucket = None
+        if self.padded_forward is not None and lora is None:
+            bucket = self.padded_forward.bucket_for(batch)
         if bucket is not None:
             return self.padded_forward.run(bucket, batch)
         input_ids, positions, meta = batch.to_device(self.device)
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
         return self.model(input_ids, positions, meta, self.kv_cache,
-                          None if soft is None else SoftInputs(*soft, self.token_merge))
+                          None if soft is None else SoftInputs(*soft, self.token_merge), lora=lora)
 
     def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The hidden row that predicts each predicted position: its own row, or the row before it for shifted

@@ -46,6 +46,7 @@ class SamplingParams:
     accept_threshold: float | None = None  # None takes the engine's setting
     remask_threshold: float | None = None
     sub_block_size: int | None = None  # fast_dllm_v2; None takes the engine's setting
+    lora_name: str | None = None  # an adapter of the engine's lora_modules; None runs the model as loaded
     edit_threshold: float | None = None  # dmax; None takes the engine's setting
 
     def __post_init__(self):
@@ -80,6 +81,8 @@ class SamplingParams:
         if self.sub_block_size is not None and (not _is_int(self.sub_block_size)
                                                 or not 1 <= self.sub_block_size <= INT32_MAX):
             fail("sub_block_size", f"an integer in [1, {INT32_MAX}] or null")
+        if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
+            fail("lora_name", "a non-empty string or null")
         for name in ("accept_threshold", "remask_threshold", "edit_threshold"):
             value = getattr(self, name)
             if value is not None and (not _is_finite(value) or not 0 <= value <= 1):

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.lora import LoraBatch
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.norm import RMSNorm
@@ -30,6 +31,9 @@ class DecoderLayer(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor | None,
         v_cache: torch.Tensor | None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:
-        h = x + self.attn(self.attn_norm(x), cos, sin, meta, k_cache, v_cache)
-        return h + self.mlp(self.mlp_norm(h))
+        h = x + self.attn(self.attn_norm(x), cos, sin, meta, k_cache, v_cache, lora)
+        if lora is None or isinstance(self.mlp, MoE):  # adapters reach dense MLPs only
+            return h + self.mlp(self.mlp_norm(h))
+        return h + self.mlp(self.mlp_norm(h), lora)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import apply_rotary
 from diffulex_backend.models.arch import ModelArch
@@ -31,6 +32,9 @@ class SelfAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.attention_fn = attention_fn
+        # The adapters' stacks (layers/lora.py), set when adapters are attached; None: no adapter targets them.
+        self.qkv_lora: LoraStack | None = None
+        self.o_lora: LoraStack | None = None
 
     def forward(
         self,
@@ -40,9 +44,10 @@ class SelfAttention(nn.Module):
         meta: AttentionMetadata,
         k_cache: torch.Tensor | None,  # [num_pages, page_size, kv_heads, head_dim]
         v_cache: torch.Tensor | None,
+        lora: LoraBatch | None = None,
     ) -> torch.Tensor:  # [T, hidden]
         tokens = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split_sizes, dim=-1)
+        q, k, v = add_lora(self.qkv_proj(x), x, self.qkv_lora, lora).split(self.split_sizes, dim=-1)
         q = q.view(tokens, self.num_heads, self.head_dim)
         k = k.view(tokens, self.num_kv_heads, self.head_dim)
         v = v.view(tokens, self.num_kv_heads, self.head_dim)
@@ -50,4 +55,5 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attention_fn(q, k, v, k_cache, v_cache, meta, self.scale)
-        return self.o_proj(out.reshape(tokens, -1))
+        out = out.reshape(tokens, -1)
+        return add_lora(self.o_proj(out), out, self.o_lora, lora)

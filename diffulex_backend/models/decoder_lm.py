@@ -18,6 +18,7 @@ from torch import nn
 
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.decoder_layer import DecoderLayer
+from diffulex_backend.layers.lora import LoraBatch
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import AttentionFn
@@ -187,8 +188,11 @@ class DecoderLM(nn.Module):
         meta: AttentionMetadata,
         kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
         soft: SoftInputs | None = None,  # rows fed as embedding mixtures (dmax); None: every row is its token
+        lora: LoraBatch | None = None,  # which rows take which adapter (layers/lora.py); None: no adapter
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        if self.fused_kernels:
+        # The fused Triton path carries no LoRA delta: a forward with adapters runs the torch modules (with the
+        # Triton attention on CUDA), eagerly, outside the CUDA graphs.
+        if self.fused_kernels and lora is None:
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
 
             return fused_forward(self, input_ids, positions, meta, kv_cache, soft)
@@ -199,7 +203,7 @@ class DecoderLM(nn.Module):
             k_cache = v_cache = None
             if kv_cache is not None:
                 k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
-            hidden = layer(hidden, cos, sin, meta, k_cache, v_cache)
+            hidden = layer(hidden, cos, sin, meta, k_cache, v_cache, lora)
         return self.norm(hidden)
 
     def input_embeddings(self, input_ids: torch.Tensor, soft: SoftInputs | None) -> torch.Tensor:  # [T, hidden]

@@ -24,6 +24,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
 import diffulex_backend.models  # noqa: F401  (registers the families)
 from diffulex_backend.attention import paged_attention_reference
+from diffulex_backend.loader import detect_model_name
 from diffulex_backend.models.arch import ModelArch
 from diffulex_backend.models.decoder_lm import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
@@ -231,6 +232,54 @@ def write_weights(model: DecoderLM, directory: Path, num_shards: int | None) -> 
         weight_map.update(dict.fromkeys(chunk, file))
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     (directory / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_peft_adapter(
+    path: str | Path,
+    checkpoint: str | Path,
+    target_modules: list[str],
+    *,
+    rank: int = 4,
+    lora_alpha: float = 8.0,
+    use_rslora: bool = False,
+    seed: int = 0,
+    **config_overrides,
+) -> Path:
+    """A LoRA adapter for `checkpoint` as PEFT's save_pretrained writes it: adapter_config.json, and
+    adapter_model.safetensors with `base_model.model.<module>.lora_A.weight` [r, in] and `.lora_B.weight`
+    [out, r] for every layer module whose checkpoint name ends in a name of `target_modules` (q_proj, ff_out, ...).
+    B is random, not PEFT's zeros, so that the adapter changes the model's outputs. `config_overrides` add or
+    replace adapter_config.json keys."""
+    directory, source = Path(path), Path(checkpoint)
+    config = json.loads((source / "config.json").read_text())
+    family = AutoModelForDiffusionLM.get(detect_model_name(config, source / "config.json"))
+    model = family.empty(family.parse_config(config, source), paged_attention_reference, dtype=torch.float32,
+                         device="meta")
+    generator = torch.Generator().manual_seed(seed)
+    scale = lora_alpha / (math.sqrt(rank) if use_rslora else rank)
+    tensors = {}
+    for name, weight in model.checkpoint_layout().items():
+        module = name.removesuffix(".weight")
+        is_layer = any(name.startswith(family.LAYER_PREFIX.format(i)) for i in range(model.arch.num_layers))
+        if not (is_layer and name.endswith(".weight") and module.rsplit(".", 1)[-1] in target_modules):
+            continue
+        out_features, in_features = weight.shape
+        # The delta scale · B · A moves each output by about a third of the weight's own contribution.
+        tensors[f"base_model.model.{module}.lora_A.weight"] = torch.randn(
+            rank, in_features, generator=generator) / math.sqrt(in_features)
+        tensors[f"base_model.model.{module}.lora_B.weight"] = torch.randn(
+            out_features, rank, generator=generator) * (0.3 / (scale * math.sqrt(rank)))
+    adapter_config = {
+        "alpha_pattern": {}, "auto_mapping": None, "base_model_name_or_path": str(source), "bias": "none",
+        "fan_in_fan_out": False, "inference_mode": True, "init_lora_weights": True, "layers_pattern": None,
+        "layers_to_transform": None, "lora_alpha": lora_alpha, "lora_dropout": 0.0, "modules_to_save": None,
+        "peft_type": "LORA", "r": rank, "rank_pattern": {}, "revision": None, "target_modules": list(target_modules),
+        "task_type": "CAUSAL_LM", "use_dora": False, "use_rslora": use_rslora, **config_overrides,
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "adapter_config.json").write_text(json.dumps(adapter_config, indent=2) + "\n")
+    save_file(tensors, directory / "adapter_model.safetensors", metadata={"format": "pt"})
+    return directory
 
 
 def byte_alphabet() -> list[str]:

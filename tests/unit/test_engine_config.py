@@ -47,6 +47,11 @@ INVALID = {
     "edit_threshold": (-0.1, "a number in [0, 1]"),
     "tensor_parallel_size": (2, "1 (tensor parallelism is not supported)"),
     "seed": (-1, "an integer >= 0"),
+    "lora_path": ("", "an adapter directory"),
+    "pre_merge_lora": ("yes", "true or false"),
+    "lora_modules": (5, "name=path pairs separated by commas"),
+    "max_loras": (0, "an integer >= 1"),
+    "max_lora_rank": (True, "an integer >= 1"),
 }
 
 

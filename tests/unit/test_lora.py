@@ -1,0 +1,196 @@
+"""LoRA adapters in PEFT's layout: merged at load and applied per request give the same tokens, a mixed batch
+equals each request run alone, and every bad adapter or request is
+refused with the file and key at fault."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
+from diffulex_backend.loader import load_model
+from diffulex_backend.lora import LoraError, load_adapter
+from diffulex_backend.serving.engine_settings import engine_settings
+from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
+from engine_driver import run_requests, tiny_engine
+
+# Every attention and MLP projection, under each family's own module names.
+TARGETS = {
+    "llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
+    "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+    "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
+}
+PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+
+
+def with_lora(name: str | None) -> SamplingParams:
+    return SamplingParams(max_tokens=12, ignore_eos=True, lora_name=name)
+
+
+@pytest.fixture(scope="module")
+def adapters(tiny_checkpoints, tmp_path_factory) -> dict[str, dict[str, str]]:
+    """Per family: "full" (rank 4, every projection), "attn" (rank 2, q/k/v only, rsLoRA)."""
+    root = tmp_path_factory.mktemp("adapters")
+    out = {}
+    for family, path in tiny_checkpoints.items():
+        out[family] = {
+            "full": str(write_peft_adapter(root / family / "full", path, TARGETS[family], rank=4, seed=1)),
+            "attn": str(write_peft_adapter(root / family / "attn", path, TARGETS[family][:3], rank=2, seed=2,
+                                           use_rslora=True, lora_alpha=4.0)),
+        }
+    return out
+
+
+def lora_engine(path: str, adapters: dict[str, str], **overrides):
+    return tiny_engine(path, lora_modules=f"full={adapters['full']},attn={adapters['attn']}", **overrides)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_merged_and_unmerged_adapters_give_the_same_tokens(tiny_checkpoints, adapters, family):
+    path, prompt = tiny_checkpoints[family], "merge me, then apply me"
+    base = run_requests(tiny_engine(path), [prompt], PARAMS)[0].token_ids
+    for name in ("full", "attn"):
+        merged = tiny_engine(path, lora_path=adapters[family][name], pre_merge_lora=True)
+        unmerged = lora_engine(path, adapters[family])
+        want = run_requests(merged, [prompt], PARAMS)[0].token_ids
+        assert run_requests(unmerged, [prompt], with_lora(name))[0].token_ids == want
+        assert want != base  # the adapter is not a no-op, so the comparison says something
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_mixed_batch_with_two_adapters_and_none_equals_each_request_alone(tiny_checkpoints, adapters, family):
+    path = tiny_checkpoints[family]
+    prompts = ["first prompt, full", "second one: attn only", "third, the base model", "fourth, full again"]
+    params = [with_lora("full"), with_lora("attn"), with_lora(None), with_lora("full")]
+    alone = [run_requests(lora_engine(path, adapters[family], enable_prefix_caching=False), [prompt], p)[0].token_ids
+             for prompt, p in zip(prompts, params)]
+    together = run_requests(lora_engine(path, adapters[family]), prompts, params)
+    assert [s.token_ids for s in together] == alone
+    # A request without an adapter runs the base model, whatever else shares its batch.
+    assert alone[2] == run_requests(tiny_engine(path), [prompts[2]], PARAMS)[0].token_ids
+
+
+def test_rows_without_an_adapter_pay_nothing_and_keep_their_values():
+    x = torch.randn(6, 8, dtype=torch.float64)
+    stack = LoraStack(a=torch.randn(2, 3, 8, dtype=torch.float64), b=torch.randn(2, 5, 3, dtype=torch.float64))
+    out = torch.zeros(6, 5, dtype=torch.float64)
+    add_lora(out, x, stack, LoraBatch(((1, 0, 2), (0, 4, 6))))
+    assert torch.equal(out[2:4], torch.zeros(2, 5, dtype=torch.float64))
+    torch.testing.assert_close(out[:2], x[:2] @ stack.a[1].T @ stack.b[1].T)
+    torch.testing.assert_close(out[4:], x[4:] @ stack.a[0].T @ stack.b[0].T)
+
+
+def test_config_pbtxt_parameters_register_adapters(llada_checkpoint, adapters):
+    parameters = {"model": llada_checkpoint,
+                  "lora_modules": f"full={adapters['llada']['full']}, attn={adapters['llada']['attn']}",
+                  "max_loras": "2", "max_lora_rank": "4", "block_size": "4", "page_size": "4",
+                  "max_model_len": "96", "max_num_batched_tokens": "128", "dtype": "float64", "device": "cpu"}
+    settings = engine_settings({k: {"string_value": v} for k, v in parameters.items()}, "/")
+    llm = Diffulex(**settings)
+    assert sorted(llm.lora_slots) == ["attn", "full"]
+    assert run_requests(llm, ["x"], with_lora("attn"))[0].finish_reason is not None
+
+
+# ---- refusals --------------------------------------------------------------------------------------------------
+
+def test_unknown_lora_name_is_refused_naming_the_registered_ones(llada_checkpoint, adapters):
+    llm = lora_engine(llada_checkpoint, adapters["llada"])
+    with pytest.raises(ValueError, match=r"'lora_name' is 'nope'.*\['attn', 'full'\]"):
+        llm.prepare_request("hi", with_lora("nope"))
+    with pytest.raises(ValueError, match=r"'lora_name' is 'full'.*\[\]"):
+        tiny_engine(llada_checkpoint).prepare_request("hi", with_lora("full"))
+    with pytest.raises(ValueError, match="'lora_name' must be a non-empty string"):
+        with_lora("")
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (dict(lora_path="/x"), "'lora_path' and 'pre_merge_lora' go together"),
+    (dict(pre_merge_lora=True), "'lora_path' and 'pre_merge_lora' go together"),
+    (dict(lora_modules="a=/x,b=/y", max_loras=1), "registers 2 adapters, more than 'max_loras' \\(1\\)"),
+    (dict(lora_modules="a=/x,a=/y"), "names adapter 'a' twice"),
+    (dict(lora_modules="a"), "name=path pairs"),
+    (dict(max_lora_rank=0), "'max_lora_rank' must be an integer >= 1"),
+])
+def test_bad_lora_config_is_refused(llada_checkpoint, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        tiny_engine(llada_checkpoint, **overrides)
+
+
+@pytest.fixture(scope="module")
+def llada_model(llada_checkpoint):
+    return load_model(llada_checkpoint, dtype=torch.float64)
+
+
+def rewrite(directory, config_changes=None, tensors_change=None):
+    if config_changes:
+        config_path = directory / "adapter_config.json"
+        config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **config_changes}))
+    if tensors_change:
+        weights = directory / "adapter_model.safetensors"
+        tensors = load_file(weights)
+        tensors_change(tensors)
+        save_file(tensors, weights)
+    return directory
+
+
+@pytest.mark.parametrize("config_changes, message", [
+    (dict(modules_to_save=["lm_head"]), "adapter_config.json: key 'modules_to_save'.*replaces whole modules"),
+    (dict(r=8), "adapter_config.json: key 'r' is 8, above config field 'max_lora_rank' \\(4\\)"),
+    (dict(use_dora=True), "adapter_config.json: key 'use_dora' is True"),
+    (dict(peft_type="IA3"), "adapter_config.json: key 'peft_type' is 'IA3'"),
+    (dict(target_modules=["q_proj"]),
+     "adapter_model.safetensors: .*'model.transformer.blocks.0.attn_out', which adapter_config.json's target_modules"),
+    (dict(lora_alpha="8"), "adapter_config.json: key 'lora_alpha' must be a number"),
+])
+def test_bad_adapter_config_is_refused_naming_file_and_key(llada_checkpoint, llada_model, tmp_path, config_changes,
+                                                           message):
+    directory = rewrite(write_peft_adapter(tmp_path / "a", llada_checkpoint, TARGETS["llada"]), config_changes)
+    with pytest.raises(LoraError, match=message):
+        load_adapter(directory, llada_model, "a", max_rank=4)
+
+
+def test_adapter_rank_above_max_lora_rank_is_refused_at_engine_load(llada_checkpoint, tmp_path):
+    directory = write_peft_adapter(tmp_path / "a", llada_checkpoint, ["q_proj"], rank=8)
+    with pytest.raises(ValueError, match="adapter_config.json: key 'r' is 8, above config field 'max_lora_rank'"):
+        tiny_engine(llada_checkpoint, lora_modules=f"a={directory}", max_lora_rank=4)
+
+
+def test_adapter_whose_shapes_do_not_fit_the_model_is_refused(llada_checkpoint, llada_model, tmp_path):
+    other = write_random_checkpoint(tmp_path / "wider", "llada", hidden_size=32, num_heads=2, num_kv_heads=2)
+    directory = write_peft_adapter(tmp_path / "a", other, ["q_proj"])
+    with pytest.raises(LoraError, match=r"adapter_model.safetensors: .*blocks.0.q_proj.lora_A.weight has shape "
+                                        r"\(4, 32\), expected \(4, 64\)"):
+        load_adapter(directory, llada_model, "a", max_rank=4)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda t: t.update({"base_model.model.model.transformer.wte.lora_A.weight": torch.zeros(4, 64),
+                         "base_model.model.model.transformer.wte.lora_B.weight": torch.zeros(258, 4)}),
+     "adapts 'model.transformer.wte', which is not an attention or MLP projection"),
+    (lambda t: t.update({"base_model.model.model.transformer.ff_out.lora_A.weight": torch.zeros(4, 64),
+                         "base_model.model.model.transformer.ff_out.lora_B.weight": torch.zeros(258, 4)}),
+     "adapts 'model.transformer.ff_out', which is not an attention or MLP projection"),
+    (lambda t: t.pop("base_model.model.model.transformer.blocks.1.q_proj.lora_B.weight"),
+     "blocks.1.q_proj.lora_B.weight is missing"),
+    (lambda t: t.update({"base_model.model.lm_head.modules_to_save.weight": torch.zeros(2)}),
+     "unexpected tensor 'base_model.model.lm_head.modules_to_save.weight'"),
+])
+def test_bad_adapter_tensors_are_refused_naming_the_key(llada_checkpoint, llada_model, tmp_path, change, message):
+    directory = rewrite(write_peft_adapter(tmp_path / "a", llada_checkpoint, TARGETS["llada"]), tensors_change=change)
+    with pytest.raises(LoraError, match="adapter_model.safetensors: .*" + message):
+        load_adapter(directory, llada_model, "a", max_rank=4)
+
+
+def test_unreadable_adapter_files_are_refused(llada_checkpoint, llada_model, tmp_path):
+    with pytest.raises(LoraError, match="directory not found"):
+        load_adapter(tmp_path / "absent", llada_model, "a", max_rank=4)
+    directory = write_peft_adapter(tmp_path / "a", llada_checkpoint, ["q_proj"])
+    (directory / "adapter_model.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(LoraError, match="adapter_model.safetensors: not a readable safetensors file"):
+        load_adapter(directory, llada_model, "a", max_rank=4)
+    (directory / "adapter_config.json").write_text("{")
+    with pytest.raises(LoraError, match="adapter_config.json: not valid JSON"):
+        load_adapter(directory, llada_model, "a", max_rank=4)
