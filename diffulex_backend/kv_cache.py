@@ -74,7 +74,8 @@ class KVCacheManager:
         # the hashes are computed once per request.
         if req.prefix_hashes is None:
             tokens = req.tokens[: req.num_prompt_tokens - 1].tolist()
-            hashes, prev = [], 0
+            # An adapter changes every K/V, so the chain's seed is the adapter: pages never cross adapters.
+            hashes, prev = [], 0 if req.params.lora_name is None else hash(("lora", req.params.lora_name))
             for i in range(len(tokens) // self.page_size):
                 prev = hash((prev, tuple(tokens[i * self.page_size:(i + 1) * self.page_size])))
                 hashes.append(prev)

@@ -1,5 +1,5 @@
 """LoRA adapters in PEFT's layout: merged at load and applied per request give the same tokens, a mixed batch
-equals each request run alone, and every bad adapter or request is
+equals each request run alone, the prefix cache never crosses adapters, and every bad adapter or request is
 refused with the file and key at fault."""
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ TARGETS = {
     "sdar": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"],
 }
 PARAMS = SamplingParams(max_tokens=12, ignore_eos=True)
+SYSTEM = "a shared system prompt that spans twelve pages: "  # 48 tokens: 12 full pages of 4
 
 
 def with_lora(name: str | None) -> SamplingParams:
@@ -71,6 +72,21 @@ def test_mixed_batch_with_two_adapters_and_none_equals_each_request_alone(tiny_c
     assert [s.token_ids for s in together] == alone
     # A request without an adapter runs the base model, whatever else shares its batch.
     assert alone[2] == run_requests(tiny_engine(path), [prompts[2]], PARAMS)[0].token_ids
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_prefix_cache_never_serves_one_adapters_pages_to_another(tiny_checkpoints, adapters, family):
+    path, prompt = tiny_checkpoints[family], SYSTEM + "one, and more"  # 61 tokens: 15 reusable pages
+    want = {name: run_requests(lora_engine(path, adapters[family], enable_prefix_caching=False), [prompt],
+                               with_lora(name))[0].token_ids for name in ("full", "attn", None)}
+    llm = lora_engine(path, adapters[family])
+    hits = []
+    for name in ("full", "attn", None, "attn", "full"):
+        assert run_requests(llm, [prompt], with_lora(name))[0].token_ids == want[name]
+        hits.append(llm.metrics().prefix_cache_hit_tokens)
+    # The first run under each adapter (and without one) finds nothing; a second run under the same one hits.
+    assert hits[:3] == [0, 0, 0]
+    assert hits[3] - hits[2] == 60 and hits[4] - hits[3] == 60
 
 
 def test_rows_without_an_adapter_pay_nothing_and_keep_their_values():
