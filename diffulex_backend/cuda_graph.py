@@ -116,8 +116,9 @@ class CUDAGraphForward(PaddedForward):
     """Captures the padded forward per bucket on first use and replays it. Needs the Triton attention, which
     reads only device metadata; the torch attention loops over host lengths that a graph would freeze."""
 
-    def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device):
-        super().__init__(model, kv_cache, config, device)
+    def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
+                 merge: TokenMerge | None = None):
+        super().__init__(model, kv_cache, config, device, merge)
         self.graphs: dict[GraphBucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
