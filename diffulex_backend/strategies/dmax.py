@@ -79,8 +79,11 @@ class DMaxRequest(BlockDiffusionRequest):
         self.pred_probs[gen] = predictions.probs[at:at + end - start].numpy()
 
     def commit_ready_blocks(self) -> int:
-        limit = self.num_committed_blocks
-        while limit < self.num_joined_blocks and self._is_settled(limit):
+        first = self.num_committed_blocks
+        if first < self.num_joined_blocks and self._is_full(first):
+            self.steps_full += 1
+        limit = first
+        while limit < self.num_joined_blocks and self._is_full(limit) and self._is_stable(limit):
             limit += 1
         committed = self.commit_filled_blocks(limit)
         if committed:
@@ -88,18 +91,18 @@ class DMaxRequest(BlockDiffusionRequest):
         self._join_blocks()
         return committed
 
-    def _is_settled(self, k: int) -> bool:
-        """Block k may commit: full, and (without editing) always, else stable after the last step."""
+    def _is_full(self, k: int) -> bool:
         start, end = self.block_span(k)
-        if bool((self.tokens[start:end] == self.mask_token_id).any()):
-            return False
+        return not bool((self.tokens[start:end] == self.mask_token_id).any())
+
+    def _is_stable(self, k: int) -> bool:
+        """Full block k may commit: always without editing; with it, once the last step left it settled."""
         threshold = self.sampling.edit_threshold
         if threshold == 0:
             return True
-        if k == self.num_committed_blocks:
-            self.steps_full += 1
-            if self.steps_full > self.config.block_size:
-                return True  # decoding must end: it stopped settling
+        if k == self.num_committed_blocks and self.steps_full > self.config.block_size:
+            return True  # decoding must end: the block stopped settling
+        start, end = self.block_span(k)
         if bool((self.pred_probs[start - self.gen_start:end - self.gen_start, 0] >= threshold).all()):
             return True
         plan = self.last_plan
