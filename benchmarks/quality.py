@@ -39,6 +39,7 @@ MODELS = {
 }
 BLOCK_SIZE = 4  # the SDAR demo's training block size; the generated area (GEN_LENGTH) is two blocks
 THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
+BUFFERED = ("multi_bd", "dmax")  # strategies with several blocks in flight
 DOC = REPO / "docs" / "quality.md"
 TABLE_BEGIN, TABLE_END = "<!-- quality-table:begin -->", "<!-- quality-table:end -->"
 
@@ -55,7 +56,7 @@ class Setting:
     def label(self) -> str:
         if self.steps is not None:
             return f"steps={self.steps}"
-        return f"threshold={self.accept_threshold}" + (f" buffer={self.buffer_size}" if self.strategy == "multi_bd" else "")
+        return f"threshold={self.accept_threshold}" + (f" buffer={self.buffer_size}" if self.strategy in BUFFERED else "")
 
 
 def all_settings() -> list[Setting]:
@@ -63,6 +64,10 @@ def all_settings() -> list[Setting]:
     settings += [Setting("demo-llada", "fast_dllm", accept_threshold=t) for t in THRESHOLDS]
     for model in ("demo-sdar", "demo-llada"):
         settings += [Setting(model, "multi_bd", buffer_size=b, accept_threshold=t) for b in (1, 3) for t in THRESHOLDS]
+    # DMax's soft inputs and editing at their defaults (token_merge_weight 1, edit_threshold 0.9). The demo models
+    # were trained on hard tokens only, not on their own soft predictions as DMax's models are.
+    for model in ("demo-sdar", "demo-llada"):
+        settings += [Setting(model, "dmax", buffer_size=b, accept_threshold=t) for b in (1, 3) for t in THRESHOLDS]
     return settings
 
 
@@ -123,7 +128,7 @@ def plot(results: list[Result], path: Path) -> None:
     # Points of different settings often coincide; decreasing sizes keep each one visible under the next.
     markers = "osD^vP*X"
     for k, ((model, strategy, buffer_size), rs) in enumerate(groups.items()):
-        label = f"{model} {strategy}" + (f" buffer={buffer_size}" if strategy == "multi_bd" else "")
+        label = f"{model} {strategy}" + (f" buffer={buffer_size}" if strategy in BUFFERED else "")
         ax.scatter([r.tokens_per_forward for r in rs], [100 * r.accuracy for r in rs], label=label,
                    marker=markers[k % len(markers)], s=140 - 15 * k, alpha=0.8)
     lowest = min(100 * r.accuracy for r in results)
