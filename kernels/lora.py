@@ -1,0 +1,99 @@
+"""The batched LoRA delta of a mixed batch in two launches, segmented by adapter (the punica/S-LoRA split): the
+kernel twin of `diffulex_backend.layers.lora.add_lora`.
+
+A segment is a run of rows that share an adapter slot: (slot, first row, end row). Rows outside every segment are
+neither read nor written.
+  shrink:  s[rows]   = x[rows] · A[slot]ᵀ        x [T, K], A [L, R, K]  -> s [T, R] float32
+  expand:  out[rows] += s[rows] · B[slot]ᵀ       B [L, N, R]            -> out [T, N], in place
+Each program takes one segment's tile of rows and one tile of the output columns, so no two programs write the
+same element and the expand needs no atomics. The shrink's result stays in float32 between the two launches
+(the torch reference rounds it to the activation dtype). The grid depends on the longest segment only, so a
+caller may pass an upper bound (the batch's row count) and keep the launch shape fixed.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+BLOCK_M = 16
+BLOCK_K = 64
+BLOCK_R = 16
+BLOCK_N = 64
+
+
+@triton.jit
+def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_ptr, stride_x, stride_a_slot, stride_a_rank, stride_s, K, R,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    seg = tl.program_id(0)
+    slot = tl.load(seg_ptr + 3 * seg).to(tl.int64)
+    start = tl.load(seg_ptr + 3 * seg + 1)
+    end = tl.load(seg_ptr + 3 * seg + 2)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first < end:
+        rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
+        row_mask, rank_mask = rows < end, ranks < R
+        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            a = tl.load(a_ptr + slot * stride_a_slot + ranks[None, :] * stride_a_rank + ks[:, None],
+                        mask=k_mask[:, None] & rank_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]: A[slot]ᵀ
+            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PRECISION)
+        tl.store(s_ptr + rows[:, None] * stride_s + ranks[None, :], acc, mask=row_mask[:, None] & rank_mask[None, :])
+
+
+@triton.jit
+def _expand_kernel(s_ptr, b_ptr, out_ptr, seg_ptr, stride_s, stride_b_slot, stride_b_row, stride_out, N, R,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+    seg = tl.program_id(0)
+    slot = tl.load(seg_ptr + 3 * seg).to(tl.int64)
+    start = tl.load(seg_ptr + 3 * seg + 1)
+    end = tl.load(seg_ptr + 3 * seg + 2)
+    first = start + tl.program_id(1) * BLOCK_M
+    if first < end:
+        rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
+        cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
+        row_mask, col_mask = rows < end, cols < N
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for r0 in range(0, R, BLOCK_R):
+            ranks = r0 + tl.arange(0, BLOCK_R)
+            rank_mask = ranks < R
+            s = tl.load(s_ptr + rows[:, None] * stride_s + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_R] float32
+            b = tl.load(b_ptr + slot * stride_b_slot + cols[None, :] * stride_b_row + ranks[:, None],
+                        mask=rank_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B[slot]ᵀ
+            acc = tl.dot(s, b.to(tl.float32), acc, input_precision=PRECISION)
+        mask = row_mask[:, None] & col_mask[None, :]
+        at = out_ptr + rows[:, None] * stride_out + cols[None, :]
+        old = tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, (old + acc).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def add_lora_segments(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
+                      segments: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """out [T, N] += x [T, K] · A[slot]ᵀ · B[slot]ᵀ on each segment's rows, in place; returns out.
+
+    a: [L, R, K], b: [L, N, R]; segments: [S, 3] int32 or int64 on the device, rows (slot, first row, end row);
+    max_rows: at least the longest segment's row count."""
+    num_segments, (num_tokens, k), r, n = segments.shape[0], x.shape, a.shape[1], b.shape[1]
+    if x.stride(-1) != 1 or out.stride(-1) != 1 or a.stride(-1) != 1 or b.stride(-1) != 1:
+        raise ValueError("add_lora_segments: the last dimension of out, x, a and b must be contiguous")
+    if num_segments == 0 or max_rows == 0:
+        return out
+    segments = segments.contiguous()
+    # The dots take float32 operands: tf32 holds a 16-bit activation's mantissa exactly, so 16-bit inputs run on
+    # tensor cores without loss; float32 ones would lose bits in tf32 and take the exact path.
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    shrunk = torch.empty(num_tokens, r, dtype=torch.float32, device=x.device)  # [T, R]
+    rows = triton.cdiv(max_rows, BLOCK_M)
+    _shrink_kernel[(num_segments, rows, triton.cdiv(r, BLOCK_R))](
+        x, a, shrunk, segments, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0), k, r,
+        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, PRECISION=precision)
+    _expand_kernel[(num_segments, rows, triton.cdiv(n, BLOCK_N))](
+        shrunk, b, out, segments, shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0), n, r,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, PRECISION="ieee")
+    return out

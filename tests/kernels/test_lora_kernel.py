@@ -1,0 +1,62 @@
+"""The segmented LoRA shrink/expand kernels match the torch reference (layers/lora.add_lora) on a mixed batch,
+and leave the rows of no segment untouched."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
+from diffulex_kernels.lora import add_lora_segments
+from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
+
+# (rows, in, out, rank width, adapters): LLaDA-8B's qkv at rank 16 x 3 parts, or small ragged ones.
+SHAPES = [(512, 4096, 12288, 48, 4)] if FULL_SHAPES else [(40, 72, 80, 12, 3), (21, 64, 48, 16, 2)]
+
+
+def segments_for(rows: int, adapters: int) -> list[tuple[int, int, int]]:
+    """Adapter 1, a gap (no adapter), adapter 0 over more than one row tile, the last adapter, a gap at the end."""
+    middle = 5 + rows // 3 + 2
+    return [(1, 0, 3), (0, 5, middle), (adapters - 1, middle, rows - 2)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_segmented_delta_matches_the_reference_and_skips_rows_without_adapter(shape, dtype):
+    rows, k, n, r, adapters = shape
+    gen = generator(rows + k)
+    x = randn(rows, k, dtype=dtype, gen=gen)
+    stack = LoraStack(a=randn(adapters, r, k, dtype=dtype, gen=gen) / k ** 0.5,
+                      b=randn(adapters, n, r, dtype=dtype, gen=gen) / r ** 0.5)
+    base = randn(rows, n, dtype=dtype, gen=gen)
+    segments = segments_for(rows, adapters)
+    reference = add_lora(base.double().clone(), x.double(),
+                         LoraStack(stack.a.double(), stack.b.double()), LoraBatch(tuple(segments)))
+    out = add_lora_segments(base.clone(), x, stack.a, stack.b, torch.tensor(segments, device=DEVICE),
+                            max_rows=max(end - start for _, start, end in segments))
+    covered = torch.zeros(rows, dtype=torch.bool, device=DEVICE)
+    for _, start, end in segments:
+        covered[start:end] = True
+    assert torch.equal(out[~covered], base[~covered])  # rows of no segment: not a bit changed
+    assert relative_error(out[covered] - base[covered], reference[covered] - base[covered].double()) < REL_TOL[dtype]
+
+
+def test_no_segments_leave_the_output_alone():
+    gen = generator(1)
+    out = randn(4, 32, dtype=torch.float32, gen=gen)
+    before = out.clone()
+    add_lora_segments(out, randn(4, 16, dtype=torch.float32, gen=gen), randn(1, 16, 16, dtype=torch.float32, gen=gen),
+                      randn(1, 32, 16, dtype=torch.float32, gen=gen), torch.zeros(0, 3, dtype=torch.int64,
+                                                                                     device=DEVICE), max_rows=0)
+    assert torch.equal(out, before)
+
+
+def test_an_upper_bound_on_segment_rows_gives_the_same_result():
+    # A caller that keeps the launch shape fixed passes the batch's row count instead of the longest segment.
+    gen = generator(2)
+    x, a, b = (randn(30, 32, dtype=torch.float32, gen=gen), randn(2, 16, 32, dtype=torch.float32, gen=gen),
+               randn(2, 48, 16, dtype=torch.float32, gen=gen))
+    segments = torch.tensor([(1, 2, 9), (0, 9, 11)], device=DEVICE)
+    base = randn(30, 48, dtype=torch.float32, gen=gen)
+    tight = add_lora_segments(base.clone(), x, a, b, segments, max_rows=7)
+    loose = add_lora_segments(base.clone(), x, a, b, segments, max_rows=30)
+    assert torch.equal(tight, loose)
