@@ -3,8 +3,8 @@
 Triton hands every parameter over as a string (`{"block_size": {"string_value": "32"}}`). Each name must
 be a field of `Config`, and each value is converted to that field's type here so that a typo fails the
 model load with a message naming the parameter, instead of reaching the engine as a string. An empty
-value leaves an optional field unset (the engine detects or derives it). A relative `model` path is
-resolved against the model's directory in the repository.
+value leaves an optional field unset (the engine detects or derives it). A relative path (`model`, `lora_path`,
+and each path of `lora_modules`) is resolved against the model's directory in the repository.
 """
 
 from __future__ import annotations
@@ -32,9 +32,21 @@ def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str 
             settings[name] = value
     if "model" not in settings:
         raise ValueError("parameter 'model' in config.pbtxt must name a checkpoint directory")
-    model = Path(settings["model"]).expanduser()
-    settings["model"] = str(model if model.is_absolute() else Path(model_dir) / model)
+    settings["model"] = _resolved(settings["model"], model_dir)
+    if "lora_path" in settings:
+        settings["lora_path"] = _resolved(settings["lora_path"], model_dir)
+    if "lora_modules" in settings:  # name=path pairs, each path resolved like model's
+        pairs = [item.partition("=") for item in settings["lora_modules"].split(",")]
+        settings["lora_modules"] = ",".join(
+            f"{name.strip()}={_resolved(path, model_dir)}" if sep and path.strip() else name + sep + path
+            for name, sep, path in pairs)
     return settings
+
+
+def _resolved(path: str, model_dir: str | Path) -> str:
+    """A path as config.pbtxt gives it: a relative one starts at the model's directory in the repository."""
+    resolved = Path(path.strip()).expanduser()
+    return str(resolved if resolved.is_absolute() else Path(model_dir) / resolved)
 
 
 def _convert(name: str, text: str, annotation) -> object:

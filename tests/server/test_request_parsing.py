@@ -225,6 +225,13 @@ def test_engine_settings_convert_types_and_resolve_the_model_path(tmp_path):
     assert engine_settings(parameters(model="/abs/ckpt"), tmp_path)["model"] == "/abs/ckpt"
 
 
+def test_adapter_paths_resolve_against_the_model_directory_like_the_model(tmp_path):
+    settings = engine_settings(parameters(model="demo", lora_path="adapters/merged", pre_merge_lora="true",
+                                          lora_modules="math=adapters/math, code=/abs/code"), tmp_path)
+    assert settings["lora_path"] == str(tmp_path / "adapters/merged")
+    assert settings["lora_modules"] == f"math={tmp_path / 'adapters/math'},code=/abs/code"
+
+
 @pytest.mark.parametrize("values, message", [
     ({"model": "m", "blok_size": "8"}, "unknown parameter 'blok_size' in config.pbtxt; known parameters: "),
     ({"model": "m", "block_size": "eight"}, "parameter 'block_size' in config.pbtxt must be an integer, got 'eight'"),
