@@ -244,3 +244,15 @@ def test_bad_engine_setting_names_the_parameter(tmp_path, values, message):
     with pytest.raises(ValueError) as caught:
         engine_settings(parameters(**values), tmp_path)
     assert str(caught.value).startswith(message)
+
+
+def test_the_shipped_config_lists_every_engine_setting():
+    """config.pbtxt is where a user finds the engine's settings: every Config field is there, and nothing else."""
+    import re
+    from pathlib import Path
+
+    from diffulex_backend import Config
+
+    text = (Path(__file__).resolve().parents[2] / "model_repository/diffulex/config.pbtxt").read_text()
+    keys = re.findall(r'\{ key: "(\w+)", value: \{ string_value: "[^"]*" \} \}', text)
+    assert sorted(keys) == sorted(Config.field_names())
