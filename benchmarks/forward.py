@@ -20,10 +20,11 @@ One run measures, and prints as it goes:
   * end-to-end decode steps with k = 1, 2, 4 tokens accepted per block per forward (the engine's top-k
     schedule, so random weights cannot change how much each step decodes): ms per step and tokens/s, for the
     engine and for the plain loop;
-  * the engine at the settings of Diffulex's own benchmark (multi_bd buffer 1, d2f buffer 4, and fast_dllm_v2
-    with its default sub-blocks of 8; batch 1 and 32; 256-token prompt, 256 new tokens, block 32, greedy): ms per
-    step, so each strategy's step reads against multi_bd's from the same run. Only the engine is measured: a
-    comparison with Diffulex holds only from one run that measures both on one machine;
+  * the engine at the settings of Diffulex's own benchmark (multi_bd buffer 1, d2f buffer 4, fast_dllm_v2 with
+    its default sub-blocks of 8, and dmax with its default soft input and editing; batch 1 and 32; 256-token
+    prompt, 256 new tokens, block 32, greedy): ms per step, so each strategy's step reads against multi_bd's from
+    the same run. Only the engine is measured: a comparison with Diffulex holds only from one run that measures
+    both on one machine;
   * a check: the engine's logits and greedy output with kernels and graphs against its torch path.
 It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
 
@@ -503,7 +504,7 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
     bucket's graph was captured by the first."""
     generator = torch.Generator().manual_seed(2)
     prompt, new = plan.diffulex_prompt, plan.diffulex_new_tokens
-    for strategy, buffer_size in (("multi_bd", 1), ("d2f", 4), ("fast_dllm_v2", 1)):
+    for strategy, buffer_size in (("multi_bd", 1), ("d2f", 4), ("fast_dllm_v2", 1), ("dmax", 1)):
         for batch in plan.diffulex_batches:
             engine = make_engine(model, model_dir, device, plan, decoding_strategy=strategy, buffer_size=buffer_size,
                                  max_model_len=prompt + new, max_num_reqs=batch,

@@ -96,8 +96,8 @@ def test_smoke_run_reports_every_section_with_its_ratios(tmp_path):
             assert float(row[f"engine_vs_{floor}"]) == pytest.approx(
                 float(row["engine_step_ms"]) / float(row[f"{floor}_ms"]), rel=2e-3)
     assert sorted(r["case"] for r in by_section["diffulex"] if r["model"] == "smoke") == [
-        "d2f_buffer4_b1", "d2f_buffer4_b2", "fast_dllm_v2_buffer1_b1", "fast_dllm_v2_buffer1_b2",
-        "multi_bd_buffer1_b1", "multi_bd_buffer1_b2"]
+        "d2f_buffer4_b1", "d2f_buffer4_b2", "dmax_buffer1_b1", "dmax_buffer1_b2", "fast_dllm_v2_buffer1_b1",
+        "fast_dllm_v2_buffer1_b2", "multi_bd_buffer1_b1", "multi_bd_buffer1_b2"]
     # Diffulex's settings, the engine's figures only: no column compares with a figure this run did not measure.
     assert all(float(r["engine_step_ms"]) > 0 and int(r["tokens"]) > 0 for r in by_section["diffulex"])
     assert not [column for column in rows[0] if "reference" in column or "diffulex" in column]
