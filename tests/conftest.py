@@ -4,7 +4,8 @@ repository's diffulex model over a tiny random-weight checkpoint.
 The model repository is built in a temporary folder from the shipped config.pbtxt and model.py, with
 the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
-picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded
+picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_lora` (a LoRA
+adapter chosen per request), `diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded
 by the tests that need them, which is why the server runs with explicit model control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
@@ -37,7 +38,7 @@ from triton_server import (  # noqa: E402
     FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model)
 
 from diffulex_backend import Diffulex  # noqa: E402
-from diffulex_backend.testing.checkpoint import write_random_checkpoint  # noqa: E402
+from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +58,13 @@ def fast_dllm_v2_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def math_adapter(tmp_path_factory, checkpoint) -> Path:
+    """A PEFT LoRA adapter of the session checkpoint, on every attention and MLP projection."""
+    return write_peft_adapter(tmp_path_factory.mktemp("adapters") / "math", checkpoint,
+                              ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"], rank=4, seed=1)
+
+
+@pytest.fixture(scope="session")
 def missing_checkpoint(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("empty") / "no-such-checkpoint"
 
@@ -68,12 +76,13 @@ def engine(checkpoint) -> Diffulex:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, missing_checkpoint):
+def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, math_adapter, missing_checkpoint):
     repository = tmp_path_factory.mktemp("model_repository")
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
     add_model(repository, "diffulex_llada2", model=llada2_checkpoint, model_name="llada2_mini", **TEST_SETTINGS)
     add_model(repository, "diffulex_fast_dllm_v2", model=fast_dllm_v2_checkpoint, **FAST_DLLM_V2_SETTINGS)
+    add_model(repository, "diffulex_lora", model=checkpoint, lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)

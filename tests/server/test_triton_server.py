@@ -247,6 +247,25 @@ def test_fast_dllm_v2_streams_a_response_per_block_with_per_request_overrides(se
         wait_for(lambda: model_state(client, "diffulex_fast_dllm_v2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+def test_a_request_picks_its_lora_adapter_by_name_and_an_unknown_one_is_refused(server, checkpoint, math_adapter):
+    reference_engine = Diffulex(str(checkpoint), lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
+    (with_adapter,) = reference(reference_engine, [PROMPTS[2]], **GREEDY, lora_name="math")
+    (without,) = reference(reference_engine, [PROMPTS[2]], **GREEDY)
+    assert with_adapter.token_ids != without.token_ids
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_lora")
+        for lora_name, expected in (("math", with_adapter), (None, without)):
+            params = {**GREEDY, **({"lora_name": lora_name} if lora_name else {})}
+            output = generate(server, {"text_input": PROMPTS[2], "exclude_input_in_output": True,
+                                       "sampling_parameters": json.dumps(params)}, model="diffulex_lora")
+            assert ids(output["output_ids"]) == expected.token_ids
+        status, payload = post(f"{server.http_url}/v2/models/diffulex_lora/generate",
+                               {"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "poetry"})})
+        assert status == 400 and "'poetry'" in json.loads(payload)["error"] and "math" in json.loads(payload)["error"]
+        client.unload_model("diffulex_lora")
+        wait_for(lambda: model_state(client, "diffulex_lora") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
 def model_state(client, name: str) -> tuple[str, str]:
     (entry,) = [model for model in client.get_model_repository_index(as_json=True)["models"] if model["name"] == name]
     return entry.get("state", ""), entry.get("reason", "")
