@@ -266,6 +266,26 @@ def test_a_request_picks_its_lora_adapter_by_name_and_an_unknown_one_is_refused(
         wait_for(lambda: model_state(client, "diffulex_lora") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+def test_dmax_streams_a_response_per_block_with_a_per_request_edit_threshold(server, checkpoint):
+    reference_engine = Diffulex(str(checkpoint), decoding_strategy="dmax", **TEST_SETTINGS)
+    seen = []
+    for params in ({"max_tokens": 16, "temperature": 0, "ignore_eos": True},
+                   {"max_tokens": 16, "temperature": 0, "ignore_eos": True, "edit_threshold": 0.0}):
+        (expected,) = reference(reference_engine, [PROMPTS[3]], **params)
+        with grpcclient.InferenceServerClient(server.grpc_url) as client:
+            client.load_model("diffulex_dmax")
+            results = grpc_stream(server, grpc_inputs(PROMPTS[3], params, stream=True, return_nfe=True),
+                                  model="diffulex_dmax")
+        outputs = [result.as_numpy("output_ids").reshape(-1).tolist() for result in results]
+        assert sum(outputs, []) == expected.token_ids and len(results) >= 2
+        assert results[-1].as_numpy("nfe").item() == expected.nfe
+        seen.append((expected.token_ids, expected.nfe))
+    assert seen[0] != seen[1]  # the request's edit_threshold reached the decoding
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.unload_model("diffulex_dmax")
+        wait_for(lambda: model_state(client, "diffulex_dmax") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
 def model_state(client, name: str) -> tuple[str, str]:
     (entry,) = [model for model in client.get_model_repository_index(as_json=True)["models"] if model["name"] == name]
     return entry.get("state", ""), entry.get("reason", "")
