@@ -54,6 +54,9 @@ def main() -> None:
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16
+    # Fixed inputs: the smoke run's check compares two bf16 roundings of the same products, and an unlucky draw
+    # (a gated product near a SiLU zero) could put a random run past its bound now and then.
+    torch.manual_seed(0)
     shapes, token_counts = (SMOKE_SHAPES, (4, 16)) if args.smoke else (SHAPES, (16, 32, 48, 64, 96))
     if not args.smoke:  # an idle GPU starts at low clocks
         square = torch.randn(8192, 8192, device=device, dtype=dtype)

@@ -18,8 +18,9 @@ KERNELS = [
 
 def run_smoke(script: str, out: pathlib.Path) -> None:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
-                   check=True, env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_kernel_benchmark_smoke_run_puts_every_kernel_above_its_floor(tmp_path):
