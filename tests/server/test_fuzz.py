@@ -45,10 +45,28 @@ def test_parsing_accepts_a_valid_object_or_refuses_it_by_name(params):
         assert ("sampling parameter '" in message or "unknown sampling parameter" in message
                 or "is not a number a sampling parameter can take" in message or "nested more than" in message)
         return
-    chosen = parsed.params
-    assert 1 <= chosen.max_tokens <= 2**31 - 1 and 0 <= chosen.top_k <= 2**31 - 1
-    assert math.isfinite(chosen.temperature) and 0 <= chosen.temperature <= 3.4028234663852886e38
-    assert 0 < chosen.top_p <= 1 and (chosen.seed is None or 0 <= chosen.seed < 2**64)
+    # Accepted: every value sent arrives as sent (a string converted as documented), every other field keeps its
+    # default; nothing is clamped, rounded or dropped on the way.
+    chosen, defaults = parsed.params, SamplingParams()
+    for name in SamplingParams.field_names():
+        expected = sent_value(name, params[name]) if name in params else getattr(defaults, name)
+        assert getattr(chosen, name) == expected, name
+
+
+def sent_value(name: str, value):
+    """What a sent value must arrive as: strings become the field's number or boolean, one stop string a list."""
+    if name == "stop" and isinstance(value, str):
+        return [value]
+    if not isinstance(value, str) or name in ("confidence", "stop", "lora_name"):
+        return value
+    text = value.strip()
+    if text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off") and isinstance(
+            getattr(SamplingParams(), name), bool):
+        return text.lower() in ("true", "1", "yes", "on")
+    try:
+        return int(text)
+    except ValueError:
+        return float(text)
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
