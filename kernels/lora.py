@@ -23,32 +23,11 @@ BLOCK_N = 64
 
 
 @triton.jit
-def _shrink_kernel(x_ptr, a_ptr, s_ptr, seg_ptr, stride_x, stride_a_slot, stride_a_rank, stride_s, K, R,
-                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
-    seg = tl.program_id(0)
-    slot = tl.load(seg_ptr + 3 * seg).to(tl.int64)
-    start = tl.load(seg_ptr + 3 * seg + 1)
-    end = tl.load(seg_ptr + 3 * seg + 2)
-    first = start + tl.program_id(1) * BLOCK_M
-    if first < end:
-        rows = (first + tl.arange(0, BLOCK_M)).to(tl.int64)
-        ranks = tl.program_id(2) * BLOCK_R + tl.arange(0, BLOCK_R)
-        row_mask, rank_mask = rows < end, ranks < R
-        acc = tl.zeros((BLOCK_M, BLOCK_R), dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            ks = k0 + tl.arange(0, BLOCK_K)
-            k_mask = ks < K
-            x = tl.load(x_ptr + rows[:, None] * stride_x + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
-                        other=0.0)  # [BLOCK_M, BLOCK_K]
-            a = tl.load(a_ptr + slot * stride_a_slot + ranks[None, :] * stride_a_rank + ks[:, None],
-                        mask=k_mask[:, None] & rank_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_R]: A[slot]ᵀ
-            acc = tl.dot(x.to(tl.float32), a.to(tl.float32), acc, input_precision=PRECISION)
-        tl.store(s_ptr + rows[:, None] * stride_s + ranks[None, :], acc, mask=row_mask[:, None] & rank_mask[None, :])
-
-
-@triton.jit
-def _expand_kernel(s_ptr, b_ptr, out_ptr, seg_ptr, stride_s, stride_b_slot, stride_b_row, stride_out, N, R,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr, PRECISION: tl.constexpr):
+def _segmented_matmul_kernel(in_ptr, w_ptr, out_ptr, seg_ptr, stride_in, stride_w_slot, stride_w_row, stride_out,
+                             N, K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PRECISION: tl.constexpr, ACCUMULATE: tl.constexpr):
+    """out[rows, :N] (+)= in[rows, :K] · W[slot]ᵀ over one segment's tile of rows and one tile of N: the shrink
+    (W = A, N = rank, stored) and the expand (W = B, K = rank, added to out) are this one product."""
     seg = tl.program_id(0)
     slot = tl.load(seg_ptr + 3 * seg).to(tl.int64)
     start = tl.load(seg_ptr + 3 * seg + 1)
@@ -59,18 +38,19 @@ def _expand_kernel(s_ptr, b_ptr, out_ptr, seg_ptr, stride_s, stride_b_slot, stri
         cols = tl.program_id(2) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_mask, col_mask = rows < end, cols < N
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-        for r0 in range(0, R, BLOCK_R):
-            ranks = r0 + tl.arange(0, BLOCK_R)
-            rank_mask = ranks < R
-            s = tl.load(s_ptr + rows[:, None] * stride_s + ranks[None, :], mask=row_mask[:, None] & rank_mask[None, :],
-                        other=0.0)  # [BLOCK_M, BLOCK_R] float32
-            b = tl.load(b_ptr + slot * stride_b_slot + cols[None, :] * stride_b_row + ranks[:, None],
-                        mask=rank_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_R, BLOCK_N]: B[slot]ᵀ
-            acc = tl.dot(s, b.to(tl.float32), acc, input_precision=PRECISION)
+        for k0 in range(0, K, BLOCK_K):
+            ks = k0 + tl.arange(0, BLOCK_K)
+            k_mask = ks < K
+            x = tl.load(in_ptr + rows[:, None] * stride_in + ks[None, :], mask=row_mask[:, None] & k_mask[None, :],
+                        other=0.0)  # [BLOCK_M, BLOCK_K]
+            w = tl.load(w_ptr + slot * stride_w_slot + cols[None, :] * stride_w_row + ks[:, None],
+                        mask=k_mask[:, None] & col_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]: W[slot]ᵀ
+            acc = tl.dot(x.to(tl.float32), w.to(tl.float32), acc, input_precision=PRECISION)
         mask = row_mask[:, None] & col_mask[None, :]
         at = out_ptr + rows[:, None] * stride_out + cols[None, :]
-        old = tl.load(at, mask=mask, other=0.0).to(tl.float32)
-        tl.store(at, (old + acc).to(out_ptr.dtype.element_ty), mask=mask)
+        if ACCUMULATE:
+            acc += tl.load(at, mask=mask, other=0.0).to(tl.float32)
+        tl.store(at, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def add_lora_segments(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -90,10 +70,10 @@ def add_lora_segments(out: torch.Tensor, x: torch.Tensor, a: torch.Tensor, b: to
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     shrunk = torch.empty(num_tokens, r, dtype=torch.float32, device=x.device)  # [T, R]
     rows = triton.cdiv(max_rows, BLOCK_M)
-    _shrink_kernel[(num_segments, rows, triton.cdiv(r, BLOCK_R))](
-        x, a, shrunk, segments, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0), k, r,
-        BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, BLOCK_R=BLOCK_R, PRECISION=precision)
-    _expand_kernel[(num_segments, rows, triton.cdiv(n, BLOCK_N))](
+    _segmented_matmul_kernel[(num_segments, rows, triton.cdiv(r, BLOCK_R))](  # shrink: s = x · Aᵀ
+        x, a, shrunk, segments, x.stride(0), a.stride(0), a.stride(1), shrunk.stride(0), r, k,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_R, BLOCK_K=BLOCK_K, PRECISION=precision, ACCUMULATE=False)
+    _segmented_matmul_kernel[(num_segments, rows, triton.cdiv(n, BLOCK_N))](  # expand: out += s · Bᵀ
         shrunk, b, out, segments, shrunk.stride(0), b.stride(0), b.stride(1), out.stride(0), n, r,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_R=BLOCK_R, PRECISION="ieee")
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_R, PRECISION="ieee", ACCUMULATE=True)
     return out
