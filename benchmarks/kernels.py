@@ -133,6 +133,16 @@ def measure_ceilings(device: torch.device, smoke: bool) -> Ceilings:
     return Ceilings(bandwidth=2 * src.numel() * 2 / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
 
 
+def device_header(device: torch.device, ceilings: Ceilings) -> str:
+    """The lines that open a report: the device, the versions, and the ceilings measured on it."""
+    return (
+        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}; "
+        f"torch {torch.__version__}, triton {triton.__version__}\n"
+        f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
+        f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
+    )
+
+
 def randn(*shape: int, device: torch.device, dtype=torch.bfloat16) -> torch.Tensor:
     return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
@@ -409,12 +419,7 @@ def main() -> None:
         sampler_rows = (8, 32, 128, 256)
 
     ceilings = measure_ceilings(device, args.smoke)
-    header = (
-        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}; "
-        f"torch {torch.__version__}, triton {triton.__version__}\n"
-        f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
-        f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
-    )
+    header = device_header(device, ceilings)
     print(header, flush=True)
     sections = {
         "attention": lambda: bench_attention(models, batches, contexts, device),

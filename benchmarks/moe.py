@@ -29,7 +29,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 import triton  # noqa: E402
-from kernels import measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
+from kernels import device_header, measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
 
 from diffulex_kernels.moe import (  # noqa: E402
     MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_silu, plan_moe_launch, route_to_tiles,
@@ -132,12 +132,7 @@ def main() -> None:
     torch.manual_seed(0)
     shapes, token_counts = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (FULL_SHAPES, FULL_TOKENS)
     ceilings = measure_ceilings(device, args.smoke)
-    header = (
-        f"device: {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu (interpreter)'}; "
-        f"torch {torch.__version__}, triton {triton.__version__}\n"
-        f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
-        f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
-    )
+    header = device_header(device, ceilings)
     print(header, flush=True)
     rows = [row for shape in shapes for tokens in token_counts
             for row in bench_case(shape, tokens, device, ceilings, args.smoke)]
