@@ -9,25 +9,21 @@ and each path of `lora_modules`) is resolved against the model's directory in th
 
 from __future__ import annotations
 
-import types
-import typing
 from collections.abc import Mapping
 from pathlib import Path
 
 from ..config import Config
-
-TRUE_WORDS = ("true", "1", "yes", "on")
-FALSE_WORDS = ("false", "0", "no", "off")
+from .text_values import field_types, from_text, optional_fields
 
 
 def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str | Path) -> dict:
     """Config keyword arguments from a model config's `parameters` section."""
-    types_by_field = typing.get_type_hints(Config)
+    types_by_field, optional = field_types(Config), optional_fields(Config)
     settings = {}
     for name, holder in parameters.items():
         if name not in types_by_field:
             raise ValueError(f"unknown parameter '{name}' in config.pbtxt; known parameters: {Config.field_names()}")
-        value = _convert(name, holder.get("string_value", ""), types_by_field[name])
+        value = _convert(name, holder.get("string_value", ""), types_by_field[name], name in optional)
         if value is not None:
             settings[name] = value
     if "model" not in settings:
@@ -49,34 +45,13 @@ def _resolved(path: str, model_dir: str | Path) -> str:
     return str(resolved if resolved.is_absolute() else Path(model_dir) / resolved)
 
 
-def _convert(name: str, text: str, annotation) -> object:
-    text = text.strip()
-    optional = _is_optional(annotation)
-    if text == "":
+def _convert(name: str, text: str, base, optional: bool) -> object:
+    if text.strip() == "":
         if optional:
             return None
         raise ValueError(f"parameter '{name}' in config.pbtxt needs a value")
-    base = _base_type(annotation)
-    if base is bool:
-        word = text.lower()
-        if word not in TRUE_WORDS + FALSE_WORDS:
-            raise ValueError(f"parameter '{name}' in config.pbtxt must be true or false, got {text!r}")
-        return word in TRUE_WORDS
-    if base in (int, float):
-        try:
-            return base(text)
-        except ValueError:
-            kind = "an integer" if base is int else "a number"
-            raise ValueError(f"parameter '{name}' in config.pbtxt must be {kind}, got {text!r}") from None
-    return text
-
-
-def _is_optional(annotation) -> bool:
-    return type(None) in typing.get_args(annotation)
-
-
-def _base_type(annotation) -> type:
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        (base,) = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        return base
-    return annotation
+    try:
+        return from_text(text, base)
+    except ValueError:
+        kind = {bool: "true or false", int: "an integer", float: "a number"}[base]
+        raise ValueError(f"parameter '{name}' in config.pbtxt must be {kind}, got {text.strip()!r}") from None

@@ -17,13 +17,13 @@ A string where a number or a boolean is expected is converted (the vLLM backend 
 from __future__ import annotations
 
 import json
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
 
 from ..sampling import SamplingParams
+from .text_values import field_types, from_text
 
 PROMPT_INPUTS = ("text_input", "input_ids")
 FLAG_INPUTS = (
@@ -50,9 +50,6 @@ INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + FLAG_INPUTS + TENSOR_IN
 # what could only be an attack on the parser.
 MAX_PARAMETERS_CHARS = 65536
 MAX_JSON_DEPTH = 8
-
-TRUE_WORDS = ("true", "1", "yes", "on")
-FALSE_WORDS = ("false", "0", "no", "off")
 
 
 class BadRequest(ValueError):
@@ -139,31 +136,16 @@ def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:
 def _converted(key: str, value):
     """A string where the field wants a number or a boolean, converted; anything else as it is, for
     SamplingParams to accept or refuse with its own message."""
-    if not isinstance(value, str):
-        return value
     base = FIELD_TYPES.get(key)
-    text = value.strip()
+    if not isinstance(value, str) or base not in (bool, int, float):
+        return value
     try:
-        if base is bool and text.lower() in TRUE_WORDS + FALSE_WORDS:
-            return text.lower() in TRUE_WORDS
-        if base is int:
-            return int(text)
-        if base is float:
-            return float(text)
+        return from_text(value, base)
     except ValueError:
-        pass
-    return value
+        return value
 
 
-def _field_types() -> dict[str, type]:
-    types_by_field = {}
-    for name, annotation in typing.get_type_hints(SamplingParams).items():
-        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        types_by_field[name] = args[0] if len(args) == 1 and typing.get_origin(annotation) is not list else annotation
-    return types_by_field
-
-
-FIELD_TYPES = _field_types()
+FIELD_TYPES = field_types(SamplingParams)
 
 
 def _parse_json_object(raw: str, source: str) -> dict:

@@ -1,0 +1,41 @@
+"""Values that arrive as text where a dataclass field wants a number or a boolean: config.pbtxt's parameters
+(always strings) and sampling parameters that clients send as strings (genai-perf's `{"max_tokens": "16"}`)."""
+
+from __future__ import annotations
+
+import types
+import typing
+
+TRUE_WORDS = ("true", "1", "yes", "on")
+FALSE_WORDS = ("false", "0", "no", "off")
+
+
+def field_types(cls) -> dict[str, object]:
+    """Each field's annotation, with `X | None` taken as X; `optional_fields` says which were optional."""
+    return {name: _base_type(annotation) for name, annotation in typing.get_type_hints(cls).items()}
+
+
+def optional_fields(cls) -> set[str]:
+    return {name for name, annotation in typing.get_type_hints(cls).items()
+            if type(None) in typing.get_args(annotation)}
+
+
+def from_text(text: str, base) -> object:
+    """`text` as a `base` (bool, int or float; any other type takes the text as it is). Raises ValueError."""
+    text = text.strip()
+    if base is bool:
+        word = text.lower()
+        if word not in TRUE_WORDS + FALSE_WORDS:
+            raise ValueError(f"not true or false: {text!r}")
+        return word in TRUE_WORDS
+    if base in (int, float):
+        return base(text)
+    return text
+
+
+def _base_type(annotation):
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        args = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        if len(args) == 1:
+            return args[0]
+    return annotation
