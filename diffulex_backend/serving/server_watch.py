@@ -25,8 +25,8 @@ PROBE_TIMEOUT_S = 1.0
 RESETS_TO_LEAVE = 2  # one reset could be a hiccup; two in a row, half a second apart, are a server that left
 
 
-def http_endpoint(server_args: Sequence[str]) -> tuple[str, int] | None:
-    """(host, port) of the HTTP endpoint of a tritonserver started with these arguments, or None without one."""
+def server_options(server_args: Sequence[str]) -> dict[str, str]:
+    """tritonserver's `--name value` and `--name=value` options, by name."""
     options: dict[str, str] = {}
     args = list(server_args)
     for i, arg in enumerate(args):
@@ -35,6 +35,17 @@ def http_endpoint(server_args: Sequence[str]) -> tuple[str, int] | None:
             if not value and i + 1 < len(args) and not args[i + 1].startswith("--"):
                 value = args[i + 1]
             options[name] = value
+    return options
+
+
+def explicit_model_control(server_args: Sequence[str]) -> bool:
+    """Whether the server takes load and unload requests through its repository API."""
+    return server_options(server_args).get("model-control-mode") == "explicit"
+
+
+def http_endpoint(server_args: Sequence[str]) -> tuple[str, int] | None:
+    """(host, port) of the HTTP endpoint of a tritonserver started with these arguments, or None without one."""
+    options = server_options(server_args)
     if options.get("allow-http", "true").lower() in ("false", "0", "no", "off"):
         return None
     host = options.get("http-address", "0.0.0.0")

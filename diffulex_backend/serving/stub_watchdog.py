@@ -25,22 +25,11 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Sequence
 
 logger = logging.getLogger("diffulex.stub_watchdog")
 
 CLEAN, RELOAD = b"clean", b"reload"
 LOAD_TIMEOUT_S = 3600  # a large checkpoint loads for minutes
-
-
-def explicit_model_control(server_args: Sequence[str]) -> bool:
-    args = list(server_args)
-    for i, arg in enumerate(args):
-        if arg == "--model-control-mode" and i + 1 < len(args):
-            return args[i + 1] == "explicit"
-        if arg.startswith("--model-control-mode="):
-            return arg.split("=", 1)[1] == "explicit"
-    return False
 
 
 def process_is_gone(pid: int) -> bool:

@@ -22,8 +22,8 @@ from .engine_settings import engine_settings
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
-from .server_watch import HttpLeaveProbe, ServerWatch, http_endpoint, parent_server_args
-from .stub_watchdog import CLEAN, RELOAD, explicit_model_control
+from .server_watch import HttpLeaveProbe, ServerWatch, explicit_model_control, http_endpoint, parent_server_args
+from .stub_watchdog import CLEAN, RELOAD
 
 # Where compiled Triton kernels are kept between loads, unless TRITON_CACHE_DIR says otherwise.
 KERNEL_CACHE_DIR = Path.home() / ".cache" / "diffulex-triton" / "triton"

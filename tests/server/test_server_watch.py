@@ -7,7 +7,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from diffulex_backend.serving.server_watch import HttpLeaveProbe, ServerWatch, http_endpoint
+from diffulex_backend.serving.server_watch import HttpLeaveProbe, ServerWatch, explicit_model_control, http_endpoint
 
 
 @pytest.mark.parametrize("args, endpoint", [
@@ -91,3 +91,13 @@ def test_readiness_that_cannot_be_asked_is_set_aside_for_the_http_probe():
     watch = ServerWatch(unsupported, None)
     assert watch.server_is_leaving() is False
     assert watch.server_is_leaving() is False
+
+
+@pytest.mark.parametrize("args, explicit", [
+    (["--model-control-mode=explicit", "--load-model=diffulex"], True),
+    (["--model-control-mode", "explicit"], True),
+    (["--model-control-mode", "poll"], False),
+    ([], False),
+])
+def test_explicit_model_control_is_read_off_the_server_command_line(args, explicit):
+    assert explicit_model_control(["tritonserver", *args]) is explicit
