@@ -4,8 +4,9 @@ import re
 import time
 import urllib.request
 
-# The served model's gauge of KV pages held by requests (diffulex_backend/serving/metrics.py).
-KV_PAGES_USED = re.compile(r'^diffulex_kv_pages_used\{model="diffulex",version="1"\} (\S+)$', re.M)
+# The served model's gauge of KV pages held by requests (diffulex_backend/serving/metrics.py); the model has one
+# instance, so one series, whatever its other labels.
+KV_PAGES_USED = re.compile(r'^diffulex_kv_pages_used\{[^}]*\bmodel="diffulex"[^}]*\} (\S+)$', re.M)
 
 
 def url_for(server, protocol: str) -> str:
