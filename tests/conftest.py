@@ -5,8 +5,10 @@ The model repository is built in a temporary folder from the shipped config.pbtx
 the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
 picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_lora` (a LoRA
-adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded
-by the tests that need them, which is why the server runs with explicit model control. Stopping the server is checked when the session ends.
+adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_data_parallel` (two
+instances, so two engines), `diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are
+loaded by the tests that need them, which is why the server runs with explicit model control. Stopping the server
+is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
 bare GPU machine) the import names `diffulex_kernels` and `diffulex_client` are mapped onto `kernels/` and
@@ -84,6 +86,8 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
     add_model(repository, "diffulex_fast_dllm_v2", model=fast_dllm_v2_checkpoint, **FAST_DLLM_V2_SETTINGS)
     add_model(repository, "diffulex_lora", model=checkpoint, lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
     add_model(repository, "diffulex_dmax", model=checkpoint, decoding_strategy="dmax", **TEST_SETTINGS)
+    add_model(repository, "diffulex_data_parallel", model=checkpoint, instance_group="[{ kind: KIND_CPU, count: 2 }]",
+              **TEST_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)

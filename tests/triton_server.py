@@ -10,7 +10,7 @@ from diffulex_client.perf.tritonserver import (
 
 __all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
            "FAST_DLLM_V2_SETTINGS",
-           "TritonServer", "add_model", "free_ports", "with_parameters"]
+           "TritonServer", "add_model", "free_ports", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same.
@@ -33,8 +33,18 @@ def with_parameters(config_text: str, name: str, **values) -> str:
     return config_text
 
 
-def add_model(repository: Path, name: str, model_file: Path = SHIPPED_MODEL / "1" / "model.py", **values) -> None:
+def with_instance_group(config_text: str, instance_group: str) -> str:
+    """The config with another `instance_group` list, e.g. `[{ kind: KIND_CPU, count: 2 }]`."""
+    config_text, count = re.subn(r"^instance_group \[.*\]$", f"instance_group {instance_group}", config_text, flags=re.M)
+    assert count == 1, "config.pbtxt has no one-line `instance_group`"
+    return config_text
+
+
+def add_model(repository: Path, name: str, model_file: Path = SHIPPED_MODEL / "1" / "model.py", *,
+              instance_group: str | None = None, **values) -> None:
     (repository / name / "1").mkdir(parents=True)
     shutil.copy(model_file, repository / name / "1" / "model.py")
-    config_text = (SHIPPED_MODEL / "config.pbtxt").read_text()
-    (repository / name / "config.pbtxt").write_text(with_parameters(config_text, name, **values))
+    config_text = with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), name, **values)
+    if instance_group is not None:
+        config_text = with_instance_group(config_text, instance_group)
+    (repository / name / "config.pbtxt").write_text(config_text)

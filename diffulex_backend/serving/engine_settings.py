@@ -5,6 +5,9 @@ be a field of `Config`, and each value is converted to that field's type here so
 model load with a message naming the parameter, instead of reaching the engine as a string. An empty
 value leaves an optional field unset (the engine detects or derives it). A relative path (`model`, `lora_path`,
 and each path of `lora_modules`) is resolved against the model's directory in the repository.
+
+A model instance that Triton places on a GPU (`instance_group` of `KIND_GPU`) runs its engine on that GPU:
+`on_instance_device` turns the settings into that instance's.
 """
 
 from __future__ import annotations
@@ -37,6 +40,23 @@ def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str 
             f"{name.strip()}={_resolved(path, model_dir)}" if sep and path.strip() else name + sep + path
             for name, sep, path in pairs)
     return settings
+
+
+def on_instance_device(settings: dict, instance_kind: str, device_id: int) -> dict:
+    """The settings of one model instance. Triton gives a KIND_GPU group one instance per GPU it lists, each told
+    its GPU: that instance's engine runs there (with tensor parallelism, there and on the GPUs after it), so that
+    the instances do not all land on the first GPU. A `device` that names another place contradicts the
+    instance_group, and fails the load. Other kinds (KIND_MODEL, KIND_CPU) leave the device to `device`."""
+    if instance_kind != "GPU":
+        return settings
+    placed = f"cuda:{device_id}"
+    device = settings.get("device", "auto")
+    if device not in ("auto", "cuda", placed):
+        raise ValueError(
+            f"parameter 'device' in config.pbtxt is {device!r}, but instance_group (KIND_GPU) places this instance "
+            f"on GPU {device_id} ({placed!r}): set 'device' to 'auto' to run each instance on the GPU Triton gives "
+            f"it, or use KIND_MODEL to choose the device with 'device'")
+    return {**settings, "device": placed}
 
 
 def _resolved(path: str, model_dir: str | Path) -> str:

@@ -4,6 +4,10 @@
 `MetricFamily(name=..., description=..., kind=MetricFamily.COUNTER)` whose `Metric(labels=..., buckets=...)`
 gives a metric with `increment`, `set` and `observe`. Every update comes from the response thread, never
 from the decoding thread, because each one is a round trip to the server process.
+
+Each model instance (a stub process with an engine of its own) labels its series with the model, its version, the
+instance's name and its engine's device, so that the instances of one model are separate series: sum them for
+the model's totals.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ import torch
 from .. import Diffulex, StepOutput
 from ..warm_up import warm_up
 from .engine_loop import EngineLoop, ErrorKind, LoopState
-from .engine_settings import engine_settings
+from .engine_settings import engine_settings, on_instance_device
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
@@ -65,7 +65,12 @@ class TritonAdapter:
         self._pb_utils = pb_utils
         self._model_name = args["model_name"]
         parameters = json.loads(args["model_config"]).get("parameters", {})
-        settings = engine_settings(parameters, model_dir=args["model_repository"])
+        settings = on_instance_device(engine_settings(parameters, model_dir=args["model_repository"]),
+                                      args["model_instance_kind"], int(args["model_instance_device_id"]))
+        if settings.get("device", "").startswith("cuda:") and torch.cuda.is_available():
+            # This process hosts one engine: its GPU becomes the current device, where loading, warm-up and graph
+            # captures allocate, rather than the first GPU.
+            torch.cuda.set_device(torch.device(settings["device"]))
         started = time.monotonic()
         # Compiled kernels outlive the process, so only the first load on a machine compiles them.
         os.environ.setdefault("TRITON_CACHE_DIR", str(KERNEL_CACHE_DIR))
@@ -74,7 +79,11 @@ class TritonAdapter:
         # Ready only once warm: the first requests would otherwise wait for kernel compiles and graph captures.
         report = warm_up(self._engine)
         self._engine.tokenizer.encode("warm")  # settles the tokenizer's state before two threads share it
-        metrics = ServingMetrics(pb_utils.MetricFamily, {"model": self._model_name, "version": args["model_version"]})
+        # One series per model instance: each instance is a process with an engine of its own. Triton names the
+        # instances of one KIND_GPU group alike on every GPU it lists, so the device tells those apart.
+        metrics = ServingMetrics(pb_utils.MetricFamily, {
+            "model": self._model_name, "version": args["model_version"],
+            "model_instance": args["model_instance_name"], "device": str(self._engine.device)})
         server_args = parent_server_args(os.getppid())
         endpoint = http_endpoint(server_args)
         self._watchdog = self._start_watchdog(endpoint) if endpoint and explicit_model_control(server_args) else None
