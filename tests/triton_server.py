@@ -9,8 +9,8 @@ from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
 
 __all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
-           "FAST_DLLM_V2_SETTINGS",
-           "TritonServer", "add_model", "free_ports", "with_instance_group", "with_parameters"]
+           "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS",
+           "TritonServer", "add_model", "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same.
@@ -19,7 +19,22 @@ TEST_SETTINGS = {"block_size": 4, "page_size": 4, "buffer_size": 2, "max_model_l
 FAST_DLLM_V2_SETTINGS = {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4, "page_size": 4,
                          "accept_threshold": 0.3, "max_model_len": 512}
 
+# The data-parallel model's: the test model's, with a KV cache of fixed size, because sizing it from free GPU memory
+# assumes one engine per GPU, and on a machine of one GPU both instances share it.
+DATA_PARALLEL_SETTINGS = {**TEST_SETTINGS, "num_kv_pages": 1024}
+
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
+
+
+def data_parallel_group(num_gpus: int) -> tuple[str, set[tuple[str, str]]]:
+    """The data-parallel test model's instance_group on this machine, and the (instance name suffix, device) of
+    each instance it makes: one per GPU for the first two GPUs, two on one GPU, or two on the CPU. Triton names an
+    instance after its group (`<model>_0`) and its place in the group's count, on every GPU alike."""
+    if num_gpus >= 2:
+        return "[{ kind: KIND_GPU, count: 1, gpus: [0, 1] }]", {("_0_0", "cuda:0"), ("_0_0", "cuda:1")}
+    if num_gpus == 1:
+        return "[{ kind: KIND_GPU, count: 2, gpus: [0] }]", {("_0_0", "cuda:0"), ("_0_1", "cuda:0")}
+    return "[{ kind: KIND_CPU, count: 2 }]", {("_0_0", "cpu"), ("_0_1", "cpu")}
 
 
 def with_parameters(config_text: str, name: str, **values) -> str:

@@ -1,17 +1,21 @@
 """Data parallelism: each model instance of an instance_group is a stub process with an engine of its own, on the
-device Triton places it on, with metrics of its own."""
+device Triton places it on, with metrics of its own. The test model's instances are two KIND_CPU ones here, and
+KIND_GPU ones on a GPU machine (triton_server.data_parallel_group)."""
 
 import re
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import torch
 import tritonclient.grpc as grpcclient
 from served import generate, ids, reference, stub_pids, wait_for
+from triton_server import DATA_PARALLEL_SETTINGS, data_parallel_group
 
 from diffulex_backend.serving.engine_settings import on_instance_device
 
-MODEL = "diffulex_data_parallel"  # instance_group [{ kind: KIND_CPU, count: 2 }] (conftest.py)
+MODEL = "diffulex_data_parallel"
+INSTANCES = {(MODEL + suffix, device) for suffix, device in data_parallel_group(torch.cuda.device_count())[1]}
 PROMPTS = [f"request {i}: the quick brown fox" for i in range(8)]
 PARAMS = {"max_tokens": 4, "temperature": 0}
 MAX_ROUNDS = 8
@@ -56,14 +60,12 @@ def test_two_instances_are_two_engines_that_each_serve_the_engine_tokens_with_me
                         break
             wait_for(lambda: sum(series_by_instance(server, "diffulex_generation_tokens_total").values()) == sent_tokens)
             served = series_by_instance(server, "diffulex_generation_tokens_total")
-            assert len(served) == 2 and all(tokens > 0 for tokens in served.values()), served
-            assert {instance for instance, _ in served} == {f"{MODEL}_0_0", f"{MODEL}_0_1"}
-            assert {device for _, device in served} == {"cpu"}
+            assert set(served) == INSTANCES and all(tokens > 0 for tokens in served.values()), served
             for name in SERIES:
                 assert set(series_by_instance(server, name)) == set(served), name
             # Each engine has a KV cache of its own, all free again.
-            total_pages = engine.metrics().kv_pages_total
-            wait_for(lambda: set(series_by_instance(server, "diffulex_kv_pages_free").values()) == {total_pages})
+            wait_for(lambda: set(series_by_instance(server, "diffulex_kv_pages_free").values())
+                     == {DATA_PARALLEL_SETTINGS["num_kv_pages"]})
         finally:
             client.unload_model(MODEL)
             wait_for(lambda: not stub_pids(server, MODEL), timeout_s=60)
