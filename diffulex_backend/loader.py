@@ -15,6 +15,7 @@ import diffulex_backend.models  # noqa: F401  (registers the families)
 from diffulex_backend.attention import paged_attention_reference
 from diffulex_backend.models.decoder_lm import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
+from diffulex_backend.tensor_parallel import TensorParallel, check_shardable
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -111,12 +112,18 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
                 with safe_open(file, framework="pt") as f:
                     for name in names:
                         expected = layout[name]
-                        shape = tuple(f.get_slice(name).get_shape())
+                        tensor = f.get_slice(name)
+                        shape = tuple(tensor.get_shape())
                         if shape != expected.shape:
                             raise CheckpointError(
                                 f"{file}: weight {name!r} has shape {shape}, expected {expected.shape}"
                             )
-                        expected.target(params).copy_(f.get_tensor(name))
+                        param = params[expected.param]
+                        if expected.expert is not None:
+                            param = param[expected.expert]
+                        # Each rank reads only its pieces of the tensor, not the whole of it.
+                        for rows, source in expected.pieces:
+                            param[rows].copy_(f.get_tensor(name) if source == () else tensor[source])
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
 
@@ -128,7 +135,9 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     device: str | torch.device = "cpu",
     attention_fn=paged_attention_reference,
+    tp: TensorParallel = TensorParallel(),
 ) -> DecoderLM:
+    """The model, or this rank's share of it under tensor parallelism."""
     directory = Path(path)
     config = read_config(directory)
     config_path = directory / CONFIG_FILE
@@ -140,6 +149,7 @@ def load_model(
         raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
-    model = family.empty(arch, attention_fn, dtype=dtype, device=device)
+    check_shardable(arch, tp)
+    model = family.empty(arch, attention_fn, dtype=dtype, device=device, tp=tp)
     load_weights(model, directory)
     return model.eval()

@@ -53,8 +53,9 @@ class StepResult:
 
 
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
+    """The KV cache of this rank: the KV heads its attention reads (all of them on one rank)."""
     arch = model.arch
-    return (2, arch.num_layers, num_pages, page_size, arch.num_kv_heads, arch.head_dim)
+    return (2, arch.num_layers, num_pages, page_size, model.layers[0].attn.num_kv_heads, arch.head_dim)
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, confidence_kind: torch.Tensor,

@@ -13,15 +13,16 @@ from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.self_attention import AttentionFn, SelfAttention
 from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.tensor_parallel import TensorParallel
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, arch: ModelArch, attention_fn: AttentionFn, layer: int):
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn, layer: int, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.attn_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.attn = SelfAttention(arch, attention_fn)
+        self.attn = SelfAttention(arch, attention_fn, tp)
         self.mlp_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.mlp = MoE(arch) if arch.is_moe_layer(layer) else GatedMLP(arch.hidden_size, arch.intermediate_size)
+        self.mlp = MoE(arch, tp) if arch.is_moe_layer(layer) else GatedMLP(arch.hidden_size, arch.intermediate_size, tp)
 
     def forward(
         self,

@@ -27,6 +27,7 @@ from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
+from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
@@ -49,15 +50,24 @@ def fused_forward(
         k_cache = v_cache = None
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
-        attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache)
+        attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache))
         x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
         if isinstance(mlp, MoE):
-            mlp_out = mlp(x, fused=True)  # [T, hidden]
+            mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
         else:
-            mlp_out = linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight), mlp.down_proj.weight)
+            mlp_out = _sum_over_ranks(model.tp, linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight),
+                                                                mlp.down_proj.weight))
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
+
+
+def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
+    """A row-parallel product's split-K partial sums ([S, T, hidden], float32) as they go to the residual-add norm:
+    unchanged on one rank (the norm adds them up); under tensor parallelism summed here and over ranks, in float32."""
+    if tp.size == 1:
+        return partials
+    return tp.all_reduce(partials.sum(0) if partials.dim() == 3 else partials)
 
 
 def _self_attention(

@@ -7,6 +7,11 @@ experts `experts_reference`. Both expert paths read the experts as two stacked p
 wants and the loader packs the per-expert checkpoint tensors into:
 - `w_gate_up` [E, 2 * I, H]: rows gate then up;
 - `w_down` [E, H, I].
+
+Under tensor parallelism each rank holds a share of every expert's intermediate columns, or with expert
+parallelism a share of the experts, whole; every rank routes every token (the router is replicated), runs the
+experts it holds on the tokens routed to them, and the partial outputs, the shared expert's included, are summed
+over ranks in one all-reduce.
 """
 from __future__ import annotations
 
@@ -16,6 +21,7 @@ from torch import nn
 
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.tensor_parallel import TensorParallel
 
 
 class MoE(nn.Module):
@@ -23,23 +29,29 @@ class MoE(nn.Module):
     # bf16 would move the selection of experts whose scores are close.
     FLOAT32_PARAMS = ("expert_bias",)
 
-    def __init__(self, arch: ModelArch):
+    def __init__(self, arch: ModelArch, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.arch = arch
+        self.arch, self.tp = arch, tp
         experts, hidden, inter = arch.num_experts, arch.hidden_size, arch.moe_intermediate_size
         self.gate = nn.Linear(hidden, experts, bias=False)  # the router
         # A parameter (frozen like every other) rather than a buffer, so the loader fills it like any weight.
         self.expert_bias = nn.Parameter(torch.zeros(experts)) if arch.router_bias else None
-        self.w_gate_up = nn.Parameter(torch.empty(experts, 2 * inter, hidden))
-        self.w_down = nn.Parameter(torch.empty(experts, hidden, inter))
+        held = tp.experts(experts)
+        self.first_expert = held.start
+        local_experts = held.stop - held.start
+        local_inter = inter if tp.expert_parallel else inter // tp.size
+        self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden))
+        self.w_down = nn.Parameter(torch.empty(local_experts, hidden, local_inter))
         shared = arch.num_shared_experts * inter
-        self.shared_experts = GatedMLP(hidden, shared) if shared else None
+        self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
 
     def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
         # The router runs in float32 (float64 in a float64 model), as the released routers do.
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         logits = F.linear(x.to(router_dtype), self.gate.weight.to(router_dtype))  # [T, E]
         topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused)
+        if self.tp.expert_parallel:
+            topk_ids, topk_weights = self.held_choices(topk_ids, topk_weights)
         if fused:
             from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
 
@@ -48,7 +60,16 @@ class MoE(nn.Module):
             out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
-        return out
+        return self.tp.all_reduce(out)
+
+    def held_choices(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Expert parallelism: the choices as indices into the experts this rank holds. A choice of another
+        rank's expert keeps weight 0 and points at local expert 0, so the shapes (and a CUDA graph) stay fixed;
+        its product is computed and weighted away, a cost of (size - 1) / size of the pairs on one expert."""
+        local = topk_ids - self.first_expert
+        held = (local >= 0) & (local < self.w_gate_up.shape[0])
+        return torch.where(held, local, 0), torch.where(held, topk_weights, 0)
 
 
 def select_experts(

@@ -13,19 +13,27 @@ from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import apply_rotary
 from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.tensor_parallel import TensorParallel
 
 # (query [T,H,D], key [T,KVH,D], value [T,KVH,D], k_cache | None, v_cache | None, meta, scale) -> [T,H,D]
 AttentionFn = Callable[..., torch.Tensor]
 
 
 class SelfAttention(nn.Module):
-    def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
+    """Under tensor parallelism this rank's heads only (column-parallel q/k/v, row-parallel o_proj): the output
+    is summed over ranks."""
+
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = arch.num_heads, arch.num_kv_heads, arch.head_dim
-        self.split_sizes = [arch.q_size, arch.kv_size, arch.kv_size]
+        self.tp = tp
+        kv_heads = tp.kv_heads(arch)
+        self.num_heads, self.num_kv_heads = arch.num_heads // tp.size, kv_heads.stop - kv_heads.start
+        self.head_dim = arch.head_dim
+        q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        self.split_sizes = [q_size, kv_size, kv_size]
         self.scale = arch.head_dim ** -0.5
         self.qkv_proj = nn.Linear(arch.hidden_size, sum(self.split_sizes), bias=arch.qkv_bias)  # rows: [q; k; v]
-        self.o_proj = nn.Linear(arch.q_size, arch.hidden_size, bias=False)
+        self.o_proj = nn.Linear(q_size, arch.hidden_size, bias=False)
         if arch.qk_norm:
             self.q_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
             self.k_norm = RMSNorm(arch.head_dim, arch.rms_norm_eps)
@@ -56,4 +64,4 @@ class SelfAttention(nn.Module):
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attention_fn(q, k, v, k_cache, v_cache, meta, self.scale)
         out = out.reshape(tokens, -1)
-        return add_lora(self.o_proj(out), out, self.o_lora, lora)
+        return self.tp.all_reduce(add_lora(self.o_proj(out), out, self.o_lora, lora))

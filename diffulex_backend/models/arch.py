@@ -133,11 +133,6 @@ class ModelArch:
 
     def num_params(self) -> int:
         """The exact number of parameters, for FLOP and byte floors."""
-        attention = self.hidden_size * (self.q_size + 2 * self.kv_size) + self.q_size * self.hidden_size
-        if self.qkv_bias:
-            attention += self.q_size + 2 * self.kv_size
-        if self.qk_norm:
-            attention += 2 * self.head_dim
         return self._params(routed_experts=self.num_experts)
 
     def num_active_params(self) -> int:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,7 @@ from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import AttentionFn
 from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.tensor_parallel import TensorParallel
 
 
 class FusedPart(enum.Enum):
@@ -34,15 +36,42 @@ class FusedPart(enum.Enum):
     UP = "up"  # the second half
 
 
+class Split(enum.Enum):
+    """How tensor parallelism divides a parameter among ranks (tensor_parallel.py)."""
+    REPLICATED = "replicated"
+    QKV = "qkv"  # rows: each part (q, k, v) keeps this rank's heads
+    GATE_UP = "gate_up"  # rows: each half keeps this rank's intermediate columns
+    ROW = "row"  # columns (the input dimension): o_proj and down_proj
+    VOCAB = "vocab"  # rows of the vocabulary
+
+
+# Parameter name suffix -> split; anything else is replicated (norms, the router).
+SPLITS = {
+    "qkv_proj.weight": Split.QKV, "qkv_proj.bias": Split.QKV, "gate_up_proj.weight": Split.GATE_UP,
+    "w_gate_up": Split.GATE_UP, "o_proj.weight": Split.ROW, "down_proj.weight": Split.ROW, "w_down": Split.ROW,
+    "embed_tokens.weight": Split.VOCAB, "lm_head.weight": Split.VOCAB,
+}
+
+# One copy of the loader: rows of the (rank's) parameter <- the index of the checkpoint tensor; () is all of it.
+Piece = tuple[slice, tuple[slice, ...]]
+
+
 @dataclass(frozen=True)
 class CheckpointWeight:
     param: str  # name in this module's state dict
-    rows: slice  # rows of `param` (of `param[expert]`) this tensor fills; all rows when the parameter is not fused
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
-    expert: int | None = None  # for stacked experts [E, ...]: the expert this checkpoint tensor is
+    expert: int | None  # for stacked experts [E, ...]: the index of this expert in the parameter
+    pieces: tuple[Piece, ...]  # what this rank copies from the tensor; () when it holds none of it (another rank's expert)
+
+    @property
+    def rows(self) -> slice:
+        """The parameter rows a whole checkpoint tensor fills: a model of one rank, where each tensor is one piece."""
+        (rows, source), = self.pieces
+        assert source == (), "rows is defined for a model of one rank"
+        return rows
 
     def target(self, params: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The view of the parameter that this checkpoint tensor fills."""
+        """The view of the parameter that this checkpoint tensor fills (a model of one rank)."""
         param = params[self.param]
         return (param if self.expert is None else param[self.expert])[self.rows]
 
@@ -66,27 +95,68 @@ class SoftInputs:
     merge: TokenMerge
 
 
-def soft_embeddings(table: torch.Tensor, input_ids: torch.Tensor, soft: SoftInputs) -> torch.Tensor:
-    """[T, hidden]: each row's input embedding. With e = table[input_id], e_k = table[ids_k], m = table[mask]
-    and r = max(0, 1 - sum p_k):
+def soft_embeddings(embed: Callable[[torch.Tensor], torch.Tensor], input_ids: torch.Tensor, soft: SoftInputs
+                    ) -> torch.Tensor:
+    """[T, hidden]: each row's input embedding, where `embed` looks up rows of the embedding table. With
+    e = embed(input_id), e_k = embed(ids_k), m = embed(mask) and r = max(0, 1 - sum p_k):
       dmax_topk:        x = sum_k p_k e_k + r m, rescaled (renormalize) to the norm sum_k p_k |e_k| + r |m|;
                         fed as e + w (x - e), so w = 1 feeds DMax's mixture and w = 0 the token itself;
       iter_smooth_topk: fed as e + w sum_k p_k e_k.
     Batched over rows, no host sync: it runs inside a CUDA graph. Computed in float32 at least."""
-    hard = F.embedding(input_ids, table)  # [T, hidden]
-    work = torch.promote_types(table.dtype, torch.float32)
+    hard = embed(input_ids)  # [T, hidden]
+    work = torch.promote_types(hard.dtype, torch.float32)
     probs, weight = soft.coef[:, :-1].to(work), soft.coef[:, -1:].to(work)  # [T, K], [T, 1]
-    topk = F.embedding(soft.ids, table).to(work)  # [T, K, hidden]
+    topk = embed(soft.ids).to(work)  # [T, K, hidden]
     weighted = (probs[:, :, None] * topk).sum(1)  # [T, hidden]
     if soft.merge.mode == "iter_smooth_topk":
         return (hard.to(work) + weight * weighted).to(hard.dtype)
-    mask = table[soft.merge.mask_token_id].to(work)  # [hidden]
+    mask = embed(soft.ids.new_full((1,), soft.merge.mask_token_id))[0].to(work)  # [hidden]
     rest = (1 - probs.sum(1, keepdim=True)).clamp_min(0)  # [T, 1]
     mixed = weighted + rest * mask
     if soft.merge.renormalize:
         target = (probs * topk.norm(dim=-1)).sum(1, keepdim=True) + rest * mask.norm()
         mixed = mixed * (target / mixed.norm(dim=-1, keepdim=True).clamp_min(1e-12))
     return (hard.to(work) + weight * (mixed - hard.to(work))).to(hard.dtype)
+
+
+def _shard(split: Split, part: FusedPart | None, local: tuple[int, ...], arch: ModelArch, tp: TensorParallel
+           ) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
+    """The checkpoint tensor's full shape and the pieces of it that land in a parameter of shape `local` (one
+    expert's, for stacked experts) on this rank. On one rank each tensor is one piece, copied whole."""
+    if split is Split.VOCAB:
+        rows = tp.vocab_rows(arch.vocab_size)
+        kept = min(rows.stop, arch.vocab_size) - rows.start
+        source = (slice(rows.start, rows.start + kept),) if tp.size > 1 else ()
+        return (arch.vocab_size, *local[1:]), ((slice(0, kept), source),)
+    if split is Split.ROW:
+        columns = local[-1]
+        source = (slice(None), slice(tp.rank * columns, (tp.rank + 1) * columns)) if tp.size > 1 else ()
+        return (*local[:-1], columns * tp.size), ((slice(0, local[0]), source),)
+    if split is Split.REPLICATED:
+        return local, ((slice(0, local[0]), ()),)
+    # QKV or GATE_UP: the parameter's rows are parts, each holding this rank's share of the full part:
+    # (part, rows of the full part, the share's rows in it).
+    if split is Split.QKV:
+        heads, kv, d = tp.share(arch.num_heads), tp.kv_heads(arch), arch.head_dim
+        q_share, kv_share = slice(heads.start * d, heads.stop * d), slice(kv.start * d, kv.stop * d)
+        parts = [(FusedPart.Q, arch.q_size, q_share), (FusedPart.K, arch.kv_size, kv_share),
+                 (FusedPart.V, arch.kv_size, kv_share)]
+    else:
+        half = local[0] // 2
+        share = slice(tp.rank * half, (tp.rank + 1) * half)
+        parts = [(FusedPart.GATE, half * tp.size, share), (FusedPart.UP, half * tp.size, share)]
+    pieces, at, offset = [], 0, 0
+    for name, full_rows, share in parts:
+        size = share.stop - share.start
+        if part in (None, name):
+            base = offset if part is None else 0  # a tensor that is already fused holds every part, in order
+            pieces.append((slice(at, at + size), (slice(base + share.start, base + share.stop),)))
+        at += size
+        offset += full_rows
+    full_shape = (offset if part is None else next(f for n, f, _ in parts if n is part), *local[1:])
+    if tp.size == 1:
+        return full_shape, ((slice(0, at) if part is None else pieces[0][0], ()),)
+    return full_shape, tuple(pieces)
 
 
 class DecoderLM(nn.Module):
@@ -104,13 +174,15 @@ class DecoderLM(nn.Module):
     # on when the Triton attention backend is selected.
     fused_kernels: bool = False
 
-    def __init__(self, arch: ModelArch, attention_fn: AttentionFn):
+    def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.arch = arch
-        self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(arch, attention_fn, i) for i in range(arch.num_layers))
+        self.arch, self.tp = arch, tp
+        vocab_rows = tp.vocab_rows(arch.vocab_size)
+        self.vocab_start, local_vocab = vocab_rows.start, vocab_rows.stop - vocab_rows.start
+        self.embed_tokens = nn.Embedding(local_vocab, arch.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(arch, attention_fn, i, tp) for i in range(arch.num_layers))
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
-        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, arch.vocab_size, bias=False)
+        self.lm_head = None if arch.tie_word_embeddings else nn.Linear(arch.hidden_size, local_vocab, bias=False)
 
     # --- what a family provides ---------------------------------------------------------------------------
 
@@ -127,10 +199,12 @@ class DecoderLM(nn.Module):
     # --- construction -------------------------------------------------------------------------------------
 
     @classmethod
-    def empty(cls, arch: ModelArch, attention_fn: AttentionFn, *, dtype: torch.dtype, device) -> "DecoderLM":
-        """The model with uninitialized parameters, allocated once, directly on `device` in `dtype`."""
+    def empty(cls, arch: ModelArch, attention_fn: AttentionFn, *, dtype: torch.dtype, device,
+              tp: TensorParallel = TensorParallel()) -> "DecoderLM":
+        """The model (this rank's share of it) with uninitialized parameters, allocated once, directly on `device`
+        in `dtype`."""
         with torch.device("meta"):
-            model = cls(arch, attention_fn)
+            model = cls(arch, attention_fn, tp)
             model.to(dtype)
             for module in model.modules():  # parameters a layer keeps in float32 at least (a router's bias)
                 for name in getattr(module, "FLOAT32_PARAMS", ()):
@@ -138,17 +212,17 @@ class DecoderLM(nn.Module):
                     if param is not None:
                         setattr(module, name, nn.Parameter(param.to(torch.promote_types(dtype, torch.float32))))
         # Inference only: no parameter takes part in autograd.
-        return model.to_empty(device=device).requires_grad_(False)
+        model = model.to_empty(device=device).requires_grad_(False)
+        kept = arch.vocab_size - model.vocab_start
+        for table in (model.embed_tokens, model.lm_head):  # the last rank's padding rows, which no checkpoint fills
+            if table is not None and kept < table.weight.shape[0]:
+                table.weight[kept:].zero_()
+        return model
 
     def checkpoint_layout(self) -> dict[str, CheckpointWeight]:
-        """Every checkpoint tensor name of this architecture and the parameter rows it fills."""
-        arch = self.arch
+        """Every checkpoint tensor name of this architecture, its shape, and the pieces of it this rank holds."""
+        arch, tp = self.arch, self.tp
         params = dict(self.named_parameters())
-        qkv_rows = {
-            FusedPart.Q: slice(0, arch.q_size),
-            FusedPart.K: slice(arch.q_size, arch.q_size + arch.kv_size),
-            FusedPart.V: slice(arch.q_size + arch.kv_size, arch.q_size + 2 * arch.kv_size),
-        }
         # checkpoint name -> (parameter, part, expert)
         names: dict[str, tuple[str, FusedPart | None, int | None]] = {
             k: (v, None, None) for k, v in self.TOP_WEIGHTS.items()}
@@ -160,21 +234,21 @@ class DecoderLM(nn.Module):
                 for suffix, (param, part) in self.EXPERT_WEIGHTS.items():
                     for expert in range(arch.num_experts):
                         names[prefix + suffix.format(expert)] = (f"layers.{layer}.{param}", part, expert)
+        held = tp.experts(arch.num_experts)
         layout = {}
         for name, (param, part, expert) in names.items():
             if param not in params:  # e.g. lm_head when tied, q_norm without qk_norm, a dense MLP in a MoE layer
                 continue
-            target = params[param] if expert is None else params[param][expert]
-            half = target.shape[0] // 2
-            if part in qkv_rows:
-                rows = qkv_rows[part]
-            elif part is FusedPart.GATE:
-                rows = slice(0, half)
-            elif part is FusedPart.UP:
-                rows = slice(half, 2 * half)
-            else:
-                rows = slice(0, target.shape[0])
-            layout[name] = CheckpointWeight(param, rows, (rows.stop - rows.start, *target.shape[1:]), expert)
+            local = params[param] if expert is None else params[param][0]
+            split = next((v for k, v in SPLITS.items() if param.endswith(k)), Split.REPLICATED)
+            # With expert parallelism a rank holds whole experts: no share of each.
+            ways = TensorParallel() if expert is not None and tp.expert_parallel else tp
+            shape, pieces = _shard(split, part, tuple(local.shape), arch, ways)
+            if expert is not None and not held.start <= expert < held.stop:
+                expert, pieces = None, ()
+            elif expert is not None:
+                expert -= held.start
+            layout[name] = CheckpointWeight(param, shape, expert, pieces)
         covered = {w.param for w in layout.values()}
         assert covered == set(params), f"parameters without a checkpoint name: {sorted(set(params) - covered)}"
         return layout
@@ -208,13 +282,28 @@ class DecoderLM(nn.Module):
 
     def input_embeddings(self, input_ids: torch.Tensor, soft: SoftInputs | None) -> torch.Tensor:  # [T, hidden]
         if soft is None:
-            return self.embed_tokens(input_ids)
-        return soft_embeddings(self.embed_tokens.weight, input_ids, soft)
+            return self.embed(input_ids)
+        return soft_embeddings(self.embed, input_ids, soft)
+
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:  # [...] -> [..., hidden]
+        """Rows of the embedding table. Under tensor parallelism each rank holds a share of the rows: it looks up
+        the ids that fall in its share, zeros for the rest, and the sum over ranks is every id's row."""
+        if self.tp.size == 1:
+            return self.embed_tokens(ids)
+        local = ids - self.vocab_start
+        held = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        rows = self.embed_tokens(torch.where(held, local, 0)).masked_fill(~held[..., None], 0)
+        return self.tp.all_reduce(rows)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.fused_kernels:
             from diffulex_kernels.linear import linear  # the weight-streaming kernel at a few rows
 
-            return linear(hidden, head)
-        return F.linear(hidden, head)
+            logits = linear(hidden, head)
+        else:
+            logits = F.linear(hidden, head)
+        if self.tp.size == 1:
+            return logits
+        # Every rank gets the whole rows, so each samples the same tokens as the others without a broadcast.
+        return self.tp.gather_columns(logits)[:, :self.arch.vocab_size]

@@ -1,0 +1,97 @@
+"""Which share of the model one rank holds, and the collectives that put the shares together.
+
+Megatron-style splits, the ones vLLM uses:
+- q/k/v and gate/up are column-parallel (each rank holds some heads, some intermediate columns), o_proj and
+  down_proj row-parallel, with one all-reduce after each;
+- KV heads are split across ranks, or, with fewer KV heads than ranks, each rank holds the one its query heads
+  read (replicated);
+- the embedding and the output head are split by vocabulary rows (padded to a multiple of the ranks): a lookup is
+  an all-reduce of the rows each rank holds, and the logits are gathered;
+- a MoE layer's experts are split by their intermediate dimension, or with `expert_parallel` whole experts per
+  rank; either way the layer's output is one all-reduce of the partial sums, since every rank holds every token.
+
+The process group is an object held here and passed down with the model, not torch.distributed's default group:
+two engines in one process (tests, benchmarks) never share state. Collectives call the group directly.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .models.arch import ModelArch
+
+
+@dataclass(frozen=True)
+class TensorParallel:
+    rank: int = 0
+    size: int = 1
+    expert_parallel: bool = False  # MoE layers: whole experts per rank instead of a share of each
+    group: Any = None  # a torch.distributed ProcessGroup (gloo or NCCL); None with one rank
+
+    def share(self, total: int) -> slice:
+        """This rank's contiguous share of `total` items (heads, columns, experts); `total` divides evenly."""
+        size = total // self.size
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def kv_heads(self, arch: ModelArch) -> slice:
+        """The KV heads this rank's query heads read: a share of them, or one (replicated) when ranks outnumber
+        them."""
+        if arch.num_kv_heads >= self.size:
+            return self.share(arch.num_kv_heads)
+        head = self.rank * arch.num_kv_heads // self.size
+        return slice(head, head + 1)
+
+    def vocab_rows(self, vocab_size: int) -> slice:
+        """This rank's rows of the embedding and the head; the last rank's share may run past the vocabulary
+        (padding rows that no id reaches)."""
+        size = -(-vocab_size // self.size)
+        return slice(self.rank * size, (self.rank + 1) * size)
+
+    def experts(self, num_experts: int) -> slice:
+        """The routed experts this rank holds: all of them, or a share with expert parallelism."""
+        return self.share(num_experts) if self.expert_parallel else slice(0, num_experts)
+
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks, in place; returns `tensor`. A no-op with one rank."""
+        if self.size > 1:
+            self.group.allreduce([tensor]).wait()
+        return tensor
+
+    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[N, C] on each rank -> [N, size * C], rank 0's columns first."""
+        if self.size == 1:
+            return tensor
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        self.group.allgather([parts], [tensor.contiguous()]).wait()
+        return torch.cat(parts, dim=1)
+
+
+def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:
+    """Raises ValueError naming the config field when the model cannot be split `tp.size` ways."""
+    n = tp.size
+    if n == 1:
+        return
+
+    def need(ok: bool, what: str) -> None:
+        if not ok:
+            raise ValueError(f"config field 'tensor_parallel_size' is {n}, but {what}")
+
+    need(arch.num_heads % n == 0, f"the model's {arch.num_heads} attention heads do not split {n} ways")
+    kv = arch.num_kv_heads
+    need(kv % n == 0 or n % kv == 0, f"the model's {kv} KV heads neither split {n} ways nor divide {n}")
+    if arch.num_moe_layers < arch.num_layers:
+        need(arch.intermediate_size % n == 0,
+             f"the dense MLP's intermediate size {arch.intermediate_size} does not split {n} ways")
+    if arch.num_experts:
+        if tp.expert_parallel:
+            need(arch.num_experts % n == 0, f"the model's {arch.num_experts} experts do not split {n} ways "
+                                            f"(expert_parallel)")
+        else:
+            need(arch.moe_intermediate_size % n == 0,
+                 f"the experts' intermediate size {arch.moe_intermediate_size} does not split {n} ways")
+        shared = arch.num_shared_experts * arch.moe_intermediate_size
+        need(shared % n == 0, f"the shared experts' intermediate size {shared} does not split {n} ways")
+    elif tp.expert_parallel:
+        raise ValueError("config field 'expert_parallel' is true, but the model has no experts")
