@@ -190,8 +190,8 @@ class RandomWeightEngine(DiffulexEngine):
         self.prebuilt = model
         super().__init__(model_dir, **kwargs)
 
-    def _load_model(self):
-        return self.prebuilt
+    def _load_model(self, tp):
+        return self.prebuilt, {}
 
 
 def write_model_dir(shape: dict, directory: pathlib.Path) -> str:

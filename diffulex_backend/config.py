@@ -5,9 +5,6 @@
 `enable_prefix_caching` when unset. What depends on the checkpoint (`model_name`, `mask_token_id`,
 `max_model_len`) stays None until the engine reads the checkpoint and holds a resolved copy
 (`dataclasses.replace`, validated again); nothing changes a Config after it is built.
-
-Every field is read by some part of the engine, except `tensor_parallel_size`, which accepts only 1 until
-tensor parallelism lands.
 """
 from __future__ import annotations
 
@@ -23,6 +20,7 @@ class SamplingMode(enum.Enum):
     TOPK = "topk"  # LLaDA's schedule: a fixed number of the most confident positions per step
 
 
+MAX_TENSOR_PARALLEL = 64
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
 ATTENTION_BACKENDS = ("auto", "torch", "triton")
@@ -65,7 +63,8 @@ class Config:
     token_merge_renormalize: bool = True  # rescale the mixture to the probability-weighted norm of its parts
     token_merge_weight: float = 1.0  # 0 feeds the token itself (hard decoding); 1 the mixture
     edit_threshold: float = 0.9  # dmax: 0 leaves decoded tokens final; else they are revised until stable
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks the model is split over (workers.py): processes, one GPU each
+    expert_parallel: bool = False  # MoE models under tensor parallelism: whole experts per rank
     seed: int = 0  # noise seed of requests that bring none
     lora_path: str | None = None  # a PEFT LoRA directory merged into the weights at load (needs pre_merge_lora)
     pre_merge_lora: bool = False
@@ -159,8 +158,14 @@ class Config:
             fail("dtype", f"one of {list(DTYPES)}")
         if not _valid_device(self.device):
             fail("device", DEVICES_HELP)
-        if self.tensor_parallel_size != 1:
-            fail("tensor_parallel_size", "1 (tensor parallelism is not supported)")
+        if self.tensor_parallel_size > MAX_TENSOR_PARALLEL:
+            fail("tensor_parallel_size", f"at most {MAX_TENSOR_PARALLEL} (one process per rank)")
+        check_bool("expert_parallel")
+        if self.expert_parallel and self.tensor_parallel_size == 1:
+            fail("expert_parallel", "false unless tensor_parallel_size is above 1 (it splits experts over ranks)")
+        if self.tensor_parallel_size > 1 and (self.lora_path is not None or self.lora_modules is not None):
+            raise ValueError("config field 'tensor_parallel_size' must be 1 with LoRA adapters ('lora_path', "
+                             "'lora_modules'): adapters are not split over ranks")
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
         self._validate_lora()

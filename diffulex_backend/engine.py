@@ -11,17 +11,16 @@ import numpy as np
 import torch
 
 from . import strategies  # noqa: F401  (registers every strategy)
-from .attention import paged_attention_reference
 from .config import Config
 from .kv_cache import KVCacheManager
-from .loader import load_model
-from .lora import attach_adapters, load_adapter, merge_adapter
+from .model_setup import load_model_with_adapters, num_kv_pages, resolve_device, resolve_dtype, select_attention
 from .output import Detokenizer, RequestOutput, StepOutput
+from .plan import SchedulerOutput
 from .registry import STRATEGIES
 from .request import FinishReason, Request, RequestStatus
-from .runner import kv_cache_shape, profile_peak_memory
 from .sampling import GREEDY_TEMPERATURE, SamplingParams
-from .plan import SchedulerOutput
+from .tensor_parallel import TensorParallel
+from .workers import BroadcastRunner, WorkerGroup
 from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
 
 
@@ -50,50 +49,24 @@ class EngineMetrics:
     model_flops: float
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"config field 'device' is {name!r}, but no CUDA device is available")
-    return device
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return getattr(torch, name)
-
-
-def resolve_attention(name: str, device: torch.device, head_dim: int):
-    """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
-    the model's head size, else the torch reference."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
-        return paged_attention_reference
-    if device.type != "cuda":
-        raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
-    from diffulex_kernels.attention import HEAD_DIMS, paged_attention
-
-    if head_dim in HEAD_DIMS:
-        return paged_attention
-    if name == "auto":
-        return paged_attention_reference
-    raise ValueError(f"config field 'attention_backend' is 'triton', whose kernels take head_dim {HEAD_DIMS}; "
-                     f"this model's is {head_dim}: use 'torch' or 'auto'")
-
-
 class DiffulexEngine:
     def __init__(self, model: str, **kwargs):
         # The settings as given, until the checkpoint is read; then a resolved copy with nothing left unset.
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
-        self.model = self._load_model()
-        attention_fn = resolve_attention(config.attention_backend, self.device, self.model.arch.head_dim)
-        for layer in self.model.layers:
-            layer.attn.attention_fn = attention_fn
-        # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
-        self.model.fused_kernels = attention_fn is not paged_attention_reference
+        # Under tensor parallelism the other ranks start first, so they load their shares while this one does.
+        self.workers = WorkerGroup(config, self.device) if config.tensor_parallel_size > 1 else None
+        try:
+            self._build(config)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, config: Config) -> None:
+        tp = TensorParallel() if self.workers is None else self.workers.tp
+        self.model, self.lora_slots = self._on_ranks(self._load_model, tp)
+        select_attention(self.model, config.attention_backend, self.device)
         arch = self.model.arch
         max_model_len = arch.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if max_model_len > arch.max_position_embeddings:
@@ -113,10 +86,17 @@ class DiffulexEngine:
 
         strategy = STRATEGIES.get(config.decoding_strategy)
         self.req_cls: type[Request] = strategy.request_cls
-        self.kv_cache: KVCacheManager = strategy.kv_cache_cls(self._num_kv_pages(), config.page_size,
-                                                              config.enable_prefix_caching)
+        if self.workers is not None:
+            self._on_ranks(self.workers.channel.broadcast, config)
+        pages = self._on_ranks(num_kv_pages, config, self.model, self.device, self.dtype)
+        if self.workers is not None:  # every rank's cache holds the same pages: the fewest any rank has room for
+            pages = self._on_ranks(self.workers.channel.minimum, pages)
+        self.kv_cache: KVCacheManager = strategy.kv_cache_cls(pages, config.page_size, config.enable_prefix_caching)
         acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
-        self.runner = strategy.runner_cls(config, self.model, self.kv_cache, acceptance, self.device, self.dtype)
+        self.runner = self._on_ranks(strategy.runner_cls, config, self.model, self.kv_cache, acceptance, self.device,
+                                     self.dtype)
+        if self.workers is not None:
+            self.runner = BroadcastRunner(self.runner, self.workers)
         self.scheduler = strategy.scheduler_cls(config, self.kv_cache)
 
         self.requests: dict[str, Request] = {}
@@ -128,38 +108,19 @@ class DiffulexEngine:
         self.num_forward_tokens = 0
         self.model_flops = 0.0
 
-    def _load_model(self):
-        config = self.config
-        model = load_model(config.model, model_name=config.model_name, dtype=self.dtype, device=self.device)
-        if config.lora_path is not None:
-            merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
-        adapters = [load_adapter(path, model, name, config.max_lora_rank)
-                    for name, path in config.lora_module_paths.items()]
-        attach_adapters(model, adapters)
-        self.lora_slots = {adapter.name: slot for slot, adapter in enumerate(adapters)}  # lora_name -> stack slot
-        return model
+    def _load_model(self, tp: TensorParallel):
+        return load_model_with_adapters(self.config, self.device, self.dtype, tp)
 
-    def _num_kv_pages(self) -> int:
-        config = self.config
-        if config.num_kv_pages is not None:
-            return config.num_kv_pages
-        per_request = -(-config.max_model_len // config.page_size)
-        if self.device.type != "cuda":
-            return config.max_num_reqs * per_request
-        # Whatever gpu_memory_utilization leaves after the weights and the activations of the largest step,
-        # measured by running it. They are counted twice: eager steps allocate them, and so does the CUDA
-        # graphs' memory pool, which the caching allocator cannot hand to eager steps.
-        activation_bytes = profile_peak_memory(self.model, config, self.device)
-        if self.model.fused_kernels and not config.enforce_eager:
-            activation_bytes *= 2
-        torch.cuda.empty_cache()
-        free, total = torch.cuda.mem_get_info(self.device)
-        page_bytes = torch.empty(kv_cache_shape(self.model, 1, config.page_size), dtype=self.dtype).nbytes
-        budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
-        if budget < page_bytes * per_request:
-            raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
-                             f"for one max_model_len sequence of KV cache after the weights")
-        return int(budget // page_bytes)
+    def _on_ranks(self, fn, *args):
+        """fn(*args), a step every rank takes together: a failure there may be another rank's, and is reported
+        as that rank's."""
+        return fn(*args) if self.workers is None else self.workers.call(fn, *args)
+
+    def close(self) -> None:
+        """Stop the other ranks' processes (tensor parallelism); nothing to do on one rank. The engine serves no
+        step after this."""
+        if self.workers is not None:
+            self.workers.close()
 
     # ---- requests -----------------------------------------------------------------------------------------
     def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:

@@ -45,7 +45,8 @@ INVALID = {
     "token_merge_renormalize": ("yes", "true or false"),
     "token_merge_weight": (1.5, "a number in [0, 1]"),
     "edit_threshold": (-0.1, "a number in [0, 1]"),
-    "tensor_parallel_size": (2, "1 (tensor parallelism is not supported)"),
+    "tensor_parallel_size": (65, "at most 64 (one process per rank)"),
+    "expert_parallel": (True, "false unless tensor_parallel_size is above 1 (it splits experts over ranks)"),
     "seed": (-1, "an integer >= 0"),
     "lora_path": ("", "an adapter directory"),
     "pre_merge_lora": ("yes", "true or false"),
@@ -181,7 +182,7 @@ def test_explicit_cpu_device_and_torch_attention_give_the_automatic_choice(llada
 
 def test_auto_attention_takes_the_kernels_on_a_gpu_only_for_the_head_sizes_they_serve():
     from diffulex_backend.attention import paged_attention_reference
-    from diffulex_backend.engine import resolve_attention
+    from diffulex_backend.model_setup import resolve_attention
     from diffulex_kernels.attention import HEAD_DIMS, paged_attention
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only compared by type: nothing runs on them here

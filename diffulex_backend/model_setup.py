@@ -1,0 +1,89 @@
+"""How a rank builds what it holds: the device and dtype a setting names, the model (its share of it) with its
+adapters and attention backend, and the number of KV pages it has room for. The engine (rank 0) and the
+tensor-parallel workers build theirs through these same functions, so every rank agrees on them."""
+from __future__ import annotations
+
+import torch
+
+from .attention import paged_attention_reference
+from .config import Config
+from .loader import load_model
+from .lora import attach_adapters, load_adapter, merge_adapter
+from .runner import kv_cache_shape, profile_peak_memory
+from .tensor_parallel import TensorParallel
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"config field 'device' is {name!r}, but no CUDA device is available")
+    return device
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def resolve_attention(name: str, device: torch.device, head_dim: int):
+    """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
+    the model's head size, else the torch reference."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
+        return paged_attention_reference
+    if device.type != "cuda":
+        raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
+    from diffulex_kernels.attention import HEAD_DIMS, paged_attention
+
+    if head_dim in HEAD_DIMS:
+        return paged_attention
+    if name == "auto":
+        return paged_attention_reference
+    raise ValueError(f"config field 'attention_backend' is 'triton', whose kernels take head_dim {HEAD_DIMS}; "
+                     f"this model's is {head_dim}: use 'torch' or 'auto'")
+
+
+def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.dtype,
+                             tp: TensorParallel = TensorParallel()):
+    """The checkpoint's model (this rank's share of it) with its adapters merged or attached. Returns (model,
+    lora_slots): lora_name -> the adapter's slot in the stacks."""
+    model = load_model(config.model, model_name=config.model_name, dtype=dtype, device=device, tp=tp)
+    if config.lora_path is not None:
+        merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
+    adapters = [load_adapter(path, model, name, config.max_lora_rank) for name, path in config.lora_module_paths.items()]
+    attach_adapters(model, adapters)
+    return model, {adapter.name: slot for slot, adapter in enumerate(adapters)}
+
+
+def select_attention(model, attention_backend: str, device: torch.device) -> None:
+    attention_fn = resolve_attention(attention_backend, device, model.arch.head_dim)
+    for layer in model.layers:
+        layer.attn.attention_fn = attention_fn
+    # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
+    model.fused_kernels = attention_fn is not paged_attention_reference
+
+
+def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
+    """KV pages of page_size tokens: config.num_kv_pages, else as many as max_num_reqs requests of max_model_len
+    take on the CPU, else what gpu_memory_utilization leaves on the GPU."""
+    if config.num_kv_pages is not None:
+        return config.num_kv_pages
+    per_request = -(-config.max_model_len // config.page_size)
+    if device.type != "cuda":
+        return config.max_num_reqs * per_request
+    # Whatever gpu_memory_utilization leaves after the weights and the activations of the largest step,
+    # measured by running it. They are counted twice: eager steps allocate them, and so does the CUDA
+    # graphs' memory pool, which the caching allocator cannot hand to eager steps.
+    activation_bytes = profile_peak_memory(model, config, device)
+    if model.fused_kernels and not config.enforce_eager:
+        activation_bytes *= 2
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(device)
+    page_bytes = torch.empty(kv_cache_shape(model, 1, config.page_size), dtype=dtype).nbytes
+    budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
+    if budget < page_bytes * per_request:
+        raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
+                         f"for one max_model_len sequence of KV cache after the weights")
+    return int(budget // page_bytes)

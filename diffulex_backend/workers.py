@@ -1,0 +1,281 @@
+"""Tensor-parallel ranks as processes.
+
+Rank 0 is the engine's own process: the scheduler, the tokenizer and rank 0's share of the model. Ranks 1..N-1
+are worker processes started here (running `workers.main`); each holds its share of the model and
+runs the same runner, step for step:
+- each step rank 0 broadcasts the plan once, pickled, over a gloo group on the host;
+- every rank runs the forward, whose collectives (NCCL on GPUs, gloo on CPU) put the shares together;
+- every rank gets the whole logits (compute_logits gathers them) and samples the same tokens from the same seeds,
+  so nothing travels back to rank 0.
+
+Failure never hangs the engine. A worker that dies closes its sockets, so rank 0's next collective fails at once;
+the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left in the group's
+store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without dying. Workers
+exit when told to, when a collective fails, or when rank 0's process is gone (they watch their parent);
+`WorkerGroup.close` waits for them and kills what is left, and runs by itself when the group is collected or the
+interpreter exits.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import pickle
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .config import Config
+from .model_setup import load_model_with_adapters, num_kv_pages, resolve_dtype, select_attention
+from .registry import STRATEGIES
+from .tensor_parallel import TensorParallel
+
+# The longest a collective may wait for another rank: a step, or a rank still loading its share at start.
+COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+STOP_TIMEOUT_S = 10.0  # how long close() waits for workers to exit before killing them
+FAILURE_KEY = "failure/{}"  # where a failing worker leaves its error, in the group's store
+
+
+class RankFailure(RuntimeError):
+    """A tensor-parallel rank died, failed, or stopped answering: the engine cannot go on."""
+
+
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """Rank r of an engine on cuda:d runs on cuda:d+r; on the CPU every rank is a process on the CPU."""
+    if device.type != "cuda":
+        return device
+    return torch.device("cuda", (device.index or 0) + rank)
+
+
+def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, object]:
+    """The two groups of one engine's ranks: (control, data). Control carries the plans, on the host, over gloo;
+    data carries the model's collectives: NCCL on GPUs, gloo on the CPU."""
+    def gloo(prefix):
+        options = dist.ProcessGroupGloo._Options()
+        options._timeout = COLLECTIVE_TIMEOUT
+        options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]  # the ranks share a host
+        return dist.ProcessGroupGloo(dist.PrefixStore(prefix, store), rank, size, options)
+
+    control = gloo("control")
+    if device.type != "cuda":
+        return control, gloo("data")
+    torch.cuda.set_device(device)
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = COLLECTIVE_TIMEOUT
+    return control, dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
+
+
+class Channel:
+    """Rank 0 -> every rank: pickled objects over the control group."""
+
+    def __init__(self, group, rank: int):
+        self.group, self.rank = group, rank
+        self.options = dist.BroadcastOptions()
+        self.options.rootRank = 0
+
+    def broadcast(self, obj=None):
+        """Rank 0 sends `obj`; the others receive it. Returns the object on every rank."""
+        if self.rank == 0:
+            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            size = torch.tensor([payload.numel()], dtype=torch.int64)
+        else:
+            size = torch.zeros(1, dtype=torch.int64)
+        self.group.broadcast([size], self.options).wait()
+        if self.rank != 0:
+            payload = torch.empty(int(size), dtype=torch.uint8)
+        self.group.broadcast([payload], self.options).wait()
+        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+
+    def minimum(self, value: int) -> int:
+        """The smallest of every rank's value."""
+        options = dist.AllreduceOptions()
+        options.reduceOp = dist.ReduceOp.MIN
+        tensor = torch.tensor([value], dtype=torch.int64)
+        self.group.allreduce([tensor], options).wait()
+        return int(tensor)
+
+
+@dataclass(frozen=True)
+class WorkerSetup:
+    """What a worker process reads from its stdin at start."""
+
+    config: Config  # as the engine was given it; the resolved copy follows over the channel
+    rank: int
+    size: int
+    port: int  # of rank 0's store
+    device: str  # rank 0's device
+
+
+class WorkerGroup:
+    """Rank 0's side: starts the workers, forms the groups, and speaks for the workers to the engine."""
+
+    def __init__(self, config: Config, device: torch.device):
+        size = config.tensor_parallel_size
+        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+            raise ValueError(f"config field 'tensor_parallel_size' is {size}: ranks on {device} onwards need GPUs "
+                             f"up to cuda:{(device.index or 0) + size - 1}, and this machine has "
+                             f"{torch.cuda.device_count()}")
+        self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        self.processes: list[subprocess.Popen] = []
+        for rank in range(1, size):
+            process = subprocess.Popen([python_executable(), "-c", "from diffulex_backend.workers import main; main()"],
+                                       stdin=subprocess.PIPE, env=env)
+            process.stdin.write(pickle.dumps(WorkerSetup(config, rank, size, self.store.port, str(device))))
+            process.stdin.close()
+            self.processes.append(process)
+        self._closer = weakref.finalize(self, stop_processes, self.processes)
+        try:
+            control, data = self.call(connect, self.store, 0, size, rank_device(device, 0))
+        except BaseException:
+            self.close()
+            raise
+        self.channel = Channel(control, 0)
+        self.tp = TensorParallel(0, size, config.expert_parallel, data)
+
+    def call(self, fn, *args):
+        """fn(*args) where a collective takes part: its failure (a RuntimeError from the backend) raised as the
+        RankFailure of the rank that caused it. This rank's own errors (a bad setting) pass as they are."""
+        try:
+            return fn(*args)
+        except RankFailure:
+            raise
+        except RuntimeError as error:
+            failure = self.failure()
+            if failure is None:
+                raise
+            raise RankFailure(failure) from error
+
+    def failure(self) -> str | None:
+        """What went wrong on a worker, if anything did: its own error message, else its exit status. Gives a
+        dying worker a moment to finish exiting."""
+        deadline = time.monotonic() + 5
+        while True:
+            for rank, process in enumerate(self.processes, start=1):
+                key = FAILURE_KEY.format(rank)
+                if self.store.check([key]):
+                    return f"tensor-parallel rank {rank} failed: {self.store.get(key).decode()}"
+                if process.poll() is not None:
+                    return f"tensor-parallel rank {rank} (pid {process.pid}) exited with {exit_status(process.returncode)}"
+            if time.monotonic() > deadline:
+                return None
+            time.sleep(0.05)
+
+    def check_alive(self) -> None:
+        for rank, process in enumerate(self.processes, start=1):
+            if process.poll() is not None:
+                raise RankFailure(self.failure() or f"tensor-parallel rank {rank} exited")
+
+    def close(self) -> None:
+        """Stop the workers (they leave their loop when the channel says None), then kill what is left."""
+        if all(p.poll() is None for p in self.processes) and hasattr(self, "channel"):
+            try:
+                self.channel.broadcast(None)
+            except Exception:
+                pass  # a rank already gone: the processes are killed below
+        self._closer()
+
+
+class BroadcastRunner:
+    """Rank 0's runner under tensor parallelism: the engine's calls, forwarded to every rank. A release is sent with
+    the next step, in the same broadcast as its plan."""
+
+    def __init__(self, runner, workers: WorkerGroup):
+        self.runner, self.workers = runner, workers
+        self.releases: list[str] = []
+
+    def release(self, request_id: str) -> None:
+        self.runner.release(request_id)
+        self.releases.append(request_id)
+
+    def execute(self, sched):
+        self.workers.check_alive()
+        releases, self.releases = self.releases, []
+        self.workers.call(self.workers.channel.broadcast, (releases, sched))
+        return self.workers.call(self.runner.execute, sched)
+
+
+def stop_processes(processes: list[subprocess.Popen]) -> None:
+    deadline = time.monotonic() + STOP_TIMEOUT_S
+    for process in processes:
+        try:
+            process.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+def exit_status(returncode: int) -> str:
+    if returncode < 0:
+        return f"signal {signal.Signals(-returncode).name}"
+    return f"exit code {returncode}"
+
+
+def python_executable() -> str:
+    # Inside Triton's Python backend sys.executable is the stub, not an interpreter; the stub finds its packages
+    # through the python3 on PATH, which is the interpreter to use.
+    if os.path.basename(sys.executable).startswith("python"):
+        return sys.executable
+    return shutil.which("python3") or "python3"
+
+
+# ---- the worker process --------------------------------------------------------------------------------------
+
+def watch_parent() -> None:
+    """Exit when rank 0's process is gone, even while blocked in a collective that would wait for it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def serve(setup: WorkerSetup, store) -> None:
+    device = rank_device(torch.device(setup.device), setup.rank)
+    control, data = connect(store, setup.rank, setup.size, device)
+    channel = Channel(control, setup.rank)
+    tp = TensorParallel(setup.rank, setup.size, setup.config.expert_parallel, data)
+    dtype = resolve_dtype(setup.config.dtype, device)
+    model, _ = load_model_with_adapters(setup.config, device, dtype, tp)
+    select_attention(model, setup.config.attention_backend, device)
+    config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
+    strategy = STRATEGIES.get(config.decoding_strategy)
+    pages = channel.minimum(num_kv_pages(config, model, device, dtype))
+    kv_cache = strategy.kv_cache_cls(pages, config.page_size, config.enable_prefix_caching)
+    acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
+    runner = strategy.runner_cls(config, model, kv_cache, acceptance, device, dtype)
+    while (message := channel.broadcast()) is not None:
+        releases, sched = message
+        for request_id in releases:
+            runner.release(request_id)
+        runner.execute(sched)
+
+
+def main() -> None:
+    setup: WorkerSetup = pickle.load(sys.stdin.buffer)
+    watch_parent()
+    store = dist.TCPStore("127.0.0.1", setup.port, None, False, timeout=COLLECTIVE_TIMEOUT)
+    try:
+        with torch.inference_mode():
+            serve(setup, store)
+    except BaseException as error:
+        message = f"{type(error).__name__}: {error}"
+        try:
+            store.set(FAILURE_KEY.format(setup.rank), message)
+        except Exception:
+            pass  # rank 0 is gone: nobody to tell
+        traceback.print_exc()
+        sys.exit(1)
+
+

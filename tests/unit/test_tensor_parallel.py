@@ -1,0 +1,175 @@
+"""Tensor parallelism on the CPU: two ranks in two processes over gloo, token for token against one rank in float64,
+for every family and decoding strategy; and the worker processes' lives (a rank that dies, fails or loses its parent
+never leaves a hang or a stray process)."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
+from diffulex_backend.workers import RankFailure
+
+PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
+# Greedy, seeded sampling, and top-k/top-p (the sampler's reference path): every rank must draw the same tokens.
+# EOS does not end them, so each compares all its tokens.
+PARAMS = [SamplingParams(max_tokens=16, ignore_eos=True),
+          SamplingParams(max_tokens=12, temperature=0.8, seed=3, ignore_eos=True),
+          SamplingParams(max_tokens=10, temperature=1.0, top_k=5, top_p=0.9, seed=11, ignore_eos=True)]
+SETTINGS = dict(dtype="float64", max_num_reqs=4, max_model_len=64)
+
+# (family, strategy, checkpoint shape, engine settings of the two-rank engine)
+CASES = {
+    "llada-multi_bd": ("llada", "multi_bd", {}, {}),
+    "llada-d2f": ("llada", "d2f", {}, {}),
+    "llada-vanilla": ("llada", "vanilla", {}, {}),
+    "llada-fast_dllm": ("llada", "fast_dllm", {}, {}),
+    "llada-dmax": ("llada", "dmax", {}, {}),
+    # 259 rows do not split in two: the second rank's share ends in a padding row.
+    "llada-odd-vocab": ("llada", "multi_bd", {"vocab_size": 259}, {}),
+    "dream-multi_bd": ("dream", "multi_bd", {}, {}),
+    # One KV head for two ranks: each rank holds it (replicated).
+    "dream-one-kv-head": ("dream", "multi_bd", {"num_kv_heads": 1}, {}),
+    "sdar-multi_bd": ("sdar", "multi_bd", {}, {}),
+    "llada2-multi_bd": ("llada2", "multi_bd", {}, {}),
+    "llada2-expert-parallel": ("llada2", "multi_bd", {}, {"expert_parallel": True}),
+    "sdar_moe-multi_bd": ("sdar_moe", "multi_bd", {}, {}),
+    "sdar_moe-expert-parallel": ("sdar_moe", "multi_bd", {}, {"expert_parallel": True}),
+    "fast_dllm_v2-fast_dllm_v2": ("fast_dllm_v2", "fast_dllm_v2", {}, {}),
+}
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_checkpoints")
+    made = {}
+
+    def get(family: str, shape: dict) -> str:
+        key = (family, tuple(sorted(shape.items())))
+        if key not in made:
+            made[key] = str(write_random_checkpoint(root / f"{family}-{len(made)}", family, **shape))
+        return made[key]
+
+    return get
+
+
+def child_pids() -> set[int]:
+    """The live child processes of this process (zombies excluded)."""
+    pids = set()
+    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
+        pids.update(int(p) for p in (task / "children").read_text().split())
+    return {p for p in pids if _alive(p)}
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def generate(checkpoint: str, **settings) -> list[list[int]]:
+    engine = Diffulex(checkpoint, **SETTINGS, **settings)
+    try:
+        return [o.token_ids for o in engine.generate(PROMPTS, PARAMS)]
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_two_ranks_give_the_tokens_of_one(checkpoints, case):
+    family, strategy, shape, settings = CASES[case]
+    checkpoint = checkpoints(family, shape)
+    one = generate(checkpoint, decoding_strategy=strategy)
+    two = generate(checkpoint, decoding_strategy=strategy, tensor_parallel_size=2, **settings)
+    assert two == one
+    assert [len(tokens) for tokens in one] == [p.max_tokens for p in PARAMS]
+
+
+def test_closing_the_engine_ends_its_workers(checkpoints):
+    before = child_pids()
+    engine = Diffulex(checkpoints("llada", {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48, "intermediate_size": 96}), **SETTINGS,
+                      tensor_parallel_size=3)
+    workers = [p.pid for p in engine.workers.processes]
+    assert set(workers) <= child_pids() - before and len(workers) == 2
+    engine.close()
+    assert [p.returncode for p in engine.workers.processes] == [0, 0]  # they left their loop when told to
+    assert child_pids() - before == set()
+
+
+def test_a_rank_that_dies_fails_the_engine_with_its_name_and_no_hang(checkpoints):
+    before = child_pids()
+    engine = Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
+    engine.add_request(PROMPTS[0], PARAMS[0])
+    engine.step()
+    worker = engine.workers.processes[0]
+    os.kill(worker.pid, signal.SIGKILL)
+    started = time.monotonic()
+    with pytest.raises(RankFailure, match=rf"^tensor-parallel rank 1 \(pid {worker.pid}\) exited with signal SIGKILL$"):
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert time.monotonic() - started < 10
+    engine.close()
+    assert child_pids() - before == set()
+
+
+def test_a_model_that_does_not_split_fails_the_start_and_leaves_no_worker(checkpoints):
+    before = child_pids()
+    with pytest.raises(ValueError, match=r"^config field 'tensor_parallel_size' is 3, but the model's 4 attention "
+                                         r"heads do not split 3 ways$"):
+        Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=3)
+    deadline = time.monotonic() + 15
+    while child_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child_pids() - before == set()
+
+
+def test_workers_exit_when_the_engine_process_is_killed(checkpoints, tmp_path):
+    script = tmp_path / "engine.py"
+    script.write_text(textwrap.dedent(f"""
+        import os, sys, time
+        from diffulex_backend import Diffulex
+        engine = Diffulex({checkpoints("llada", {})!r}, dtype="float64", max_num_reqs=2, max_model_len=64,
+                          tensor_parallel_size=2)
+        print(" ".join(str(p.pid) for p in engine.workers.processes), flush=True)
+        time.sleep(600)
+    """))
+    process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+    try:
+        workers = [int(p) for p in process.stdout.readline().split()]
+        assert len(workers) == 1 and _alive(workers[0])
+    finally:
+        process.kill()
+        process.wait()
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(p) for p in workers)
+
+
+@pytest.mark.parametrize("settings, message", [
+    ({"tensor_parallel_size": 2, "lora_modules": "a=/nowhere"},
+     "config field 'tensor_parallel_size' must be 1 with LoRA adapters ('lora_path', 'lora_modules'): adapters are "
+     "not split over ranks"),
+])
+def test_settings_that_do_not_combine_with_tensor_parallelism_are_refused(checkpoints, settings, message):
+    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
+        Diffulex(checkpoints("llada", {}), **SETTINGS, **settings)
+
+
+def test_expert_parallel_on_a_dense_model_is_refused(checkpoints):
+    before = child_pids()
+    with pytest.raises(ValueError, match=r"^config field 'expert_parallel' is true, but the model has no experts$"):
+        Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2, expert_parallel=True)
+    deadline = time.monotonic() + 15
+    while child_pids() - before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert child_pids() - before == set()
