@@ -6,13 +6,15 @@ from __future__ import annotations
 import importlib.util
 import pathlib
 import sys
+import tempfile
 
 
 def map_kernels_package() -> None:
     if importlib.util.find_spec("diffulex_kernels") is not None:
         return
+    # A folder on sys.path with a link named diffulex_kernels, rather than an entry in sys.modules, so that the
+    # processes the engine starts (tensor-parallel ranks, which get this sys.path) import it too.
     kernels = pathlib.Path(__file__).resolve().parents[1] / "kernels"
-    spec = importlib.util.spec_from_file_location("diffulex_kernels", kernels / "__init__.py",
-                                                  submodule_search_locations=[str(kernels)])
-    sys.modules["diffulex_kernels"] = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(sys.modules["diffulex_kernels"])
+    folder = pathlib.Path(tempfile.mkdtemp(prefix="diffulex-kernels-"))
+    (folder / "diffulex_kernels").symlink_to(kernels, target_is_directory=True)
+    sys.path.insert(0, str(folder))
