@@ -1,6 +1,6 @@
 """Data parallelism: each model instance of an instance_group is a stub process with an engine of its own, on the
-device Triton places it on, with metrics of its own. The test model's instances are two KIND_CPU ones here, and
-KIND_GPU ones on a GPU machine (triton_server.data_parallel_group)."""
+device Triton places it on, with metrics of its own. The test model's two instances are KIND_CPU ones on a machine
+without a GPU, and KIND_GPU ones on a GPU machine (triton_server.data_parallel_group)."""
 
 import re
 import urllib.request
