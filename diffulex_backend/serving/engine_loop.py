@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
+import torch
+
 from .metrics import ServingMetrics
 
 if TYPE_CHECKING:
@@ -193,6 +195,10 @@ class EngineLoop:
     # ---- decoding thread ----------------------------------------------------------------------------------
     def _decode(self) -> None:
         live: set[str] = set()
+        device = self._engine.device
+        if device.type == "cuda":
+            # A new thread's current device is GPU 0; the Triton kernels launch on the current one.
+            torch.cuda.set_device(device)
         try:
             while True:
                 for command in self._next_commands(block=not self._engine.has_unfinished_requests()):

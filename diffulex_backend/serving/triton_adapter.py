@@ -137,6 +137,7 @@ class TritonAdapter:
     def finalize(self) -> None:
         self._tell_watchdog(CLEAN)
         self._loop.stop()
+        self._engine.close()  # the tensor-parallel ranks' processes, if any
         del self._loop, self._engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
