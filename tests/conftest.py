@@ -5,9 +5,9 @@ The model repository is built in a temporary folder from the shipped config.pbtx
 the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
 picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_lora` (a LoRA
-adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_data_parallel` (two
-instances, so two engines, on two GPUs where there are), `diffulex_bad_path` and `diffulex_failing` (an engine
-that fails at every step) are loaded by the tests that need them, which is why the server runs with explicit model
+adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
+engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
+`diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded by the tests that need them, which is why the server runs with explicit model
 control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
@@ -38,7 +38,7 @@ for _name, _folder in (("diffulex_kernels", "kernels"), ("diffulex_client", "cli
 import pytest  # noqa: E402
 from triton_server import (  # noqa: E402
     DATA_PARALLEL_SETTINGS, FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer,
-    add_model, data_parallel_group)
+    TENSOR_PARALLEL_SETTINGS, add_model, data_parallel_group)
 
 from diffulex_backend import Diffulex  # noqa: E402
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint  # noqa: E402
@@ -89,6 +89,7 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
     add_model(repository, "diffulex_dmax", model=checkpoint, decoding_strategy="dmax", **TEST_SETTINGS)
     add_model(repository, "diffulex_data_parallel", model=checkpoint,
               instance_group=data_parallel_group(torch.cuda.device_count())[0], **DATA_PARALLEL_SETTINGS)
+    add_model(repository, "diffulex_tensor_parallel", model=checkpoint, **TENSOR_PARALLEL_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)

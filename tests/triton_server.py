@@ -9,8 +9,8 @@ from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
 
 __all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
-           "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS",
-           "TritonServer", "add_model", "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
+           "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS", "TritonServer", "add_model",
+           "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same.
@@ -22,6 +22,9 @@ FAST_DLLM_V2_SETTINGS = {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "
 # The data-parallel model's: the test model's, with a KV cache of fixed size, because sizing it from free GPU memory
 # assumes one engine per GPU, and on a machine of one GPU both instances share it.
 DATA_PARALLEL_SETTINGS = {**TEST_SETTINGS, "num_kv_pages": 1024}
+# The tensor-parallel model's: the test model's over two ranks, in float64 on the CPU so that its tokens equal one
+# rank's (float32 sums in another order could flip a near tie).
+TENSOR_PARALLEL_SETTINGS = {**TEST_SETTINGS, "tensor_parallel_size": 2, "dtype": "float64", "device": "cpu"}
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
 
