@@ -20,9 +20,13 @@ with the same metadata; `attention_backend` picks one.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from .retention import RetentionStats
 
 
 @dataclass
@@ -37,6 +41,8 @@ class AttentionMetadata:
     # Host copies of the two small per-sequence vectors, so the reference path never syncs a device.
     cu_seqlens_q_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
+    # Set on the one eager forward that measures attention for page retention (retention.py); None otherwise.
+    retention_stats: "RetentionStats | None" = None
 
     @property
     def num_seqs(self) -> int:

@@ -63,6 +63,10 @@ class Config:
     token_merge_renormalize: bool = True  # rescale the mixture to the probability-weighted norm of its parts
     token_merge_weight: float = 1.0  # 0 feeds the token itself (hard decoding); 1 the mixture
     edit_threshold: float = 0.9  # dmax: 0 leaves decoded tokens final; else they are revised until stable
+    # Sparse attention by page retention (retention.py): the share of a prompt's KV pages a request keeps once its
+    # first block has seen them; 1 keeps all (dense attention).
+    retention_ratio: float = 1.0
+    head_select: bool = True  # pages ranked by how many heads choose them, rather than by mean attention
     tensor_parallel_size: int = 1  # ranks the model is split over (workers.py): processes, one GPU each
     expert_parallel: bool = False  # MoE models under tensor parallelism: whole experts per rank
     seed: int = 0  # noise seed of requests that bring none
@@ -160,6 +164,13 @@ class Config:
             fail("device", DEVICES_HELP)
         if self.tensor_parallel_size > MAX_TENSOR_PARALLEL:
             fail("tensor_parallel_size", f"at most {MAX_TENSOR_PARALLEL} (one process per rank)")
+        value = self.retention_ratio
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value <= 1:
+            fail("retention_ratio", "a number in (0, 1]")
+        check_bool("head_select")
+        if value < 1 and not STRATEGIES.get(self.decoding_strategy).request_cls.SUPPORTS_PAGE_RETENTION:
+            fail("retention_ratio", f"1 for decoding_strategy {self.decoding_strategy!r}, which does not drop pages "
+                                    f"(page retention needs {page_retention_strategies()})")
         check_bool("expert_parallel")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             fail("expert_parallel", "false unless tensor_parallel_size is above 1 (it splits experts over ranks)")
@@ -190,6 +201,10 @@ class Config:
             if count > self.max_loras:
                 raise ValueError(f"config field 'lora_modules' registers {count} adapters, more than "
                                  f"'max_loras' ({self.max_loras})")
+
+
+def page_retention_strategies() -> list[str]:
+    return [name for name in STRATEGIES.keys() if STRATEGIES.get(name).request_cls.SUPPORTS_PAGE_RETENTION]
 
 
 def _valid_device(device) -> bool:

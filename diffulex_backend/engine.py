@@ -216,6 +216,8 @@ class DiffulexEngine:
         for plan in sched.plans:
             reqs[plan.request_id].after_forward(plan)
             self.kv_cache.register_prefix(reqs[plan.request_id])
+        for request_id, (kept, num_context_pages) in result.retained_pages.items():
+            self.kv_cache.keep_pages(reqs[request_id], kept, num_context_pages)
         tokens = result.tokens.numpy()
         for plan, block, at in result.blocks:
             reqs[plan.request_id].tokens[block.start:block.end] = tokens[at:at + block.end - block.start]

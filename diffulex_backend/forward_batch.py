@@ -194,6 +194,14 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int
     lookup = np.frombuffer(packed_tables, dtype=np.int32).reshape(num_seqs, max_pages + 1)
     page_tables.fill(-1)
     page_tables[:num_seqs, :max_pages] = lookup[:, :max_pages]
+    # Page retention: the attention reads the kept pages only, packed, over a context shortened by the dropped
+    # ones (all whole pages inside it); the lookup above keeps the holes, so cache slots stay where they were.
+    for seq, plan in enumerate(plans):
+        if plan.num_dropped_pages:
+            kept = [page for page in plan.page_table if page >= 0]
+            page_tables[seq] = -1
+            page_tables[seq, :len(kept)] = kept
+            context_lens[seq] -= plan.num_dropped_pages * page_size
     cu_seqlens_out[:] = cu_seqlens_q + [num_tokens] * (layout.num_seqs - num_seqs)
     context_lens_out[:num_seqs] = context_lens
     input_ids[:num_tokens] = np.concatenate([p.token_ids for p in plans])

@@ -49,13 +49,30 @@ class KVCacheManager:
     def free(self, req: "Request") -> None:
         # Freed back to front, so that a prefix's first pages are evicted last.
         for page in reversed(req.page_table):
-            self.ref_counts[page] -= 1
-            if self.ref_counts[page] == 0:
-                if self.page_hash[page] is None:
-                    self.free_uncached.append(page)
-                else:
-                    self.free_cached[page] = None
+            if page >= 0:
+                self._release(page)
         req.page_table = []
+
+    def keep_pages(self, req: "Request", kept, num_context_pages: int) -> None:
+        """Page retention: of the request's first num_context_pages pages keep those at the indices `kept` and
+        release the rest, which become holes (-1) in its page table; later pages keep their logical places."""
+        keep = set(int(i) for i in kept)
+        for index in range(num_context_pages):
+            page = req.page_table[index]
+            if index not in keep and page >= 0:
+                self._release(page)
+                req.page_table[index] = -1
+                req.num_dropped_pages += 1
+        req.retention_pending = False
+
+    def _release(self, page: int) -> None:
+        """One reference fewer; a page nobody holds any more is free (and stays findable if it is a prefix)."""
+        self.ref_counts[page] -= 1
+        if self.ref_counts[page] == 0:
+            if self.page_hash[page] is None:
+                self.free_uncached.append(page)
+            else:
+                self.free_cached[page] = None
 
     def _take_free_page(self) -> int:
         if self.free_uncached:
@@ -113,7 +130,7 @@ class KVCacheManager:
             return
         for i in range(written):
             page, h = req.page_table[i], hashes[i]
-            if self.page_hash[page] is None and h not in self.cached_pages:
+            if page >= 0 and self.page_hash[page] is None and h not in self.cached_pages:
                 self.page_hash[page] = h
                 self.cached_pages[h] = page
         req.num_registered_pages = written

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from .retention import Retention
 from .sampling import Confidence
 
 
@@ -62,6 +63,10 @@ class SeqPlan:
     # embedding by soft_coef[i, K] (0: the token's embedding alone). See models/decoder_lm.py soft_embeddings.
     soft_ids: np.ndarray | None = None  # [end - start, K] int64
     soft_coef: np.ndarray | None = None  # [end - start, K + 1] float32
+    # Page retention (retention.py): holes (-1) in page_table, all inside the context; and, on the one step that
+    # chooses them, what to measure.
+    num_dropped_pages: int = 0
+    retention: Retention | None = None
 
     @property
     def num_tokens(self) -> int:

@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import SamplingMode
 from .plan import LogitBlock, RequestSampling, SeqPlan
+from .retention import Retention
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -35,6 +36,9 @@ class FinishReason(enum.Enum):
 class Request:
     """Base request: token buffer, bookkeeping, and the block layout. Strategies subclass it."""
 
+    # The strategy never feeds the committed context again, so pages of it may be dropped (retention.py).
+    SUPPORTS_PAGE_RETENTION = False
+
     @classmethod
     def check_prompt(cls, num_prompt_tokens: int, config: "Config") -> None:
         """Raise ValueError if a prompt of this length could never be scheduled."""
@@ -46,6 +50,9 @@ class Request:
             if getattr(params, name) is not None and config.decoding_strategy != strategy:
                 raise ValueError(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
                                  f"not '{config.decoding_strategy}'")
+        if params.retention_ratio not in (None, 1, 1.0) and not cls.SUPPORTS_PAGE_RETENTION:
+            raise ValueError(f"sampling parameter 'retention_ratio' must be 1 or null for decoding_strategy "
+                             f"'{config.decoding_strategy}', which does not drop pages")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
                  mask_token_id: int, seed: int, shifted: bool):
@@ -72,7 +79,12 @@ class Request:
         self.num_output_tokens = 0  # committed tokens returned to the user (stops at EOS, stop token, max_tokens)
         self.num_cached = 0  # positions [0, num_cached) have K/V in the cache
         self.num_prefix_hit = 0  # of them, tokens that came from the prefix cache at admission
-        self.page_table: list[int] = []
+        self.page_table: list[int] = []  # -1 marks a page dropped by page retention
+        ratio = config.retention_ratio if params.retention_ratio is None else params.retention_ratio
+        head_select = config.head_select if params.head_select is None else params.head_select
+        self.retention = Retention(ratio, head_select) if ratio < 1 else None
+        self.retention_pending = self.retention is not None  # its pages are not chosen yet
+        self.num_dropped_pages = 0
         self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager
         self.num_registered_pages = 0
         self.nfe = 0
@@ -125,11 +137,15 @@ class Request:
 
     def make_plan(self, start: int, end: int, context_len: int, cache_index: np.ndarray, block_ids: np.ndarray,
                   blocks: list[LogitBlock]) -> SeqPlan:
-        """A plan feeding positions [start, end), with copies of what the runner reads of this request."""
+        """A plan feeding positions [start, end), with copies of what the runner reads of this request. The
+        first plan that predicts with the whole prompt in the context asks the runner to choose the pages to keep
+        (page retention)."""
+        measure = self.retention_pending and bool(blocks) and context_len >= self.num_prompt_tokens - self.shift
         return SeqPlan(request_id=self.request_id, start=start, end=end, context_len=context_len,
                        token_ids=self.tokens[start:end].copy(), cache_index=cache_index, block_ids=block_ids,
                        blocks=blocks, page_table=self.page_table.copy(), committed_end=self.committed_end,
-                       step=self.num_predict_steps, sampling=self.sampling)
+                       step=self.num_predict_steps, sampling=self.sampling, num_dropped_pages=self.num_dropped_pages,
+                       retention=self.retention if measure else None)
 
     def after_forward(self, plan: SeqPlan) -> None:
         """Bookkeeping once the forward ran: K/V stored, predictions not yet applied."""
@@ -157,4 +173,5 @@ class Request:
         self.num_prefix_hit = 0
         self.page_table = []
         self.num_registered_pages = 0
+        self.retention_pending, self.num_dropped_pages = self.retention is not None, 0
         self.status = RequestStatus.WAITING

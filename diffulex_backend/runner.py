@@ -16,6 +16,7 @@ before the sync.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -31,6 +32,7 @@ from .layers.lora import LoraBatch
 from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
+from .retention import RetentionStats, select_pages
 from .sampling import SampleResult, row_keys, sample_reference
 from .upload import upload
 
@@ -50,6 +52,8 @@ class StepResult:
     num_tokens: int  # tokens fed
     flops: float  # model FLOPs of the forward
     predictions: Predictions | None = None  # aligned with `tokens`; None unless the runner's strategy wants them
+    # Page retention: request id -> (indices of its context pages to keep, how many context pages it has).
+    retained_pages: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
 
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
@@ -153,7 +157,27 @@ class ModelRunner:
         pairs = sum(p.num_tokens * (p.context_len + p.num_tokens) for p in plans)
         flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
-                          predictions=predictions)
+                          predictions=predictions, retained_pages=self.choose_retained_pages(plans))
+
+    def choose_retained_pages(self, plans: list[SeqPlan]) -> dict[str, tuple[np.ndarray, int]]:
+        """For the plans that ask (retention.py): one eager forward of their rows, storing nothing, that measures
+        the attention each context page gets per layer and head; then the pages each request keeps."""
+        chosen = [dataclasses.replace(p, cache_index=np.full_like(p.cache_index, -1))
+                  for p in plans if p.retention is not None]
+        if not chosen:
+            return {}
+        batch = build_forward_batch(chosen, self.config.page_size, self.config.max_model_len, pin_memory=False)
+        input_ids, positions, meta = batch.to_device(self.device)
+        meta.retention_stats = stats = RetentionStats(self.config.page_size)
+        soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
+        self.model(input_ids, positions, meta, self.kv_cache, None if soft is None else SoftInputs(*soft, self.token_merge))
+        kept = {}
+        for seq, plan in enumerate(chosen):
+            # [pages, heads of every layer]; under tensor parallelism, every rank's heads.
+            scores = self.model.tp.gather_columns(stats.scores(seq).to(self.device)).cpu().numpy()
+            kept[plan.request_id] = (select_pages(scores, plan.retention.ratio, plan.retention.head_select),
+                                     scores.shape[0])
+        return kept
 
     def make_token_merge(self) -> TokenMerge | None:
         """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
@@ -168,16 +192,25 @@ class ModelRunner:
 
     def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden]
         """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows
-        always runs eagerly: the graphs capture the fused path, which has no LoRA delta."""
+        replays its bucket's graph with the LoRA delta; one without replays the graph without it."""
         bucket = None
-        if self.padded_forward is not None and lora is None:
-            bucket = self.padded_forward.bucket_for(batch)
+        if self.padded_forward is not None:
+            bucket = self.padded_forward.bucket_for(batch, lora)
         if bucket is not None:
-            return self.padded_forward.run(bucket, batch)
+            if lora is None:
+                return self.padded_forward.run(bucket, batch)
+            return self.padded_forward.run(bucket, batch, lora)
         input_ids, positions, meta = batch.to_device(self.device)
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
-        return self.model(input_ids, positions, meta, self.kv_cache,
-                          None if soft is None else SoftInputs(*soft, self.token_merge), lora=lora)
+        soft = None if soft is None else SoftInputs(*soft, self.token_merge)
+        if lora is not None and self.use_kernels:
+            # DecoderLM.forward sends a forward with adapters to the torch modules; the fused one adds the delta.
+            from .layers.fused_forward import fused_forward  # imports Triton: only with the kernels
+            from .layers.lora import device_segments
+
+            return fused_forward(self.model, input_ids, positions, meta, self.kv_cache, soft,
+                                 device_segments(lora, self.device))
+        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora)
 
     def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The hidden row that predicts each predicted position: its own row, or the row before it for shifted

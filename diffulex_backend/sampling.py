@@ -48,6 +48,8 @@ class SamplingParams:
     sub_block_size: int | None = None  # fast_dllm_v2; None takes the engine's setting
     lora_name: str | None = None  # an adapter of the engine's lora_modules; None runs the model as loaded
     edit_threshold: float | None = None  # dmax; None takes the engine's setting
+    retention_ratio: float | None = None  # the share of prompt KV pages kept (sparse attention); None: the engine's
+    head_select: bool | None = None  # how the kept pages are ranked; None: the engine's setting
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -83,6 +85,11 @@ class SamplingParams:
             fail("sub_block_size", f"an integer in [1, {INT32_MAX}] or null")
         if self.lora_name is not None and (not isinstance(self.lora_name, str) or not self.lora_name):
             fail("lora_name", "a non-empty string or null")
+        if self.retention_ratio is not None and (not _is_finite(self.retention_ratio)
+                                                 or not 0 < self.retention_ratio <= 1):
+            fail("retention_ratio", "a number in (0, 1] or null")
+        if self.head_select is not None and not isinstance(self.head_select, bool):
+            fail("head_select", "true, false or null")
         for name in ("accept_threshold", "remask_threshold", "edit_threshold"):
             value = getattr(self, name)
             if value is not None and (not _is_finite(value) or not 0 <= value <= 1):

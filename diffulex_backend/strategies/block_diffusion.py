@@ -25,6 +25,7 @@ from .checks import check_batched_tokens, check_buffer_size, refuse_cache_option
 
 class BlockDiffusionRequest(Request):
     causal_prompt = True
+    SUPPORTS_PAGE_RETENTION = True
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

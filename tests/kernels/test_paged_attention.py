@@ -200,3 +200,38 @@ def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
     assert plan_launch(query, key, meta, num_splits=1).block_m == 256
     split = plan_launch(query, key, meta, num_splits=4)
     assert (split.block_m, split.num_splits, split.num_warps) == (128, 4, 8)
+
+
+def test_a_sequence_with_dropped_pages_reads_its_kept_pages_only():
+    """Page retention's metadata (forward_batch.py): the kept pages packed, the context shortened by the dropped
+    ones. The dropped pages hold infinities: one read of them would poison the output. The kernel equals the reference
+    over the same metadata, and the reference equals attention over the kept keys alone (tests/unit)."""
+    import numpy as np
+
+    from diffulex_backend.forward_batch import build_forward_batch
+    from diffulex_backend.plan import RequestSampling, SeqPlan
+    from diffulex_backend.sampling import Confidence
+
+    page_size, heads, kv_heads, head_dim = 16, 4, 2, 64
+    gen = generator(5)
+    k_cache = randn(12, page_size, kv_heads, head_dim, dtype=torch.float32, gen=gen)
+    v_cache = randn(12, page_size, kv_heads, head_dim, dtype=torch.float32, gen=gen)
+    table = [7, -1, 2, -1, -1, 9, 4]  # 7 logical pages, 3 dropped; 100 cached tokens, 12 in the last page
+    for dropped in (3, 1, 0):  # pages the table no longer holds: poisoned, and physical page 0 too
+        k_cache[dropped], v_cache[dropped] = float("inf"), float("inf")
+    sampling = RequestSampling(seed=0, temperature=0.0, top_k=0, top_p=1.0, confidence_kind=Confidence.PROB,
+                               accept_threshold=0.9, remask_threshold=0.0)
+    tokens = 8
+    plan = SeqPlan(request_id="0", start=100, end=100 + tokens, context_len=100,
+                   token_ids=np.zeros(tokens, dtype=np.int64), cache_index=np.full(tokens, -1, dtype=np.int64),
+                   block_ids=np.full(tokens, 100, dtype=np.int32), blocks=[], page_table=table, committed_end=100,
+                   step=0, sampling=sampling, num_dropped_pages=3)
+    _, _, meta = build_forward_batch([plan], page_size, 128, pin_memory=False).to_device(DEVICE)
+    assert meta.context_lens_host == (100 - 3 * page_size,)
+    assert meta.page_tables[0, :4].tolist() == [7, 2, 9, 4]
+    batch = Batch(query=randn(tokens, heads, head_dim, dtype=torch.float32, gen=gen),
+                  key=randn(tokens, kv_heads, head_dim, dtype=torch.float32, gen=gen),
+                  value=randn(tokens, kv_heads, head_dim, dtype=torch.float32, gen=gen),
+                  k_cache=k_cache, v_cache=v_cache, meta=meta)
+    assert_matches_reference(batch, num_splits=None)
+    assert_matches_reference(batch, num_splits=2)

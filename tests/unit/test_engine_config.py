@@ -45,6 +45,8 @@ INVALID = {
     "token_merge_renormalize": ("yes", "true or false"),
     "token_merge_weight": (1.5, "a number in [0, 1]"),
     "edit_threshold": (-0.1, "a number in [0, 1]"),
+    "retention_ratio": (0, "a number in (0, 1]"),
+    "head_select": ("yes", "true or false"),
     "tensor_parallel_size": (65, "at most 64 (one process per rank)"),
     "expert_parallel": (True, "false unless tensor_parallel_size is above 1 (it splits experts over ranks)"),
     "seed": (-1, "an integer >= 0"),

@@ -94,6 +94,26 @@ def test_two_ranks_give_the_tokens_of_one(checkpoints, case):
     assert [len(tokens) for tokens in one] == [p.max_tokens for p in PARAMS]
 
 
+def test_two_ranks_choose_the_pages_one_rank_keeps(checkpoints):
+    """Page retention measures attention on every rank's heads: two ranks drop the pages one rank drops."""
+    checkpoint = checkpoints("llada", {})
+    prompts = [list(range(3, 50)), list(range(70, 110))]
+    params = [SamplingParams(max_tokens=8, ignore_eos=True, retention_ratio=0.5),
+              SamplingParams(max_tokens=8, ignore_eos=True, retention_ratio=0.3, head_select=False)]
+    tables = {}
+    for size in (1, 2):
+        engine = Diffulex(checkpoint, **SETTINGS, page_size=4, tensor_parallel_size=size)
+        try:
+            requests = [engine.requests[engine.add_request(p, q)] for p, q in zip(prompts, params)]
+            while any(r.retention_pending for r in requests):
+                engine.step()
+            tables[size] = [[page >= 0 for page in r.page_table] for r in requests]
+            assert all(r.num_dropped_pages for r in requests)
+        finally:
+            engine.close()
+    assert tables[2] == tables[1]
+
+
 def test_closing_the_engine_ends_its_workers(checkpoints):
     before = child_pids()
     engine = Diffulex(checkpoints("llada", {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48, "intermediate_size": 96}), **SETTINGS,
