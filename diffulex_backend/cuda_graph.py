@@ -12,6 +12,13 @@ bucket's host bounds (its tokens per sequence, and max_model_len for the context
 batch that fits its bucket. Padded rows compute values that no real row reads: outside attention every op of
 the forward is row by row. Graphs are captured on first use, into one memory pool.
 
+With LoRA adapters attached, a step with adapter rows replays a second graph of its bucket, whose forward adds
+each adapted projection's delta (layers/fused_forward.py). It reads the step's adapter segments from one more
+static device buffer, a table of one row per sequence of the bucket: lora_batch gives each sequence with an
+adapter a segment of its own, so a bucket's sequences bound the segments and its tokens per sequence bound their
+rows; rows past the real segments are empty segments, which the kernels skip. A step without adapter rows replays
+the graph without the delta, the one a model without adapters replays.
+
 Steps that fit no bucket (prefill chunks, whole-sequence strategies) run eagerly. `PaddedForward` runs the
 padded forward eagerly too, on any device: it is how the padding is checked against the unpadded batch on the
 CPU torch path. `CUDAGraphForward` captures and replays it.
@@ -25,6 +32,8 @@ import torch
 from .attention import AttentionMetadata
 from .config import Config
 from .forward_batch import ForwardBatch, flat_layout, round_up_seqs, round_up_tokens
+from .layers.lora import LoraBatch, LoraSegments, segment_table
+from .lora import has_adapters
 from .models.decoder_lm import SoftInputs, TokenMerge
 
 
@@ -62,19 +71,30 @@ class PaddedForward:
         if merge is not None:
             self.static_soft_ids = torch.zeros((self.max_tokens, merge.top_k), dtype=torch.int64, device=device)
             self.static_soft_coef = torch.zeros((self.max_tokens, merge.top_k + 1), dtype=torch.float32, device=device)
+        # Adapter segments (slot, first row, end row) of a LoRA step, a row per sequence; None without adapters.
+        self.static_lora = (torch.zeros((self.max_seqs, 3), dtype=torch.int64, device=device)
+                            if has_adapters(model) else None)
 
-    def bucket_for(self, batch: ForwardBatch) -> GraphBucket | None:
+    def bucket_for(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> GraphBucket | None:
         """The bucket the batch pads into, or None when it fits none (it then runs eagerly)."""
         if (batch.num_tokens > self.max_tokens or batch.num_seqs > self.max_seqs
                 or batch.max_seqlen_q > self.max_seqlen_q or batch.layout.num_page_columns > self.num_page_columns):
             return None
-        return GraphBucket(round_up_tokens(batch.num_tokens), round_up_seqs(batch.num_seqs),
-                           next_power_of_2(batch.max_seqlen_q))
+        bucket = GraphBucket(round_up_tokens(batch.num_tokens), round_up_seqs(batch.num_seqs),
+                             next_power_of_2(batch.max_seqlen_q))
+        if lora is not None and (self.static_lora is None or len(lora.segments) > bucket.num_seqs
+                                 or lora.max_rows > bucket.max_seqlen_q):
+            return None  # segments that are not one per sequence: the LoRA graph's kernels are not sized for them
+        return bucket
 
-    def run(self, bucket: GraphBucket, batch: ForwardBatch) -> torch.Tensor:  # [T, hidden] of the real rows
+    def run(self, bucket: GraphBucket, batch: ForwardBatch,
+            lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden] of the real rows
         layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
         # One copy for all seven inputs, from the batch's own (pinned) buffer unless a test asks for another bucket.
         self.static[: layout.size].copy_(batch.padded_flat(layout), non_blocking=True)
+        if lora is not None:
+            table = segment_table(lora, bucket.num_seqs, pin_memory=self.device.type == "cuda")
+            self.static_lora[: bucket.num_seqs].copy_(table, non_blocking=True)
         if self.merge is not None:
             n = bucket.num_tokens
             if batch.soft_ids is None:
@@ -83,7 +103,10 @@ class PaddedForward:
                 ids, coef = batch.padded_soft(n)
                 self.static_soft_ids[:n].copy_(ids, non_blocking=True)
                 self.static_soft_coef[:n].copy_(coef, non_blocking=True)
-        return self._forward(bucket, batch)[: batch.num_tokens]
+        return self._forward(bucket, batch, lora is not None)[: batch.num_tokens]
+
+    def _static_lora(self, bucket: GraphBucket) -> LoraSegments:
+        return LoraSegments(self.static_lora[: bucket.num_seqs], bucket.max_seqlen_q)
 
     def _static_soft(self, bucket: GraphBucket) -> SoftInputs | None:
         if self.merge is None:
@@ -107,9 +130,20 @@ class PaddedForward:
         )
         return static.input_ids, static.positions, meta
 
-    def _forward(self, bucket: GraphBucket, batch: ForwardBatch) -> torch.Tensor:  # [bucket tokens, hidden]
+    def _forward(self, bucket: GraphBucket, batch: ForwardBatch,
+                 with_lora: bool = False) -> torch.Tensor:  # [bucket tokens, hidden]
         input_ids, positions, meta = self._static_inputs(bucket, batch)
-        return self.model(input_ids, positions, meta, self.kv_cache, self._static_soft(bucket))
+        return self._model_forward(input_ids, positions, meta, self._static_soft(bucket),
+                                   self._static_lora(bucket) if with_lora else None)
+
+    def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                       soft: SoftInputs | None, lora: LoraSegments | None) -> torch.Tensor:
+        if lora is not None and self.model.fused_kernels:
+            # DecoderLM.forward sends a forward with adapters to the torch modules; the fused one adds the delta.
+            from .layers.fused_forward import fused_forward  # imports Triton: only with the kernels
+
+            return fused_forward(self.model, input_ids, positions, meta, self.kv_cache, soft, lora)
+        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora)
 
 
 class CUDAGraphForward(PaddedForward):
@@ -119,28 +153,32 @@ class CUDAGraphForward(PaddedForward):
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
                  merge: TokenMerge | None = None):
         super().__init__(model, kv_cache, config, device, merge)
-        self.graphs: dict[GraphBucket, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # By (bucket, with the LoRA delta): a bucket has a second graph once a step with adapter rows used it.
+        self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
 
-    def _forward(self, bucket: GraphBucket, batch: ForwardBatch) -> torch.Tensor:
-        if bucket not in self.graphs:
-            self.graphs[bucket] = self._capture(bucket, batch)
-        graph, hidden = self.graphs[bucket]
+    def _forward(self, bucket: GraphBucket, batch: ForwardBatch, with_lora: bool = False) -> torch.Tensor:
+        key = (bucket, with_lora)
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(bucket, batch, with_lora)
+        graph, hidden = self.graphs[key]
         graph.replay()
         return hidden
 
-    def _capture(self, bucket: GraphBucket, batch: ForwardBatch) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, bucket: GraphBucket, batch: ForwardBatch,
+                 with_lora: bool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         input_ids, positions, meta = self._static_inputs(bucket, batch)
         soft = self._static_soft(bucket)
+        lora = self._static_lora(bucket) if with_lora else None
         # One eager run on a side stream first, as capture requires: Triton compiles its kernels and cuBLAS
         # sets up its workspaces outside the graph. It stores the same K/V the replay stores again.
         main = torch.cuda.current_stream(self.device)
         warmup = torch.cuda.Stream(self.device)
         warmup.wait_stream(main)
         with torch.cuda.stream(warmup):
-            self.model(input_ids, positions, meta, self.kv_cache, soft)
+            self._model_forward(input_ids, positions, meta, soft, lora)
         main.wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.model(input_ids, positions, meta, self.kv_cache, soft)
+            hidden = self._model_forward(input_ids, positions, meta, soft, lora)
         return graph, hidden

@@ -213,16 +213,21 @@ def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
         setattr(model.get_submodule(f"layers.{layer}.{owner}"), attribute, stack)
 
 
+def has_adapters(model: DecoderLM) -> bool:
+    """Whether `attach_adapters` gave any projection a stack: forwards of this model may carry a LoraBatch."""
+    return any(getattr(getattr(layer, owner), attribute, None) is not None
+               for layer in model.layers for owner, attribute in TARGETS.values())
+
+
 def lora_batch(plans: list[SeqPlan]) -> LoraBatch | None:
-    """The forward's adapter segments, rows in plan order; None when no plan has an adapter."""
+    """The forward's adapter segments, one per plan with an adapter, in row order; None when no plan has one.
+    Two plans under one adapter stay two segments: a segment is then never longer than one sequence's feed, the
+    bound a CUDA graph's LoRA kernels are sized by (cuda_graph.py)."""
     segments: list[tuple[int, int, int]] = []
     row = 0
     for plan in plans:
         slot, end = plan.sampling.lora_index, row + plan.num_tokens
         if slot >= 0 and end > row:
-            if segments and segments[-1][0] == slot and segments[-1][2] == row:
-                segments[-1] = (slot, segments[-1][1], end)
-            else:
-                segments.append((slot, row, end))
+            segments.append((slot, row, end))
         row = end
     return LoraBatch(tuple(segments)) if segments else None

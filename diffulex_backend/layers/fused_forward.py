@@ -16,6 +16,11 @@ small kernels would otherwise cost more than the weights take to stream.
   Dense layers of a MoE model take the dense path above.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
   stride), after the per-head norms.
+- LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
+  segmented shrink/expand kernels (`diffulex_kernels.lora`), two launches each: qkv before RoPE, o_proj and
+  down_proj onto their first split-K partial sum (the norm after them adds the rest), gate_up onto the plain
+  product, with SiLU-and-mul as a launch of its own after it (the fused epilogue has no place for a delta before
+  the SiLU). A forward without `lora` launches none of this.
 Roundings differ from the torch modules only where a kernel keeps float32 between two ops that the modules round
 in between.
 """
@@ -24,12 +29,16 @@ from __future__ import annotations
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.lora import LoraSegments, LoraStack
+from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
+from diffulex_kernels.activation import silu_and_mul
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
+from diffulex_kernels.lora import add_lora_segments
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 
 
@@ -40,6 +49,7 @@ def fused_forward(
     meta: AttentionMetadata,
     kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
     soft=None,  # models.decoder_lm.SoftInputs: rows fed as embedding mixtures (dmax), in torch ops
+    lora: LoraSegments | None = None,  # which rows take which adapter; None: no adapter
 ) -> torch.Tensor:  # [T, hidden], after the final norm
     cos, sin = rotary_angles(positions, model.arch.rotary_dim, model.arch.rope_theta)  # float32, as the kernel wants
     residual = model.input_embeddings(input_ids, soft)
@@ -50,14 +60,13 @@ def fused_forward(
         k_cache = v_cache = None
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
-        attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache))
+        attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache, lora))
         x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
         if isinstance(mlp, MoE):
             mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
         else:
-            mlp_out = _sum_over_ranks(model.tp, linear_partials(linear_silu_and_mul(x, mlp.gate_up_proj.weight),
-                                                                mlp.down_proj.weight))
+            mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora))
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
 
@@ -70,6 +79,31 @@ def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
     return tp.all_reduce(partials.sum(0) if partials.dim() == 3 else partials)
 
 
+def _add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None, lora: LoraSegments | None) -> torch.Tensor:
+    """out += the LoRA delta of x, in place, through the segmented kernels (the interpreter's on the CPU); nothing
+    without an adapted projection or adapter rows."""
+    if stack is None or lora is None:
+        return out
+    return add_lora_segments(out, x, stack.a, stack.b, lora.table, lora.max_rows)
+
+
+def _add_to_first_partial(partials: torch.Tensor, x: torch.Tensor, stack: LoraStack | None,
+                          lora: LoraSegments | None) -> torch.Tensor:
+    """A row-parallel product's partial sums ([S, T, N], or [T, N] from one rank's sum) with the LoRA delta of its
+    input x added to the first of them, in place: their sum is then the adapted product."""
+    _add_lora(partials[0] if partials.dim() == 3 else partials, x, stack, lora)
+    return partials
+
+
+def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None) -> torch.Tensor:  # [S, T, hidden]
+    """down_proj's partial sums of silu(gate) * up."""
+    if lora is None or mlp.gate_up_lora is None:
+        h = linear_silu_and_mul(x, mlp.gate_up_proj.weight)  # [T, intermediate]
+    else:
+        h = silu_and_mul(_add_lora(linear(x, mlp.gate_up_proj.weight), x, mlp.gate_up_lora, lora))
+    return _add_to_first_partial(linear_partials(h, mlp.down_proj.weight), h, mlp.down_lora, lora)
+
+
 def _self_attention(
     attn: SelfAttention,
     x: torch.Tensor,  # [T, hidden]
@@ -78,11 +112,12 @@ def _self_attention(
     meta: AttentionMetadata,
     k_cache: torch.Tensor | None,
     v_cache: torch.Tensor | None,
+    lora: LoraSegments | None = None,
 ) -> torch.Tensor:  # [S, T, hidden]: o_proj's partial sums
     tokens = x.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_size, kv_size, _ = attn.split_sizes
-    qkv = linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias)  # [T, q_size + 2 * kv_size]
+    qkv = _add_lora(linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias), x, attn.qkv_lora, lora)  # [T, q + 2 kv]
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
@@ -106,4 +141,5 @@ def _self_attention(
         rotate_in_place(q[..., :rotary_dim], cos, sin)
         rotate_in_place(k[..., :rotary_dim], cos, sin)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)  # [T, heads, head_dim]
-    return linear_partials(out.reshape(tokens, q_size), attn.o_proj.weight)
+    out = out.reshape(tokens, q_size)
+    return _add_to_first_partial(linear_partials(out, attn.o_proj.weight), out, attn.o_lora, lora)

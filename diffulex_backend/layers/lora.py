@@ -11,6 +11,9 @@ per adapter cover all parts:
 An adapter of lower rank, or one that leaves a part (say k) alone, is zero there. The delta of a segment of rows
 that share an adapter is x · Aᵀ · Bᵀ (shrink, then expand): the punica/S-LoRA split, in torch here and in two
 Triton launches on CUDA (`diffulex_kernels.lora`).
+
+A forward's segments come as a `LoraBatch` (host tuples, built from the plans) or as `LoraSegments` (the same on
+the device, in a table of fixed length: what a CUDA graph captures, refilled before each replay).
 """
 from __future__ import annotations
 
@@ -43,22 +46,45 @@ class LoraBatch:
         return max((end - start for _, start, end in self.segments), default=0)
 
 
+@dataclass(frozen=True)
+class LoraSegments:
+    """A forward's segments as the kernels read them: a device table, of which rows past the real segments are
+    empty ones (0, 0, 0), and a bound on any segment's rows. Its shape and bound fix the kernels' grids, so a CUDA
+    graph captured over one table serves every step whose segments fit it."""
+
+    table: torch.Tensor  # [S, 3] int64 on the device: (slot, first row, end row)
+    max_rows: int  # at least the rows of the longest segment
+
+
+def segment_table(batch: LoraBatch, capacity: int, pin_memory: bool = False) -> torch.Tensor:
+    """[capacity, 3] int64 on the host: the batch's segments in order, then empty segments (0, 0, 0)."""
+    if len(batch.segments) > capacity:
+        raise ValueError(f"{len(batch.segments)} LoRA segments do not fit a table of {capacity}")
+    table = torch.zeros(capacity, 3, dtype=torch.int64, pin_memory=pin_memory)
+    if batch.segments:
+        table[:len(batch.segments)] = torch.tensor(batch.segments, dtype=torch.int64)
+    return table
+
+
 @functools.lru_cache(maxsize=64)
-def _device_segments(segments: tuple[tuple[int, int, int], ...], device: torch.device) -> torch.Tensor:
-    """[S, 3] int64 on `device`: one upload per segment layout, shared by every projection of every step."""
-    return torch.tensor(segments, dtype=torch.int64).to(device)
+def device_segments(batch: LoraBatch, device: torch.device) -> LoraSegments:
+    """The batch's segments on `device`, exactly as many as it has: one upload per segment layout, shared by every
+    projection of every step with that layout (an eager forward's)."""
+    return LoraSegments(torch.tensor(batch.segments, dtype=torch.int64).to(device), batch.max_rows)
 
 
-def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None, batch: LoraBatch | None) -> torch.Tensor:
+def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None,
+             lora: LoraBatch | LoraSegments | None) -> torch.Tensor:
     """out [T, out] + each segment's x [rows, in] · A[slot]ᵀ · B[slot]ᵀ, in place on the segment's rows."""
-    if stack is None or not batch:
+    if stack is None or not lora:
         return out
     if out.is_cuda:
         from diffulex_kernels.lora import add_lora_segments  # imports Triton: only on CUDA
 
-        return add_lora_segments(out, x, stack.a, stack.b, _device_segments(batch.segments, out.device),
-                                 batch.max_rows)
-    for slot, start, end in batch.segments:
-        shrunk = x[start:end] @ stack.a[slot].T  # [rows, parts * max_rank]
-        out[start:end] += shrunk @ stack.b[slot].T  # [rows, out]
+        segments = lora if isinstance(lora, LoraSegments) else device_segments(lora, out.device)
+        return add_lora_segments(out, x, stack.a, stack.b, segments.table, segments.max_rows)
+    for slot, start, end in (lora.table.tolist() if isinstance(lora, LoraSegments) else lora.segments):
+        if end > start:
+            shrunk = x[start:end] @ stack.a[slot].T  # [rows, parts * max_rank]
+            out[start:end] += shrunk @ stack.b[slot].T  # [rows, out]
     return out

@@ -5,14 +5,18 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
+from diffulex_backend.cuda_graph import PaddedForward
+from diffulex_backend.layers.lora import LoraBatch, LoraSegments, LoraStack, add_lora, segment_table
 from diffulex_backend.loader import load_model
-from diffulex_backend.lora import LoraError, load_adapter
+from diffulex_backend.lora import LoraError, lora_batch, load_adapter
+from diffulex_backend.plan import RequestSampling, SeqPlan
+from diffulex_backend.sampling import Confidence
 from diffulex_backend.serving.engine_settings import engine_settings
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
 from engine_driver import run_requests, tiny_engine
@@ -97,6 +101,62 @@ def test_rows_without_an_adapter_pay_nothing_and_keep_their_values():
     assert torch.equal(out[2:4], torch.zeros(2, 5, dtype=torch.float64))
     torch.testing.assert_close(out[:2], x[:2] @ stack.a[1].T @ stack.b[1].T)
     torch.testing.assert_close(out[4:], x[4:] @ stack.a[0].T @ stack.b[0].T)
+
+
+def plan_under(slot: int, num_tokens: int) -> SeqPlan:
+    sampling = RequestSampling(seed=0, temperature=0.0, top_k=0, top_p=1.0, confidence_kind=Confidence.PROB,
+                               accept_threshold=0.9, remask_threshold=0.0, lora_index=slot)
+    empty = np.zeros(num_tokens, dtype=np.int64)
+    return SeqPlan("r", 0, num_tokens, 0, empty, empty, empty.astype(np.int32), [], [], 0, 0, sampling)
+
+
+def test_each_sequence_with_an_adapter_is_a_segment_of_its_own():
+    # Two sequences under one adapter back to back stay two segments: no segment is longer than one sequence's
+    # feed, which is what sizes a CUDA graph's LoRA kernels.
+    plans = [plan_under(1, 4), plan_under(1, 3), plan_under(-1, 5), plan_under(0, 2), plan_under(0, 0)]
+    assert lora_batch(plans) == LoraBatch(((1, 0, 4), (1, 4, 7), (0, 12, 14)))
+    assert lora_batch([plan_under(-1, 4), plan_under(-1, 2)]) is None
+
+
+def test_segment_table_pads_with_empty_segments_that_add_nothing():
+    batch = LoraBatch(((1, 0, 4), (0, 6, 9)))
+    table = segment_table(batch, 4)
+    assert table.tolist() == [[1, 0, 4], [0, 6, 9], [0, 0, 0], [0, 0, 0]]
+    x = torch.randn(10, 8, dtype=torch.float64)
+    stack = LoraStack(a=torch.randn(2, 3, 8, dtype=torch.float64), b=torch.randn(2, 5, 3, dtype=torch.float64))
+    from_table = add_lora(torch.zeros(10, 5, dtype=torch.float64), x, stack, LoraSegments(table, max_rows=8))
+    assert torch.equal(from_table, add_lora(torch.zeros(10, 5, dtype=torch.float64), x, stack, batch))
+    with pytest.raises(ValueError, match="2 LoRA segments do not fit a table of 1"):
+        segment_table(batch, 1)
+
+
+class CountingPaddedForward(PaddedForward):
+    """The padded forward (what the CUDA graphs replay), counting its steps with and without adapter rows."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.steps = {True: 0, False: 0}
+
+    def run(self, bucket, batch, lora=None):
+        self.steps[lora is not None] += 1
+        return super().run(bucket, batch, lora)
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_mixed_batch_through_the_padded_lora_forward_gives_the_eager_tokens(tiny_checkpoints, adapters, family):
+    path = tiny_checkpoints[family]
+    prompts = ["first prompt, full", "second one: attn only", "third, the base model", "fourth, full again"]
+    params = [with_lora("full"), with_lora("attn"), with_lora(None), with_lora("full")]
+    eager = run_requests(lora_engine(path, adapters[family], buffer_size=2), prompts, params)
+    llm = lora_engine(path, adapters[family], buffer_size=2)
+    padded = llm.runner.padded_forward = CountingPaddedForward(llm.model, llm.runner.kv_cache, llm.config, llm.device)
+    assert [s.token_ids for s in run_requests(llm, prompts, params)] == [s.token_ids for s in eager]
+    assert padded.steps[True] > 5, "decode steps with adapter rows should have gone through the padded forward"
+    # Without adapter rows, the padded forward without the delta, which gives the engine's tokens without adapters.
+    plain = [with_lora(None)] * 2
+    assert [s.token_ids for s in run_requests(llm, prompts[:2], plain)] == \
+        [s.token_ids for s in run_requests(tiny_engine(path, buffer_size=2), prompts[:2], plain)]
+    assert padded.steps[False] > 5
 
 
 def test_config_pbtxt_parameters_register_adapters(llada_checkpoint, adapters):
