@@ -30,8 +30,9 @@ TARGETS = {"llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_pr
                          ids=["f32", "bf16", "bf16_into_f32"])
 def test_padded_segment_table_gives_the_reference_delta(x_dtype, out_dtype):
     # A bucket of 6 sequences and 40 token rows, 8 rows per sequence at most: sequences 0, 2 and 3 take adapters
-    # (3 and 0 under the same one), 1 and 4 none, and the table's last row pads.
-    rows, k, n, r, adapters, capacity, bound = 40, 64, 80, 16, 3, 6, 8
+    # (3 and 0 under the same one), 1 and 4 none, and the table's last row pads. K = 300: the shrink splits it
+    # into shares of 128, the last one ragged.
+    rows, k, n, r, adapters, capacity, bound = 40, 300, 80, 16, 3, 6, 8
     gen = generator(5)
     x = randn(rows, k, dtype=x_dtype, gen=gen)
     stack = LoraStack(a=randn(adapters, r, k, dtype=x_dtype, gen=gen) / k ** 0.5,
