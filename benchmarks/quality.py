@@ -39,6 +39,7 @@ MODELS = {
 }
 BLOCK_SIZE = 4  # the SDAR demo's training block size; the generated area (GEN_LENGTH) is two blocks
 THRESHOLDS = (0.7, 0.8, 0.9, 0.95)
+RETENTION_RATIOS = (1.0, 0.9, 0.75, 0.5, 0.3)
 BUFFERED = ("multi_bd", "dmax")  # strategies with several blocks in flight
 DOC = REPO / "docs" / "quality.md"
 TABLE_BEGIN, TABLE_END = "<!-- quality-table:begin -->", "<!-- quality-table:end -->"
@@ -51,12 +52,18 @@ class Setting:
     buffer_size: int = 1
     steps: int | None = None  # vanilla: denoising steps per block
     accept_threshold: float | None = None  # threshold strategies
+    retention_ratio: float | None = None  # sparse attention: prompt pages kept, pages of one token each
 
     @property
     def label(self) -> str:
         if self.steps is not None:
-            return f"steps={self.steps}"
-        return f"threshold={self.accept_threshold}" + (f" buffer={self.buffer_size}" if self.strategy in BUFFERED else "")
+            label = f"steps={self.steps}"
+        else:
+            label = f"threshold={self.accept_threshold}" + (f" buffer={self.buffer_size}" if self.strategy in BUFFERED
+                                                             else "")
+        if self.retention_ratio is not None:
+            label += f" retention={self.retention_ratio} (pages of 1 token)"
+        return label
 
 
 def all_settings() -> list[Setting]:
@@ -68,6 +75,11 @@ def all_settings() -> list[Setting]:
     # were trained on hard tokens only, not on their own soft predictions as DMax's models are.
     for model in ("demo-sdar", "demo-llada"):
         settings += [Setting(model, "dmax", buffer_size=b, accept_threshold=t) for b in (1, 3) for t in THRESHOLDS]
+    # Sparse attention by page retention, with pages of one token so that a ratio drops prompt tokens one by one.
+    # The pages are chosen after the first forward, which prefills the prompt and decodes densely; one token per
+    # step (steps = block_size) leaves all but the first token of an answer to the sparse steps.
+    for model in ("demo-sdar", "demo-llada"):
+        settings += [Setting(model, "multi_bd", steps=BLOCK_SIZE, retention_ratio=r) for r in RETENTION_RATIOS]
     return settings
 
 
@@ -85,7 +97,10 @@ def run_setting(setting: Setting, problems: list[Problem], device: str, max_num_
     max_model_len = PROMPT_WIDTH + GEN_LENGTH
     engine = Diffulex(
         str(MODELS[setting.model]), decoding_strategy=setting.strategy, block_size=BLOCK_SIZE,
-        buffer_size=setting.buffer_size, max_model_len=max_model_len, page_size=BLOCK_SIZE,
+        buffer_size=setting.buffer_size, max_model_len=max_model_len,
+        page_size=BLOCK_SIZE if setting.retention_ratio is None else 1,
+        **({} if setting.steps is None else {"sampling_mode": "topk"}),
+        retention_ratio=1.0 if setting.retention_ratio is None else setting.retention_ratio,
         max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_reqs * max_model_len, device=device,
         **({} if setting.accept_threshold is None else {"accept_threshold": setting.accept_threshold}),
     )
