@@ -1,0 +1,118 @@
+"""Sparse attention by page retention on a long prompt: KV memory per request and ms per decode step at each
+retention_ratio, in one run, against ratio 1.0 (dense).
+
+For each batch in --batches and each ratio in --ratios: a random-weight model of the --model shape (built on the
+device), `batch` requests of a --prompt-token random prompt decoding one 32-token block at a time, one token per
+block per step (the top-k schedule, so random weights cannot change how much a step decodes). After the step that
+chooses the pages, it reports:
+  - KV pages and MiB per request, read off the KV pool's accounting (pages in use / batch);
+  - ms per decode step (engine.step), the median over the timed steps, and its ratio to ratio 1.0's;
+  - the step's floor: the weights plus the K/V the attention reads, over the measured HBM bandwidth.
+Writes retention.csv and retention.md to --out.
+
+    python benchmarks/retention.py --out DIR                                  # GPU: LLaDA-8B, 4096-token prompt
+    python benchmarks/retention.py --smoke --out DIR                          # anywhere: a tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+from source_checkout import map_kernels_package  # noqa: E402
+
+map_kernels_package()
+
+from diffulex_backend import SamplingParams  # noqa: E402
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
+from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings,  # noqa: E402
+                     page_bytes, synchronize, write_model_dir)
+
+FIELDS = ["model", "batch", "prompt", "retention_ratio", "kv_pages_per_request", "kv_mib_per_request", "step_ms",
+          "step_vs_dense", "floor_ms", "step_vs_floor", "note"]
+
+
+def run(model, model_dir: str, device, plan, batch: int, prompt: int, ratio: float, timed: int) -> dict:
+    new_tokens = 2 * BLOCK
+    pages = batch * -(-(prompt + new_tokens) // PAGE_SIZE) + 8
+    engine = make_engine(model, model_dir, device, plan, sampling_mode="topk", max_model_len=prompt + new_tokens,
+                         max_num_reqs=batch, max_num_batched_tokens=batch * (prompt + 2 * BLOCK), num_kv_pages=pages,
+                         retention_ratio=ratio)
+    generator = torch.Generator().manual_seed(3)
+    params = SamplingParams(max_tokens=new_tokens, steps=BLOCK, ignore_eos=True)
+    requests = [engine.requests[engine.add_request(torch.randint(0, 256, (prompt,), generator=generator).tolist(),
+                                                   params)] for _ in range(batch)]
+    engine.step()  # prefill
+    while any(r.retention_pending for r in requests):
+        engine.step()
+    for _ in range(2):  # the compacted page tables' graph buckets
+        engine.step()
+    used = engine.kv_cache.num_used_pages
+    synchronize(device)
+    times = []
+    for _ in range(timed):
+        start = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - start)
+    context_pages = used  # every page a request holds is read by each step's attention
+    return dict(pages=used / batch, step_ms=1e3 * statistics.median(times), context_pages=context_pages)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--model", default="llada-8b", choices=sorted(RELEASED_SHAPES))
+    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--ratios", default="1.0,0.5,0.3")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, a 256-token prompt, one timed step")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = SMOKE if args.smoke else FULL
+    if args.smoke:
+        torch.set_num_threads(1)
+    shape = dict(SMOKE_SHAPE if args.smoke else RELEASED_SHAPES[args.model])
+    name = "smoke" if args.smoke else args.model
+    prompt, timed = (256, 1) if args.smoke else (args.prompt, 2 * BLOCK - 4)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    bandwidth = measure_ceilings(device, plan).bandwidth / 2  # the ceiling counts read + write
+    model = random_model(**shape, dtype=dtype, device=device, seed=0)
+    weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(shape, pathlib.Path(tmp) / name)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            dense_ms = None
+            for ratio in [float(r) for r in args.ratios.split(",")]:
+                result = run(model, model_dir, device, plan, batch, prompt, ratio, timed)
+                dense_ms = dense_ms or result["step_ms"]
+                floor_ms = 1e3 * (weight_bytes + result["context_pages"] * page_bytes(model)) / bandwidth
+                row = dict(model=name, batch=batch, prompt=prompt, retention_ratio=ratio,
+                           kv_pages_per_request=result["pages"],
+                           kv_mib_per_request=result["pages"] * page_bytes(model) / 2**20, step_ms=result["step_ms"],
+                           step_vs_dense=result["step_ms"] / dense_ms, floor_ms=floor_ms,
+                           step_vs_floor=result["step_ms"] / floor_ms, note=f"{device}, {dtype}, page {PAGE_SIZE}")
+                rows.append({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
+                print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+    with open(args.out / "retention.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, FIELDS)
+        writer.writeheader()
+        writer.writerows(rows)
+    command = "python benchmarks/retention.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    lines = ["| " + " | ".join(FIELDS) + " |", "|" + "---|" * len(FIELDS)]
+    lines += ["| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in rows]
+    (args.out / "retention.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
