@@ -63,7 +63,7 @@ class SelfAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         out = self.attention_fn(q, k, v, k_cache, v_cache, meta, self.scale)
-        if meta.retention_stats is not None:
+        if meta is not None and meta.retention_stats is not None:  # training passes no metadata
             meta.retention_stats.add(q, k_cache, meta, self.scale)
         out = out.reshape(tokens, -1)
         return self.tp.all_reduce(add_lora(self.o_proj(out), out, self.o_lora, lora))
