@@ -9,8 +9,10 @@ Per batch (one 32-token block per request over a cached 512-token context), thre
 Each is timed as the forward alone (CUDA events around the runner's forward: a graph replay) and as the runner's
 whole step (forward, sampler, acceptance, the step's one sync), with the ratios against merged and the floors:
 weight streaming = the model's bytes / the measured HBM bandwidth, compute = 2 * params * tokens / the measured
-bf16 matmul rate. A check compares the logits of the unmerged step with adapter 0 on every row against the merged
-step's. It writes lora.csv and lora.md to --out.
+bf16 matmul rate. Beside the mixed case, `delta_ms` is its LoRA deltas alone: every adapted projection of every
+layer through the segmented kernels, over the segment table and bound its graph uses, in one CUDA graph (eager on
+the CPU). A check compares the logits of the unmerged step with adapter 0 on every row against the merged step's.
+It writes lora.csv and lora.md to --out.
 
     PYTHONPATH=. python benchmarks/lora.py --out DIR            # GPU: LLaDA-8B, batch 1 and 32
     PYTHONPATH=. python benchmarks/lora.py --smoke --out DIR    # anywhere: a tiny model, one iteration each
@@ -31,16 +33,18 @@ from source_checkout import map_kernels_package  # noqa: E402
 
 map_kernels_package()
 
+from diffulex_backend.layers.lora import LoraSegments, device_segments, segment_table  # noqa: E402
 from diffulex_backend.lora import attach_adapters, has_adapters, load_adapter, lora_batch, merge_adapter  # noqa: E402
 from diffulex_backend.lora import TARGETS as LORA_ATTRIBUTES  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model, write_peft_adapter  # noqa: E402
+from diffulex_kernels.lora import add_lora_segments  # noqa: E402
 from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, cached_context_plans, device_ms, fill_cache,  # noqa: E402
-                     floors, free_memory, make_engine, measure_ceilings, wall_ms, write_model_dir)
+                     floors, free_memory, graph_replay_ms, make_engine, measure_ceilings, wall_ms, write_model_dir)
 
 LLADA_MODULES = ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"]
 NUM_ADAPTERS = 4
-FIELDS = ["model", "batch", "context", "tokens", "case", "distinct_adapters", "forward_ms", "step_ms",
+FIELDS = ["model", "batch", "context", "tokens", "case", "distinct_adapters", "forward_ms", "step_ms", "delta_ms",
           "forward_vs_merged", "step_vs_merged", "weight_floor_ms", "compute_floor_ms", "forward_vs_weight_floor",
           "note"]
 
@@ -76,6 +80,44 @@ def time_case(engine, plans, reps: int) -> tuple[float, float]:
         runner.execute(sched)  # its graph is captured by now; this warms the sampler at this batch
         step_ms = statistics.median(wall_ms(lambda: runner.execute(sched), device) for _ in range(reps))
     return forward_ms, step_ms
+
+
+def graph_segments(engine, plans) -> LoraSegments:
+    """The segment table and row bound the step's forward reads: its bucket's, where it replays a graph."""
+    runner = engine.runner
+    batch, lora = runner.build_batch(plans), lora_batch(plans)
+    bucket = runner.padded_forward.bucket_for(batch, lora) if runner.padded_forward is not None else None
+    if bucket is None:
+        return device_segments(lora, engine.device)
+    return LoraSegments(segment_table(lora, bucket.num_seqs).to(engine.device), bucket.max_seqlen_q)
+
+
+def delta_ms(model, segments: LoraSegments, tokens: int, reps: int) -> float:
+    """Every adapted projection's LoRA delta of every layer, as the fused forward launches them, on random inputs."""
+    device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
+    work = []  # (stack, input, output) per projection and layer
+    inputs = {}
+    for layer in model.layers:
+        for module, name, weight in ((layer.attn, "qkv_lora", layer.attn.qkv_proj.weight),
+                                     (layer.attn, "o_lora", layer.attn.o_proj.weight),
+                                     (layer.mlp, "gate_up_lora", layer.mlp.gate_up_proj.weight),
+                                     (layer.mlp, "down_lora", layer.mlp.down_proj.weight)):
+            stack = getattr(module, name)
+            if stack is None:
+                continue
+            out_features, in_features = weight.shape
+            if in_features not in inputs:
+                inputs[in_features] = torch.randn(tokens, in_features, device=device, dtype=dtype)
+            work.append((stack, inputs[in_features], torch.randn(tokens, out_features, device=device, dtype=dtype)))
+
+    def chain():
+        for stack, x, out in work:
+            add_lora_segments(out, x, stack.a, stack.b, segments.table, segments.max_rows)
+
+    with torch.inference_mode():
+        if device.type == "cuda":
+            return graph_replay_ms(chain, device, reps)
+        return wall_ms(chain, device)
 
 
 def step_logits(engine, plans) -> torch.Tensor:  # [tokens, vocab] float32
@@ -130,11 +172,13 @@ def main(argv: list[str] | None = None) -> None:
         fill_cache(engine, seed=1)
         generator = torch.Generator().manual_seed(2)
         cases = {}  # (batch, case) -> (forward ms, step ms, distinct adapters)
+        deltas = {}  # batch -> the mixed case's deltas alone, ms
         plans_by_batch = {b: cached_context_plans(engine, b, settings.context, generator) for b in settings.batches}
         for batch, plans in plans_by_batch.items():
             mixed = [i % NUM_ADAPTERS for i in range(batch)]
             for case, slots in (("unmerged, no adapter rows", [-1] * batch), ("unmerged, mixed", mixed)):
                 cases[batch, case] = (*time_case(engine, with_adapters(plans, slots), settings.reps), len(set(slots) - {-1}))
+            deltas[batch] = delta_ms(model, graph_segments(engine, plans), batch * BLOCK, settings.reps)
         check_batch = min(settings.batches)
         unmerged = step_logits(engine, with_adapters(plans_by_batch[check_batch], [0] * check_batch))
         # The merged model: adapter 0 in the weights (the graphs read the weights in place), none attached.
@@ -154,6 +198,7 @@ def main(argv: list[str] | None = None) -> None:
                 forward_ms, step_ms, distinct = cases[batch, case]
                 report(model=settings.name, batch=batch, context=settings.context, tokens=batch * BLOCK, case=case,
                        distinct_adapters=distinct, forward_ms=forward_ms, step_ms=step_ms,
+                       delta_ms=deltas[batch] if case == "unmerged, mixed" else "",
                        forward_vs_merged=forward_ms / merged_forward, step_vs_merged=step_ms / merged_step,
                        weight_floor_ms=f["weight_floor_ms"], compute_floor_ms=f["compute_floor_ms"],
                        forward_vs_weight_floor=forward_ms / f["weight_floor_ms"],
