@@ -78,7 +78,8 @@ def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None,
     """out [T, out] + each segment's x [rows, in] · A[slot]ᵀ · B[slot]ᵀ, in place on the segment's rows."""
     if stack is None or not lora:
         return out
-    if out.is_cuda:
+    # The kernels take 16- and 32-bit floats; float64 (the exactness runs) takes the torch loop on any device.
+    if out.is_cuda and x.element_size() <= 4:
         from diffulex_kernels.lora import add_lora_segments  # imports Triton: only on CUDA
 
         segments = lora if isinstance(lora, LoraSegments) else device_segments(lora, out.device)
