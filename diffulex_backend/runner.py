@@ -170,7 +170,8 @@ class ModelRunner:
         input_ids, positions, meta = batch.to_device(self.device)
         meta.retention_stats = stats = RetentionStats(self.config.page_size)
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
-        self.model(input_ids, positions, meta, self.kv_cache, None if soft is None else SoftInputs(*soft, self.token_merge))
+        soft = None if soft is None else SoftInputs(*soft, self.token_merge)
+        self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora_batch(chosen))  # as the step saw it
         kept = {}
         for seq, plan in enumerate(chosen):
             # [pages, heads of every layer]; under tensor parallelism, every rank's heads.
@@ -203,13 +204,6 @@ class ModelRunner:
         input_ids, positions, meta = batch.to_device(self.device)
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
         soft = None if soft is None else SoftInputs(*soft, self.token_merge)
-        if lora is not None and self.use_kernels:
-            # DecoderLM.forward sends a forward with adapters to the torch modules; the fused one adds the delta.
-            from .layers.fused_forward import fused_forward  # imports Triton: only with the kernels
-            from .layers.lora import device_segments
-
-            return fused_forward(self.model, input_ids, positions, meta, self.kv_cache, soft,
-                                 device_segments(lora, self.device))
         return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora)
 
     def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:

@@ -264,13 +264,14 @@ class DecoderLM(nn.Module):
         soft: SoftInputs | None = None,  # rows fed as embedding mixtures (dmax); None: every row is its token
         lora: LoraBatch | None = None,  # which rows take which adapter (layers/lora.py); None: no adapter
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        # The fused Triton path carries no LoRA delta and measures no attention: a forward with adapters, or the one
-        # that measures attention for page retention, runs the torch modules (with the Triton attention on CUDA),
-        # eagerly, outside the CUDA graphs.
-        if self.fused_kernels and lora is None and meta.retention_stats is None:
+        # The fused Triton path measures no attention: the one forward that measures it for page retention runs the
+        # torch modules (with the Triton attention on CUDA).
+        if self.fused_kernels and meta.retention_stats is None:
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
+            from diffulex_backend.layers.lora import device_segments
 
-            return fused_forward(self, input_ids, positions, meta, kv_cache, soft)
+            segments = None if lora is None else device_segments(lora, input_ids.device)
+            return fused_forward(self, input_ids, positions, meta, kv_cache, soft, segments)
         cos, sin = rotary_angles(positions, self.arch.rotary_dim, self.arch.rope_theta,
                                  torch.promote_types(self.embed_tokens.weight.dtype, torch.float32))
         hidden = self.input_embeddings(input_ids, soft)
