@@ -80,6 +80,8 @@ def main(argv=None) -> int:
     shape = dict(SMOKE_SHAPE if args.smoke else RELEASED_SHAPES[args.model])
     name = "smoke" if args.smoke else args.model
     prompt, timed = (256, 1) if args.smoke else (args.prompt, 2 * BLOCK - 4)
+    # Random weights: a context past the released model's (LLaDA-8B's is 4096) costs what it would cost.
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
     bandwidth = measure_ceilings(device, plan).bandwidth / 2  # the ceiling counts read + write
     model = random_model(**shape, dtype=dtype, device=device, seed=0)
