@@ -7,7 +7,8 @@ block per step (the top-k schedule, so random weights cannot change how much a s
 chooses the pages, it reports:
   - KV pages and MiB per request, read off the KV pool's accounting (pages in use / batch);
   - ms per decode step (engine.step), the median over the timed steps, and its ratio to ratio 1.0's;
-  - the step's floor: the weights plus the K/V the attention reads, over the measured HBM bandwidth.
+  - the step's floor: the weights plus the K/V the attention reads, over the measured HBM bandwidth;
+  - the time of the step (or steps) that chose the pages: one eager forward of the measured requests more.
 Writes retention.csv and retention.md to --out.
 
     python benchmarks/retention.py --out DIR                                  # GPU: LLaDA-8B, 4096-token prompt
@@ -35,7 +36,7 @@ from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, me
                      page_bytes, synchronize, write_model_dir)
 
 FIELDS = ["model", "batch", "prompt", "retention_ratio", "kv_pages_per_request", "kv_mib_per_request", "step_ms",
-          "step_vs_dense", "floor_ms", "step_vs_floor", "note"]
+          "step_vs_dense", "floor_ms", "step_vs_floor", "choose_step_ms", "note"]
 
 
 def run(model, model_dir: str, device, plan, batch: int, prompt: int, ratio: float, timed: int) -> dict:
@@ -49,8 +50,11 @@ def run(model, model_dir: str, device, plan, batch: int, prompt: int, ratio: flo
     requests = [engine.requests[engine.add_request(torch.randint(0, 256, (prompt,), generator=generator).tolist(),
                                                    params)] for _ in range(batch)]
     engine.step()  # prefill
+    choosing = []  # the steps that measure attention and choose the pages (one eager forward more)
     while any(r.retention_pending for r in requests):
+        start = time.perf_counter()
         engine.step()
+        choosing.append(time.perf_counter() - start)
     for _ in range(2):  # the compacted page tables' graph buckets
         engine.step()
     used = engine.kv_cache.num_used_pages
@@ -61,7 +65,8 @@ def run(model, model_dir: str, device, plan, batch: int, prompt: int, ratio: flo
         engine.step()
         times.append(time.perf_counter() - start)
     context_pages = used  # every page a request holds is read by each step's attention
-    return dict(pages=used / batch, step_ms=1e3 * statistics.median(times), context_pages=context_pages)
+    return dict(pages=used / batch, step_ms=1e3 * statistics.median(times), context_pages=context_pages,
+                choose_ms=1e3 * sum(choosing))
 
 
 def main(argv=None) -> int:
@@ -83,7 +88,7 @@ def main(argv=None) -> int:
     # Random weights: a context past the released model's (LLaDA-8B's is 4096) costs what it would cost.
     shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
     dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-    bandwidth = measure_ceilings(device, plan).bandwidth / 2  # the ceiling counts read + write
+    bandwidth = measure_ceilings(device, plan).bandwidth  # bytes moved per second, as forward.py's floors use it
     model = random_model(**shape, dtype=dtype, device=device, seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     args.out.mkdir(parents=True, exist_ok=True)
@@ -100,7 +105,7 @@ def main(argv=None) -> int:
                            kv_pages_per_request=result["pages"],
                            kv_mib_per_request=result["pages"] * page_bytes(model) / 2**20, step_ms=result["step_ms"],
                            step_vs_dense=result["step_ms"] / dense_ms, floor_ms=floor_ms,
-                           step_vs_floor=result["step_ms"] / floor_ms, note=f"{device}, {dtype}, page {PAGE_SIZE}")
+                           step_vs_floor=result["step_ms"] / floor_ms, choose_step_ms=result["choose_ms"], note=f"{device}, {dtype}, page {PAGE_SIZE}")
                 rows.append({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
                 print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
                 if device.type == "cuda":

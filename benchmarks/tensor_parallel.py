@@ -122,7 +122,7 @@ def main(argv=None) -> int:
                 for size in sizes:
                     result = run_engine(checkpoint, size, batch, args.smoke, device)
                     baseline = baseline or dict(result, size=size)
-                    floor_ms = 1e3 * result["weight_bytes"] / (bandwidth / 2)  # bandwidth counts read + write
+                    floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as in forward.py
                     row = dict(model=name, tp=size, batch=batch, step_ms=result["step_ms"],
                                collective_ms=result["collective_ms"], speedup=baseline["step_ms"] / result["step_ms"],
                                ideal_speedup=size / baseline["size"], weight_floor_ms=floor_ms,
