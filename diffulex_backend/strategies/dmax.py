@@ -121,12 +121,17 @@ class DMaxRunner(ModelRunner):
     def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         tokens = self.acceptance(batch, use_kernel=self.use_kernels)  # [A]
-        top_logits, top_ids = logits.topk(self.token_merge.top_k, dim=-1)  # [A, K]
+        if self.token_merge.top_k == 1:  # one reduction; topk's radix select takes several passes over the logits
+            top_logits, top_ids = logits.max(dim=-1, keepdim=True)
+        else:
+            top_logits, top_ids = logits.topk(self.token_merge.top_k, dim=-1)  # [A, K]
         top_probs = torch.exp(top_logits.to(batch.logsumexp.dtype) - batch.logsumexp[:, None])
-        editing = torch.tensor([p.sampling.edit_threshold > 0 for p, _ in blocks])
-        if bool(editing.any()):
+        editing = [p.sampling.edit_threshold > 0 for p, _ in blocks]
+        if any(editing):
             mask = self.acceptance.mask_token_id
-            seg_edit = editing.to(tokens.device) & batch.seg_enabled  # [S]
+            # Pinned and non-blocking: a copy from pageable memory would wait here for the whole forward.
+            editing = torch.tensor(editing, pin_memory=self.pin_memory).to(tokens.device, non_blocking=True)
+            seg_edit = editing & batch.seg_enabled  # [S]
             seg = torch.repeat_interleave(torch.arange(seg_edit.numel(), device=tokens.device),
                                           batch.seg_offsets.diff(), output_size=tokens.numel())
             edit = seg_edit[seg] & (batch.current != mask) & (tokens != mask)
