@@ -528,7 +528,7 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
             report.add(section="diffulex", model=name, case=f"{strategy}_buffer{buffer_size}_b{batch}", batch=batch,
                        context=prompt, engine_step_ms=ms, tokens=round(statistics.mean(fed[1:])),
                        engine_tokens_per_s=batch * new / (sum(step_times) * 1e-3),
-                       note=f"{len(step_times)} steps; ms/step over decode steps; "
+                       note=f"{len(step_times)} steps; ms/step over decode steps; median {statistics.median(decode):.2f}; "
                             f"with the prefill step {statistics.mean(step_times):.2f} ms/step; "
                             f"{batch * new / len(step_times):.2f} tokens decoded per step")
             del engine
