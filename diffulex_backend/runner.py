@@ -33,7 +33,7 @@ from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .retention import RetentionStats, select_pages
-from .sampling import SampleResult, row_keys, sample_reference
+from .sampling import Confidence, SampleResult, greedy_over_shards, row_keys, sample_reference
 from .upload import upload
 
 
@@ -270,16 +270,25 @@ class ModelRunner:
 
         if carry:
             hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
-        logits = self.model.compute_logits(hidden[logit_rows])  # [A, vocab]
-        # Predicting the mask token would leave a position masked after "accepting" it, forever.
-        logits[:, self.acceptance.mask_token_id] = float("-inf")
-        result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
-                        use_kernel=self.use_kernels, filtered=filtered)
+        model, mask = self.model, self.acceptance.mask_token_id
+        if self.samples_over_shards(blocks):
+            logits = model.compute_logits(hidden[logit_rows], gather=False)  # [A, this rank's vocabulary]
+            if 0 <= mask - model.vocab_start < logits.shape[1]:
+                logits[:, mask - model.vocab_start] = float("-inf")
+            result, current_logit = greedy_over_shards(logits, model.vocab_start, model.arch.vocab_size, current,
+                                                       confidence_kind, model.tp)
+        else:
+            logits = model.compute_logits(hidden[logit_rows])  # [A, vocab]
+            # Predicting the mask token would leave a position masked after "accepting" it, forever.
+            logits[:, mask] = float("-inf")
+            result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
+                            use_kernel=self.use_kernels, filtered=filtered)
+            current_logit = logits.gather(1, current[:, None]).squeeze(1)
         batch = AcceptanceBatch(
             current=current,
             predicted=result.tokens,
             confidence=result.confidence,
-            current_logit=logits.gather(1, current[:, None]).squeeze(1),
+            current_logit=current_logit,
             logsumexp=result.logsumexp,
             seg_offsets=seg_offsets,
             max_segment_len=int(lengths.max()),
@@ -297,6 +306,16 @@ class ModelRunner:
         host = torch.cat([tokens[:, None], top[0], bits], 1).cpu()
         k = top[0].shape[1]
         return host[:, 0], Predictions(host[:, 1:k + 1], host[:, k + 1:].to(torch.int32).view(torch.float32))
+
+    def samples_over_shards(self, blocks: list[tuple[SeqPlan, LogitBlock]]) -> bool:
+        """Under tensor parallelism, a step whose rows are all greedy with a confidence that per-rank maxima and
+        logsumexps give (prob, margin) samples from each rank's share of the logits: gathering the whole rows
+        would move rows x vocabulary values a step, 0.5 GB in float32 at 1024 rows of LLaDA's 126464. Strategies
+        that feed predictions back (dmax) read the whole rows."""
+        if self.model.tp.size == 1 or self.token_merge is not None:
+            return False
+        return all(p.sampling.temperature == 0 and p.sampling.confidence_kind != Confidence.NEG_ENTROPY
+                   for p, _ in blocks)
 
     def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

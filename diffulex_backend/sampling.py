@@ -197,6 +197,48 @@ def sample_reference(
     return SampleResult(tokens=tokens, confidence=confidence, logsumexp=lse)
 
 
+def greedy_over_shards(
+    logits: torch.Tensor,  # [N, C]: this rank's columns of the vocabulary, from vocab_start (padding past vocab_size)
+    vocab_start: int,
+    vocab_size: int,
+    current: torch.Tensor,  # [N] int64: each row's current token, whose logit the acceptance rule reads
+    confidence_kind: torch.Tensor,  # [N] int64: PROB or MARGIN
+    tp,  # tensor_parallel.TensorParallel
+) -> tuple[SampleResult, torch.Tensor]:
+    """sample_reference for greedy rows whose vocabulary is split over tensor-parallel ranks, and each row's logit
+    of its current token, from one all-gather of six numbers a row per rank instead of the rows' whole logits:
+    each rank's best two logits with their ids, its logsumexp, and the current token's logit where it holds it.
+    Ties go to the lower token id, as argmax over the whole row does."""
+    work = torch.promote_types(logits.dtype, torch.float32)
+    local = logits.to(work)
+    columns = local.shape[1]
+    held = min(columns, vocab_size - vocab_start)
+    if held < columns:
+        local = local.clone()
+        local[:, held:] = float("-inf")  # the last rank's padding rows of the head
+    top = local.topk(2, dim=-1)  # [N, 2]
+    owner = (current >= vocab_start) & (current < vocab_start + held)
+    current_logit = local.gather(1, (current - vocab_start).clamp(0, held - 1)[:, None]).squeeze(1)
+    # Token ids travel as floats: exact up to 2^24, far past any vocabulary.
+    stats = torch.stack([top.values[:, 0], top.values[:, 1], (top.indices[:, 0] + vocab_start).to(work),
+                         (top.indices[:, 1] + vocab_start).to(work), torch.logsumexp(local, dim=-1),
+                         torch.where(owner, current_logit, 0)], dim=1)  # [N, 6]
+    everyone = torch.stack(tp.gather(stats))  # [ranks, N, 6]
+    rows = everyone.shape[1]
+    values = everyone[:, :, 0:2].permute(1, 0, 2).reshape(rows, -1)  # [N, 2 * ranks]
+    ids = everyone[:, :, 2:4].permute(1, 0, 2).reshape(rows, -1)
+    # The best two of the candidates, by value, then by the lower id: a stable sort by id, then by value.
+    by_id = ids.argsort(dim=-1, stable=True)
+    order = values.gather(1, by_id).argsort(dim=-1, descending=True, stable=True)
+    best = by_id.gather(1, order[:, :2])  # [N, 2] indices into the candidates
+    best_values, best_ids = values.gather(1, best), ids.gather(1, best)
+    lse = torch.logsumexp(everyone[:, :, 4], dim=0)
+    probs = torch.exp(best_values - lse[:, None])
+    confidence = torch.where(confidence_kind == Confidence.MARGIN, probs[:, 0] - probs[:, 1], probs[:, 0])
+    result = SampleResult(tokens=best_ids[:, 0].to(torch.int64), confidence=confidence, logsumexp=lse)
+    return result, everyone[:, :, 5].sum(0)
+
+
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:
     need_k = top_k is not None and bool((top_k > 0).any())
     need_p = top_p is not None and bool((top_p < 1).any())

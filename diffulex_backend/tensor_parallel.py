@@ -6,7 +6,8 @@ Megatron-style splits, the ones vLLM uses:
 - KV heads are split across ranks, or, with fewer KV heads than ranks, each rank holds the one its query heads
   read (replicated);
 - the embedding and the output head are split by vocabulary rows (padded to a multiple of the ranks): a lookup is
-  an all-reduce of the rows each rank holds, and the logits are gathered;
+  an all-reduce of the rows each rank holds; a greedy step samples from each rank's share of the logits, trading
+  a few numbers a row (sampling.greedy_over_shards), and other steps gather the whole rows;
 - a MoE layer's experts are split by their intermediate dimension, or with `expert_parallel` whole experts per
   rank; either way the layer's output is one all-reduce of the partial sums, since every rank holds every token.
 
@@ -59,13 +60,17 @@ class TensorParallel:
             self.group.allreduce([tensor]).wait()
         return tensor
 
-    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
-        """[N, C] on each rank -> [N, size * C], rank 0's columns first."""
+    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `tensor` (same shape on each), rank 0's first."""
         if self.size == 1:
-            return tensor
+            return [tensor]
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
         self.group.allgather([parts], [tensor.contiguous()]).wait()
-        return torch.cat(parts, dim=1)
+        return parts
+
+    def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[N, C] on each rank -> [N, size * C], rank 0's columns first."""
+        return tensor if self.size == 1 else torch.cat(self.gather(tensor), dim=1)
 
 
 def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:
@@ -79,6 +84,7 @@ def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:
             raise ValueError(f"config field 'tensor_parallel_size' is {n}, but {what}")
 
     need(arch.num_heads % n == 0, f"the model's {arch.num_heads} attention heads do not split {n} ways")
+    need(arch.vocab_size >= 2 * n, f"the model's vocabulary of {arch.vocab_size} gives a rank fewer than 2 tokens")
     kv = arch.num_kv_heads
     need(kv % n == 0 or n % kv == 0, f"the model's {kv} KV heads neither split {n} ways nor divide {n}")
     if arch.num_moe_layers < arch.num_layers:

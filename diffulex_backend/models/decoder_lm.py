@@ -297,7 +297,9 @@ class DecoderLM(nn.Module):
         rows = self.embed_tokens(torch.where(held, local, 0)).masked_fill(~held[..., None], 0)
         return self.tp.all_reduce(rows)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+    def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:  # [N, hidden] -> [N, vocab]
+        """The logits; under tensor parallelism, with `gather` off, this rank's columns only (from vocab_start, the
+        last rank's ending in padding columns)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         if self.fused_kernels:
             from diffulex_kernels.linear import linear  # the weight-streaming kernel at a few rows
@@ -305,7 +307,7 @@ class DecoderLM(nn.Module):
             logits = linear(hidden, head)
         else:
             logits = F.linear(hidden, head)
-        if self.tp.size == 1:
+        if self.tp.size == 1 or not gather:
             return logits
         # Every rank gets the whole rows, so each samples the same tokens as the others without a broadcast.
         return self.tp.gather_columns(logits)[:, :self.arch.vocab_size]

@@ -193,3 +193,27 @@ def test_expert_parallel_on_a_dense_model_is_refused(checkpoints):
     while child_pids() - before and time.monotonic() < deadline:
         time.sleep(0.1)
     assert child_pids() - before == set()
+
+
+@pytest.mark.parametrize("confidence", ["prob", "margin"])
+def test_greedy_steps_sample_from_each_ranks_share_of_the_logits(checkpoints, monkeypatch, confidence):
+    """A step whose rows are all greedy never gathers the whole logits: the ranks trade six numbers a row
+    (sampling.greedy_over_shards). Its tokens are one rank's, in float64, for a dense and a MoE family."""
+    import diffulex_backend.runner as runner
+
+    calls = []
+    original = runner.greedy_over_shards
+    monkeypatch.setattr(runner, "greedy_over_shards", lambda *args: calls.append(1) or original(*args))
+    params = [SamplingParams(max_tokens=16, ignore_eos=True, confidence=confidence),
+              SamplingParams(max_tokens=12, ignore_eos=True, confidence=confidence, remask_threshold=0.3)]
+    for family, shape in (("llada", {"vocab_size": 259}), ("llada2", {})):
+        checkpoint = checkpoints(family, shape)
+        out = {}
+        for size in (1, 2):
+            engine = Diffulex(checkpoint, **SETTINGS, tensor_parallel_size=size)
+            try:
+                out[size] = [o.token_ids for o in engine.generate(PROMPTS[:2], params)]
+            finally:
+                engine.close()
+        assert out[2] == out[1]
+    assert calls  # rank 0 took the path (the worker, which runs the same code, cannot be watched from here)
