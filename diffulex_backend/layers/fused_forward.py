@@ -141,5 +141,7 @@ def _self_attention(
         rotate_in_place(q[..., :rotary_dim], cos, sin)
         rotate_in_place(k[..., :rotary_dim], cos, sin)
     out = paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)  # [T, heads, head_dim]
+    if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
+        meta.retention_stats.add(q, k_cache, meta, attn.scale)
     out = out.reshape(tokens, q_size)
     return _add_to_first_partial(linear_partials(out, attn.o_proj.weight), out, attn.o_lora, lora)

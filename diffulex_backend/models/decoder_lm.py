@@ -264,9 +264,7 @@ class DecoderLM(nn.Module):
         soft: SoftInputs | None = None,  # rows fed as embedding mixtures (dmax); None: every row is its token
         lora: LoraBatch | None = None,  # which rows take which adapter (layers/lora.py); None: no adapter
     ) -> torch.Tensor:  # [T, hidden], after the final norm
-        # The fused Triton path measures no attention: the one forward that measures it for page retention runs the
-        # torch modules (with the Triton attention on CUDA).
-        if self.fused_kernels and meta.retention_stats is None:
+        if self.fused_kernels:
             from diffulex_backend.layers.fused_forward import fused_forward  # imports Triton: only when asked
             from diffulex_backend.layers.lora import device_segments
 
