@@ -1,8 +1,8 @@
 """Sparse attention by page retention: a request keeps `retention_ratio` of its prompt's KV pages and frees the rest.
 
 Once a request's prompt is wholly in the cache and its first block is fed, the runner measures how much attention
-the block's queries give each page of the context, per layer and head (`RetentionStats`, one extra eager forward
-of that request, once). `select_pages` keeps:
+the block's queries give each page of the context, per layer and head (`RetentionStats`: one extra eager forward
+of the requests choosing in that step, once each, measured for all of them at once in every layer). `select_pages` keeps:
   * the first page (the attention sink) and the last one (the text the block continues), always;
   * of the others, the pages the heads attend to most, up to ceil(retention_ratio x pages) in all:
       - `head_select` on: each head (of every layer) names its own top pages; pages are ranked by how many heads
@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata, gather_context
+from .attention import AttentionMetadata
 
 
 @dataclass(frozen=True)
@@ -36,29 +36,39 @@ class Retention:
 
 @dataclass
 class RetentionStats:
-    """Per-layer attention mass of each sequence's queries over its context pages, gathered by SelfAttention
-    during a forward that carries it in its metadata (a layer appends one entry per call)."""
+    """Per-layer attention mass of each sequence's queries over its context pages, gathered by the attention of a
+    forward that carries it in its metadata (each layer adds one entry)."""
 
     page_size: int
-    layers: list[list[torch.Tensor]] = field(default_factory=list)  # [layer][seq] -> [heads, pages] float32
+    layers: list[torch.Tensor] = field(default_factory=list)  # per layer: [seqs, heads, pages] float32
 
     def add(self, query: torch.Tensor, k_cache: torch.Tensor, meta: AttentionMetadata, scale: float) -> None:
-        """query [T, heads, head_dim] after RoPE; k_cache [num_pages, page_size, kv_heads, head_dim]."""
-        per_seq = []
-        cu = meta.cu_seqlens_q_host
-        for b, context in enumerate(meta.context_lens_host):
-            q = query[cu[b]:cu[b + 1]].float()  # [n, heads, d]
-            k = gather_context(k_cache, meta.page_tables[b], context).float()  # [ctx, kv_heads, d]
-            k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
-            probs = torch.einsum("nhd,chd->hnc", q, k).mul_(scale).softmax(-1).mean(1)  # [heads, ctx]
-            pages = -(-context // self.page_size)
-            padded = probs.new_zeros(probs.shape[0], pages * self.page_size)
-            padded[:, :context] = probs
-            per_seq.append(padded.view(probs.shape[0], pages, self.page_size).sum(-1))
-        self.layers.append(per_seq)
+        """query [T, heads, head_dim] after RoPE; k_cache [num_pages, page_size, kv_heads, head_dim]. All the
+        forward's sequences at once, padded to the longest query and context: a few launches a layer."""
+        device, ps = query.device, self.page_size
+        cu, contexts = meta.cu_seqlens_q_host, meta.context_lens_host
+        seqs, heads = len(contexts), query.shape[1]
+        lengths = torch.tensor([cu[b + 1] - cu[b] for b in range(seqs)], device=device)
+        rows = torch.tensor(cu[:-1], device=device)[:, None] + torch.arange(int(lengths.max()), device=device)
+        row_valid = rows < torch.tensor(cu[1:], device=device)[:, None]  # [B, n]
+        q = query[torch.where(row_valid, rows, 0)].float()  # [B, n, heads, d]
+        context = torch.tensor(contexts, device=device)
+        pages = -(-max(contexts) // ps)
+        pos = torch.arange(pages * ps, device=device)
+        key_valid = pos[None, :] < context[:, None]  # [B, C]
+        table = meta.page_tables[:, :pages].long().clamp_min(0)  # padding columns read page 0, masked below
+        slots = table[:, pos // ps] * ps + pos % ps  # [B, C]
+        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float()  # [B, C, kv_heads, d]
+        k = k.repeat_interleave(heads // k.shape[2], dim=2)
+        logits = torch.einsum("bnhd,bchd->bhnc", q, k).mul_(scale)
+        logits.masked_fill_(~key_valid[:, None, None, :], float("-inf"))
+        probs = logits.softmax(-1).nan_to_num_(0.0)  # an empty context row is all -inf: no mass
+        probs.mul_(row_valid[:, None, :, None])
+        mass = probs.sum(2) / lengths[:, None, None]  # [B, heads, C]: the mean over each sequence's queries
+        self.layers.append(mass.view(seqs, heads, pages, ps).sum(-1))
 
-    def scores(self, seq: int) -> torch.Tensor:  # [pages, layers * heads] on the host
-        return torch.cat([layer[seq] for layer in self.layers]).T.cpu()
+    def scores(self, seq: int, num_pages: int) -> torch.Tensor:  # [num_pages, layers * heads] on the host
+        return torch.cat([layer[seq, :, :num_pages] for layer in self.layers]).T.cpu()
 
 
 def select_pages(scores: np.ndarray, ratio: float, head_select: bool) -> np.ndarray:

@@ -175,7 +175,8 @@ class ModelRunner:
         kept = {}
         for seq, plan in enumerate(chosen):
             # [pages, heads of every layer]; under tensor parallelism, every rank's heads.
-            scores = self.model.tp.gather_columns(stats.scores(seq).to(self.device)).cpu().numpy()
+            pages = -(-plan.context_len // self.config.page_size)
+            scores = self.model.tp.gather_columns(stats.scores(seq, pages).to(self.device)).cpu().numpy()
             kept[plan.request_id] = (select_pages(scores, plan.retention.ratio, plan.retention.head_select),
                                      scores.shape[0])
         return kept

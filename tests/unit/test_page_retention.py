@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from diffulex_backend import Config, SamplingParams
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_backend.retention import select_pages
+from diffulex_backend.retention import RetentionStats, select_pages
 from engine_driver import run_one_at_a_time, run_requests, step_checked, tiny_engine
 
 PROMPT = "a long prompt whose pages are mostly dropped: " * 2  # 92 byte tokens: 23 pages of 4
@@ -158,3 +158,29 @@ def test_bad_request_values_name_the_parameter(values, message):
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
         SamplingParams(**values)
 
+
+
+def test_the_measured_attention_is_each_sequences_mean_softmax_mass_per_page():
+    """RetentionStats batches the forward's sequences, padded; each sequence's measure is still its own: the
+    softmax of its queries over its context alone, averaged over its queries, summed per page."""
+    torch.manual_seed(1)
+    page_size, heads, kv_heads, dim = 4, 4, 2, 8
+    k_cache = torch.randn(12, page_size, kv_heads, dim, dtype=torch.float64)
+    sequences = [(3, 10, [5, 0, 7]), (5, 6, [2, 9])]  # (queries, context, pages)
+    cu = [0, 3, 8]
+    query = torch.randn(8, heads, dim, dtype=torch.float64)
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), context_lens=torch.tensor([10, 6], dtype=torch.int32),
+        page_tables=torch.tensor([[5, 0, 7], [2, 9, -1]], dtype=torch.int32), slot_mapping=torch.full((8,), -1),
+        block_ids=torch.zeros(8, dtype=torch.int32), max_seqlen_q=5, max_context_len=10, cu_seqlens_q_host=tuple(cu),
+        context_lens_host=(10, 6))
+    stats = RetentionStats(page_size)
+    stats.add(query, k_cache, meta, 0.25)
+    for seq, (n, context, table) in enumerate(sequences):
+        keys = torch.stack([k_cache[table[p // page_size], p % page_size] for p in range(context)])  # [ctx, kv, d]
+        keys = keys.repeat_interleave(heads // kv_heads, dim=1)
+        q = query[cu[seq]:cu[seq + 1]]
+        probs = (torch.einsum("nhd,chd->hnc", q, keys) * 0.25).softmax(-1).mean(1)  # [heads, ctx]
+        want = torch.stack([probs[:, p * page_size:(p + 1) * page_size].sum(-1) for p in range(len(table))]).T
+        got = stats.scores(seq, len(table))  # [pages, heads]
+        torch.testing.assert_close(got, want.T.float(), rtol=1e-5, atol=1e-6)
