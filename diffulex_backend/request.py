@@ -82,7 +82,8 @@ class Request:
         self.page_table: list[int] = []  # -1 marks a page dropped by page retention
         ratio = config.retention_ratio if params.retention_ratio is None else params.retention_ratio
         head_select = config.head_select if params.head_select is None else params.head_select
-        self.retention = Retention(ratio, head_select) if ratio < 1 else None
+        prompt_pages = -(-self.num_prompt_tokens // config.page_size)
+        self.retention = Retention(ratio, head_select, prompt_pages) if ratio < 1 else None
         self.retention_pending = self.retention is not None  # its pages are not chosen yet
         self.num_dropped_pages = 0
         self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager
@@ -140,7 +141,7 @@ class Request:
         """A plan feeding positions [start, end), with copies of what the runner reads of this request. The
         first plan that predicts with the whole prompt in the context asks the runner to choose the pages to keep
         (page retention)."""
-        measure = self.retention_pending and bool(blocks) and context_len >= self.num_prompt_tokens - self.shift
+        measure = self.retention_pending and bool(blocks) and context_len >= self.num_prompt_tokens
         return SeqPlan(request_id=self.request_id, start=start, end=end, context_len=context_len,
                        token_ids=self.tokens[start:end].copy(), cache_index=cache_index, block_ids=block_ids,
                        blocks=blocks, page_table=self.page_table.copy(), committed_end=self.committed_end,
@@ -173,5 +174,6 @@ class Request:
         self.num_prefix_hit = 0
         self.page_table = []
         self.num_registered_pages = 0
+        # A sparse request chooses its prompt pages again once it has recomputed them, from where it resumes.
         self.retention_pending, self.num_dropped_pages = self.retention is not None, 0
         self.status = RequestStatus.WAITING

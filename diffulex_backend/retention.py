@@ -1,6 +1,6 @@
 """Sparse attention by page retention: a request keeps `retention_ratio` of its prompt's KV pages and frees the rest.
 
-Once a request's prompt is wholly in the cache and its first block is fed, the runner measures how much attention
+Once a request's prompt is wholly in the cache (its last token included) and its first block is fed, the runner measures how much attention
 the block's queries give each page of the context, per layer and head (`RetentionStats`: one extra eager forward
 of the requests choosing in that step, once each, measured for all of them at once in every layer). `select_pages` keeps:
   * the first page (the attention sink) and the last one (the text the block continues), always;
@@ -32,6 +32,7 @@ class Retention:
 
     ratio: float  # in (0, 1)
     head_select: bool
+    num_pages: int  # the prompt's pages: the only candidates (generated tokens' pages are always kept)
 
 
 @dataclass

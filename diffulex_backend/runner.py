@@ -52,7 +52,7 @@ class StepResult:
     num_tokens: int  # tokens fed
     flops: float  # model FLOPs of the forward
     predictions: Predictions | None = None  # aligned with `tokens`; None unless the runner's strategy wants them
-    # Page retention: request id -> (indices of its context pages to keep, how many context pages it has).
+    # Page retention: request id -> (indices of its prompt pages to keep, how many prompt pages it has).
     retained_pages: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
 
@@ -154,8 +154,12 @@ class ModelRunner:
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
-        pairs = sum(p.num_tokens * (p.context_len + p.num_tokens) for p in plans)
+        page = self.config.page_size
+        pairs = sum(p.num_tokens * (p.context_len - p.num_dropped_pages * page + p.num_tokens) for p in plans)
         flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
+        for p in plans:  # page retention's measuring forward, over the whole prompt
+            if p.retention is not None:
+                flops += p.num_tokens * (self.flops_per_token + self.attn_flops_per_pair * (p.context_len + p.num_tokens))
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
                           predictions=predictions, retained_pages=self.choose_retained_pages(plans))
 
@@ -174,11 +178,10 @@ class ModelRunner:
         self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora_batch(chosen))  # as the step saw it
         kept = {}
         for seq, plan in enumerate(chosen):
-            # [pages, heads of every layer]; under tensor parallelism, every rank's heads.
-            pages = -(-plan.context_len // self.config.page_size)
+            # [prompt pages, heads of every layer]; under tensor parallelism, every rank's heads.
+            pages = plan.retention.num_pages
             scores = self.model.tp.gather_columns(stats.scores(seq, pages).to(self.device)).cpu().numpy()
-            kept[plan.request_id] = (select_pages(scores, plan.retention.ratio, plan.retention.head_select),
-                                     scores.shape[0])
+            kept[plan.request_id] = (select_pages(scores, plan.retention.ratio, plan.retention.head_select), pages)
         return kept
 
     def make_token_merge(self) -> TokenMerge | None:

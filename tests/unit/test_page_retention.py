@@ -30,8 +30,12 @@ def test_ratio_one_is_dense_attention(tiny_checkpoints):
     path = tiny_checkpoints["llada"]
     dense = run_requests(tiny_engine(path, **LIMITS), [PROMPT], PARAMS)[0].token_ids
     engine = tiny_engine(path, **LIMITS, retention_ratio=1.0)
-    assert run_requests(engine, [PROMPT], sparse(1.0))[0].token_ids == dense
-    assert all(r.num_dropped_pages == 0 for r in engine.requests.values())
+    request = engine.requests[engine.add_request(PROMPT, sparse(1.0))]
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in step_checked(engine) for t in out.token_ids]
+        assert -1 not in request.page_table and request.num_dropped_pages == 0
+    assert tokens == dense
 
 
 @pytest.mark.parametrize("family, strategy", [("llada", "multi_bd"), ("dream", "multi_bd"), ("sdar", "multi_bd"),
@@ -68,19 +72,50 @@ def test_a_sparse_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_checkp
     assert alone[0] != dense  # the random model attends everywhere: dropping half its context changes its output
 
 
-def test_a_sparse_request_gives_the_same_tokens_with_its_prompt_in_the_prefix_cache(tiny_checkpoints):
-    path = tiny_checkpoints["llada"]
-    without = run_requests(tiny_engine(path, **LIMITS, enable_prefix_caching=False), [PROMPT], sparse(0.5))
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar"])
+def test_a_sparse_request_gives_the_same_tokens_with_its_prompt_in_the_prefix_cache(tiny_checkpoints, family):
+    # 93 tokens: the 92 before the last one fill 23 pages, all hit, so the first step's context is a whole number
+    # of pages a token short of the prompt.
+    path, prompt = tiny_checkpoints[family], PROMPT + "!"
+    without = run_requests(tiny_engine(path, **LIMITS, enable_prefix_caching=False), [prompt], sparse(0.5))
     engine = tiny_engine(path, **LIMITS)
-    run_requests(engine, [PROMPT], PARAMS)  # a dense request caches the prompt's pages
+    run_requests(engine, [prompt], PARAMS)  # a dense request caches the prompt's pages
     hits = engine.metrics().prefix_cache_hit_tokens
-    with_cache = run_requests(engine, [PROMPT], sparse(0.5))
-    assert engine.metrics().prefix_cache_hit_tokens - hits == 88  # 22 full pages before the last prompt token
+    with_cache = run_requests(engine, [prompt], sparse(0.5))
+    assert engine.metrics().prefix_cache_hit_tokens - hits == 92
     assert with_cache[0].token_ids == without[0].token_ids
     # The sparse request's dropped pages were shared with the prefix cache: a dense request still hits them all
     # and gives its dense tokens.
-    dense = run_requests(tiny_engine(path, **LIMITS, enable_prefix_caching=False), [PROMPT], PARAMS)[0].token_ids
-    assert run_requests(engine, [PROMPT], PARAMS)[0].token_ids == dense
+    dense = run_requests(tiny_engine(path, **LIMITS, enable_prefix_caching=False), [prompt], PARAMS)[0].token_ids
+    assert run_requests(engine, [prompt], PARAMS)[0].token_ids == dense
+    assert engine.metrics().kv_pages_used == 0
+
+
+@pytest.mark.parametrize("family", ["llada", "dream"])
+def test_chunked_prefill_leaves_the_choice_unchanged(tiny_checkpoints, family):
+    """A prompt prefilled in chunks (one ending a token before the prompt does, where a shifted model's context
+    first reaches a whole number of pages) measures what one prefill does: once the whole prompt is cached."""
+    path, prompt = tiny_checkpoints[family], PROMPT + "!"  # 93 tokens: the first 92 fill 23 pages
+    one = run_requests(tiny_engine(path, **LIMITS), [prompt], sparse(0.5))[0].token_ids
+    chunked = run_requests(tiny_engine(path, max_model_len=128, max_num_batched_tokens=len(prompt) - 1),
+                           [prompt], sparse(0.5))[0].token_ids
+    assert chunked == one
+
+
+def test_a_preempted_sparse_request_never_drops_the_pages_of_its_generated_tokens(tiny_checkpoints):
+    engine = tiny_engine(tiny_checkpoints["llada"], **LIMITS, enable_prefix_caching=False)
+    request = engine.requests[engine.add_request(PROMPT, sparse(0.3))]
+    prompt_pages = math.ceil(request.num_prompt_tokens / 4)
+    while request.num_committed < 8:  # pages dropped, and two blocks generated
+        step_checked(engine)
+    assert request.num_dropped_pages
+    engine.scheduler.preempt(request)  # as the scheduler does when the pool runs short
+    assert engine.metrics().kv_pages_used == 0
+    while engine.has_unfinished_requests():
+        step_checked(engine)
+        holes = [i for i, page in enumerate(request.page_table) if page < 0]
+        assert all(i < prompt_pages for i in holes)
+    assert request.num_dropped_pages == prompt_pages - math.ceil(0.3 * prompt_pages)  # chosen again on resuming
     assert engine.metrics().kv_pages_used == 0
 
 
