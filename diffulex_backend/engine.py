@@ -97,6 +97,7 @@ class DiffulexEngine:
                                      self.dtype)
         if self.workers is not None:
             self.runner = BroadcastRunner(self.runner, self.workers)
+            self.workers.in_step = True  # every rank built its runner and waits for the first plan
         self.scheduler = strategy.scheduler_cls(config, self.kv_cache)
 
         self.requests: dict[str, Request] = {}

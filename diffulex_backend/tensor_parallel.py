@@ -84,7 +84,9 @@ def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:
             raise ValueError(f"config field 'tensor_parallel_size' is {n}, but {what}")
 
     need(arch.num_heads % n == 0, f"the model's {arch.num_heads} attention heads do not split {n} ways")
-    need(arch.vocab_size >= 2 * n, f"the model's vocabulary of {arch.vocab_size} gives a rank fewer than 2 tokens")
+    last_rank_start = TensorParallel(n - 1, n).vocab_rows(arch.vocab_size).start
+    need(arch.vocab_size >= 2 * n and last_rank_start < arch.vocab_size,
+         f"the model's vocabulary of {arch.vocab_size} leaves a rank fewer than 2 tokens of it")
     kv = arch.num_kv_heads
     need(kv % n == 0 or n % kv == 0, f"the model's {kv} KV heads neither split {n} ways nor divide {n}")
     if arch.num_moe_layers < arch.num_layers:

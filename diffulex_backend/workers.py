@@ -133,6 +133,9 @@ class WorkerGroup:
             process.stdin.close()
             self.processes.append(process)
         self._closer = weakref.finalize(self, stop_processes, self.processes)
+        # Whether every rank waits for the next plan: then close() may tell them to stop. After any failure a rank
+        # may sit in another collective than rank 0's, and only killing it cannot hang.
+        self.in_step = False
         try:
             control, data = self.call(connect, self.store, 0, size, rank_device(device, 0))
         except BaseException:
@@ -175,12 +178,17 @@ class WorkerGroup:
                 raise RankFailure(self.failure() or f"tensor-parallel rank {rank} exited")
 
     def close(self) -> None:
-        """Stop the workers (they leave their loop when the channel says None), then kill what is left."""
-        if all(p.poll() is None for p in self.processes) and hasattr(self, "channel"):
+        """Stop the workers: told to leave their loop when each waits for a plan, else killed; then wait for them."""
+        if self.in_step and all(p.poll() is None for p in self.processes):
+            self.in_step = False
             try:
                 self.channel.broadcast(None)
             except Exception:
                 pass  # a rank already gone: the processes are killed below
+        else:
+            for process in self.processes:
+                if process.poll() is None:
+                    process.kill()
         self._closer()
 
 
@@ -199,8 +207,12 @@ class BroadcastRunner:
     def execute(self, sched):
         self.workers.check_alive()
         releases, self.releases = self.releases, []
-        self.workers.call(self.workers.channel.broadcast, (releases, sched))
-        return self.workers.call(self.runner.execute, sched)
+        workers = self.workers
+        workers.in_step = False  # until this step ends on every rank
+        workers.call(workers.channel.broadcast, (releases, sched))
+        result = workers.call(self.runner.execute, sched)
+        workers.in_step = True
+        return result
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:

@@ -95,12 +95,13 @@ def test_two_ranks_give_the_tokens_of_one(checkpoints, case):
 
 
 def test_two_ranks_choose_the_pages_one_rank_keeps(checkpoints):
-    """Page retention measures attention on every rank's heads: two ranks drop the pages one rank drops."""
+    """Page retention measures attention on every rank's heads: two ranks drop the pages one rank drops, and
+    decode the same tokens over them (in float64; in lower precision a near tie may rank pages otherwise)."""
     checkpoint = checkpoints("llada", {})
     prompts = [list(range(3, 50)), list(range(70, 110))]
     params = [SamplingParams(max_tokens=8, ignore_eos=True, retention_ratio=0.5),
               SamplingParams(max_tokens=8, ignore_eos=True, retention_ratio=0.3, head_select=False)]
-    tables = {}
+    tables, tokens = {}, {}
     for size in (1, 2):
         engine = Diffulex(checkpoint, **SETTINGS, page_size=4, tensor_parallel_size=size)
         try:
@@ -109,9 +110,13 @@ def test_two_ranks_choose_the_pages_one_rank_keeps(checkpoints):
                 engine.step()
             tables[size] = [[page >= 0 for page in r.page_table] for r in requests]
             assert all(r.num_dropped_pages for r in requests)
+            while engine.has_unfinished_requests():
+                engine.step()
+            tokens[size] = [r.tokens[r.num_prompt_tokens:].tolist() for r in requests]
         finally:
             engine.close()
     assert tables[2] == tables[1]
+    assert tokens[2] == tokens[1]
 
 
 def test_closing_the_engine_ends_its_workers(checkpoints):
@@ -217,3 +222,21 @@ def test_greedy_steps_sample_from_each_ranks_share_of_the_logits(checkpoints, mo
                 engine.close()
         assert out[2] == out[1]
     assert calls  # rank 0 took the path (the worker, which runs the same code, cannot be watched from here)
+
+
+def test_a_start_that_fails_on_rank_0_alone_ends_at_once(checkpoints, monkeypatch):
+    """Rank 0 fails after the other ranks went on to the next collective of the start (its KV cache sizing,
+    measured per rank, can fail on its GPU alone): the engine fails with rank 0's error without waiting for the
+    collective's timeout, and the workers are gone."""
+    import diffulex_backend.engine as engine_module
+
+    def no_room(*args):
+        raise ValueError("config field 'gpu_memory_utilization' (0.9) leaves no room for one max_model_len sequence")
+
+    monkeypatch.setattr(engine_module, "num_kv_pages", no_room)  # rank 0's own; the workers size theirs
+    before = child_pids()
+    started = time.monotonic()
+    with pytest.raises(ValueError, match="leaves no room"):
+        Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
+    assert time.monotonic() - started < 30
+    assert child_pids() - before == set()
