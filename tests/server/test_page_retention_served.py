@@ -1,5 +1,6 @@
 """Page retention through tritonserver: a request's retention_ratio and head_select in its parameters give the
-engine's tokens for the same settings, its dropped pages return to the pool, and a bad value is refused by name."""
+engine's tokens for the same settings (whose page accounting tests/unit checks), every page returns to the pool
+when it ends, and a bad value is refused by name."""
 
 import json
 
