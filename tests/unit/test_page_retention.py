@@ -61,14 +61,16 @@ def test_dropped_pages_go_back_to_the_pool_at_once(tiny_checkpoints, family, str
     assert engine.metrics().kv_pages_used == 0
 
 
-def test_a_sparse_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_checkpoints):
+@pytest.mark.parametrize("strategy", ["multi_bd", "d2f", "dmax"])
+def test_a_sparse_request_gives_the_same_tokens_alone_and_in_a_batch(tiny_checkpoints, strategy):
     path = tiny_checkpoints["llada"]
     prompts = [PROMPT, OTHER, "x" + PROMPT]
     params = [sparse(0.5), PARAMS, sparse(0.3, head_select=False)]
-    alone = [s.token_ids for s in run_one_at_a_time(tiny_engine(path, **LIMITS), prompts, params)]
-    batched = [s.token_ids for s in run_requests(tiny_engine(path, **LIMITS), prompts, params)]
+    settings = dict(LIMITS, decoding_strategy=strategy)
+    alone = [s.token_ids for s in run_one_at_a_time(tiny_engine(path, **settings), prompts, params)]
+    batched = [s.token_ids for s in run_requests(tiny_engine(path, **settings), prompts, params)]
     assert batched == alone
-    dense = run_requests(tiny_engine(path, **LIMITS), [PROMPT], PARAMS)[0].token_ids
+    dense = run_requests(tiny_engine(path, **settings), [PROMPT], PARAMS)[0].token_ids
     assert alone[0] != dense  # the random model attends everywhere: dropping half its context changes its output
 
 
