@@ -13,6 +13,7 @@ Writes tensor_parallel.csv and tensor_parallel.md to --out.
 
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
     python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini
+    python benchmarks/tensor_parallel.py --checkpoint CKPT --out DIR        # a checkpoint written once beforehand
     python benchmarks/tensor_parallel.py --smoke --out DIR                  # anywhere: a tiny model, two CPU ranks
 """
 from __future__ import annotations
@@ -99,6 +100,9 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
     parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values; the first is the baseline")
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--checkpoint", type=pathlib.Path,
+                        help="an existing checkpoint directory (e.g. python -m diffulex_backend.testing.checkpoint "
+                             "--family llada --shape llada-8b DIR) instead of writing a random one for each model")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, batch 1 and 2")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -108,15 +112,20 @@ def main(argv=None) -> int:
     batches = (1, 2) if args.smoke else tuple(int(b) for b in args.batches.split(","))
     bandwidth = measure_ceilings(device, SMOKE if args.smoke else FULL).bandwidth
     models = {"smoke": SMOKE_SHAPE} if args.smoke else {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
+    if args.checkpoint is not None:
+        models = {args.checkpoint.name: None}
     args.out.mkdir(parents=True, exist_ok=True)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in models.items():
-            shape = dict(shape)
-            family = shape.pop("model_name")
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-            checkpoint = str(write_random_checkpoint(pathlib.Path(tmp) / name, family, dtype=dtype, num_shards=None,
-                                                     **shape))
+            if shape is None:
+                checkpoint = str(args.checkpoint)
+            else:
+                shape = dict(shape)
+                family = shape.pop("model_name")
+                checkpoint = str(write_random_checkpoint(pathlib.Path(tmp) / name, family, dtype=dtype,
+                                                         num_shards=None, **shape))
             for batch in batches:
                 baseline = None
                 for size in sizes:
