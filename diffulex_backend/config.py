@@ -174,9 +174,6 @@ class Config:
         check_bool("expert_parallel")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             fail("expert_parallel", "false unless tensor_parallel_size is above 1 (it splits experts over ranks)")
-        if self.tensor_parallel_size > 1 and (self.lora_path is not None or self.lora_modules is not None):
-            raise ValueError("config field 'tensor_parallel_size' must be 1 with LoRA adapters ('lora_path', "
-                             "'lora_modules'): adapters are not split over ranks")
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
         self._validate_lora()

@@ -55,9 +55,9 @@ class LoraModule:
 
     module: str  # checkpoint module path, e.g. "model.layers.0.self_attn.q_proj"
     param: str  # the model parameter it adapts, e.g. "layers.0.attn.qkv_proj.weight"
-    rows: slice  # the parameter's rows that module fills
-    a: torch.Tensor  # [r, in] float32
-    b: torch.Tensor  # [rows, r] float32
+    rows: slice  # the parameter's rows that module fills (on this rank)
+    a: torch.Tensor  # [r, in] float32: under tensor parallelism, this rank's input columns of a row-parallel module
+    b: torch.Tensor  # [rows, r] float32: this rank's rows of a column-parallel module
 
 
 @dataclass(frozen=True)
@@ -166,7 +166,12 @@ def _place(tensors: dict[str, torch.Tensor], model: DecoderLM, rank: int, target
                                 f"(r {rank}, the model's {module} is {out_features}x{in_features})")
             if not tensor.is_floating_point():
                 raise LoraError(f"{path}: {key}.{half}.weight has dtype {tensor.dtype}, expected a float type")
-        modules.append(LoraModule(module, weight.param, weight.rows, a.float(), b.float()))
+        # This rank's pieces of the module, as the loader copies its weight: B's rows of a column-parallel part, A's
+        # columns of a row-parallel module (its partial delta is summed over ranks with the projection's output).
+        for rows, source in weight.pieces:
+            piece_b = b[source[0]] if len(source) == 1 else b
+            piece_a = a[:, source[1]] if len(source) == 2 else a
+            modules.append(LoraModule(module, weight.param, rows, piece_a.float(), piece_b.float()))
     return tuple(modules)
 
 
@@ -192,7 +197,7 @@ def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
     # Each fused parameter's parts in row order: part i takes rank columns [i * width, i * width + r).
     parts: dict[str, list[int]] = {}
     for weight in model.checkpoint_layout().values():
-        parts.setdefault(weight.param, []).append(weight.rows.start)
+        parts.setdefault(weight.param, []).extend(rows.start for rows, _ in weight.pieces)
     stacks: dict[str, LoraStack] = {}
     for slot, adapter in enumerate(adapters):
         for m in adapter.modules:

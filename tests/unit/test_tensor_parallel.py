@@ -180,14 +180,39 @@ def test_workers_exit_when_the_engine_process_is_killed(checkpoints, tmp_path):
     assert not any(_alive(p) for p in workers)
 
 
-@pytest.mark.parametrize("settings, message", [
-    ({"tensor_parallel_size": 2, "lora_modules": "a=/nowhere"},
-     "config field 'tensor_parallel_size' must be 1 with LoRA adapters ('lora_path', 'lora_modules'): adapters are "
-     "not split over ranks"),
-])
-def test_settings_that_do_not_combine_with_tensor_parallelism_are_refused(checkpoints, settings, message):
-    with pytest.raises(ValueError, match="^" + message.replace("(", r"\(").replace(")", r"\)") + "$"):
-        Diffulex(checkpoints("llada", {}), **SETTINGS, **settings)
+LORA_TARGETS = {"llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
+                "dream": ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]}
+
+
+@pytest.mark.parametrize("family", sorted(LORA_TARGETS))
+def test_two_ranks_serve_lora_adapters_as_one_does(checkpoints, tmp_path, family):
+    """Adapters split over ranks as their weights do (B's rows of a column-parallel projection, A's columns of a
+    row-parallel one): a mixed batch of two adapters and none, and an adapter merged at load, give one rank's
+    tokens."""
+    from diffulex_backend.testing.checkpoint import write_peft_adapter
+
+    checkpoint = checkpoints(family, {})
+    adapters = [write_peft_adapter(tmp_path / name, checkpoint, LORA_TARGETS[family], rank=4, seed=seed)
+                for seed, name in enumerate(("math", "code"), start=1)]
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, lora_name="math"),
+              SamplingParams(max_tokens=12, ignore_eos=True),
+              SamplingParams(max_tokens=12, ignore_eos=True, lora_name="code")]
+    unmerged = dict(lora_modules=f"math={adapters[0]},code={adapters[1]}")
+    merged = dict(lora_path=str(adapters[0]), pre_merge_lora=True)
+    results = []
+    for settings, requests in ((unmerged, params), (merged, params[1:2])):
+        out = {}
+        for size in (1, 2):
+            engine = Diffulex(checkpoint, **SETTINGS, **settings, tensor_parallel_size=size)
+            try:
+                out[size] = [o.token_ids for o in engine.generate(PROMPTS[:len(requests)], requests)]
+            finally:
+                engine.close()
+        assert out[2] == out[1]
+        results.append(out[2])
+    # The adapters act: the three requests differ, and "math" merged gives what "math" chosen per request gives.
+    assert len(set(map(tuple, results[0]))) == 3
+    assert results[1][0] == results[0][0]
 
 
 def test_expert_parallel_on_a_dense_model_is_refused(checkpoints):
