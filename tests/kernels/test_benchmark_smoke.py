@@ -1,26 +1,14 @@
 """Smoke runs of the kernel and matmul benchmarks: each script runs end to end on a tiny shape, so it cannot rot
 between GPU runs, and the ratios a reader takes from its table are there, finite, and what their names say."""
-import csv
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
+from benchmark_smoke import csv_rows, run_smoke
 
-REPO = pathlib.Path(__file__).resolve().parents[2]
 KERNELS = [
     "paged_attention", "paged_attention sweep", "store_kv", "sample_and_confidence", "sample_and_confidence sweep",
     "accept_tokens", "rmsnorm", "fused_add_rmsnorm",
 ]
-
-
-def run_smoke(script: str, out: pathlib.Path) -> None:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / script), "--smoke", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
 
 
 def test_kernel_benchmark_smoke_run_puts_every_kernel_above_its_floor(tmp_path):
@@ -37,7 +25,7 @@ def test_kernel_benchmark_smoke_run_puts_every_kernel_above_its_floor(tmp_path):
 
 def test_matmul_benchmark_smoke_run_compares_every_case_with_cublas(tmp_path):
     run_smoke("linear.py", tmp_path)
-    rows = list(csv.DictReader(open(tmp_path / "linear.csv")))
+    rows = csv_rows(tmp_path / "linear.csv")
     assert [row["tokens"] for row in rows] == ["4", "16"]
     for row in rows:
         ratio = float(row["engine_vs_cublas"])

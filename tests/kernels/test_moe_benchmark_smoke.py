@@ -1,16 +1,15 @@
 """Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape (and checks the product there), so it
 cannot rot between GPU runs, and the floors a reader compares against are finite, below the measured time, and the
 ratios are what their names say."""
-import csv
 import math
 
 import pytest
-from test_benchmark_smoke import run_smoke
+from benchmark_smoke import csv_rows, run_smoke
 
 
 def test_moe_benchmark_smoke_run_puts_the_layer_above_both_floors(tmp_path):
     run_smoke("moe.py", tmp_path)
-    rows = list(csv.DictReader(open(tmp_path / "moe.csv")))
+    rows = csv_rows(tmp_path / "moe.csv")
     assert [row["tokens"] for row in rows] == ["4", "16"]
     assert "| tiny | 16 |" in (tmp_path / "moe.md").read_text()
     for row in rows:

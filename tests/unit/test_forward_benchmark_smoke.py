@@ -1,16 +1,14 @@
 """A smoke run of the forward benchmark: every section end to end on a tiny dense and a tiny MoE model on the CPU,
 so the script cannot rot between GPU runs, and the ratios a reader takes from its table are there, finite, and
 what their names say; and the MoE floors, which count only the experts a forward reaches."""
-import csv
 import importlib.util
 import math
-import os
 import pathlib
-import subprocess
 import sys
 
 import pytest
 import torch
+from benchmark_smoke import csv_rows, run_smoke
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
 
@@ -44,12 +42,8 @@ def ratio(row: dict, numerator: str, denominator: str) -> float:
 def test_smoke_run_reports_every_section_with_its_ratios(tmp_path):
     # On the CPU on every machine, as CI runs it: the check section's exact agreement below holds for the float32
     # torch path only.
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "forward.py"), "--smoke", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    rows = list(csv.DictReader(open(tmp_path / "forward.csv")))
+    run_smoke("forward.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "forward.csv")
     by_section = {}
     for row in rows:
         by_section.setdefault(row["section"], []).append(row)

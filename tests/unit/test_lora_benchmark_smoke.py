@@ -1,25 +1,15 @@
 """A smoke run of the LoRA benchmark on a tiny model on the CPU, so the script cannot rot between GPU runs: every
 case of every batch is in its table, with the adapters it says, its ratios against the merged step are what their
 names say, and the unmerged step under adapter 0 gives the merged step's logits."""
-import csv
-import os
-import pathlib
 import re
-import subprocess
-import sys
 
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from benchmark_smoke import csv_rows, run_smoke
 
 
 def test_smoke_run_reports_each_case_against_merged(tmp_path):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
-               CUDA_VISIBLE_DEVICES="", TRITON_INTERPRET="1")
-    done = subprocess.run([sys.executable, str(REPO / "benchmarks" / "lora.py"), "--smoke", "--out", str(tmp_path)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
-    rows = list(csv.DictReader(open(tmp_path / "lora.csv")))
+    run_smoke("lora.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "lora.csv")
     assert [(r["batch"], r["case"], r["distinct_adapters"]) for r in rows] == [
         ("1", "merged", "0"), ("1", "unmerged, no adapter rows", "0"), ("1", "unmerged, mixed", "1"),
         ("2", "merged", "0"), ("2", "unmerged, no adapter rows", "0"), ("2", "unmerged, mixed", "2")]

@@ -1,25 +1,15 @@
 """A smoke run of the page-retention benchmark on a tiny model, so the script that measures retention on the GPU
 cannot rot between runs: each ratio's KV pages per request are what the pool's accounting must show (the 8 pages
 of the 256-token prompt, then the budget ceil(ratio x 8), never under 2), and its ratios divide what they say."""
-import csv
 import math
-import os
-import pathlib
-import subprocess
-import sys
 
 import pytest
-
-REPO = pathlib.Path(__file__).resolve().parents[2]
+from benchmark_smoke import csv_rows, run_smoke
 
 
 def test_smoke_run_reports_the_pages_each_ratio_keeps(tmp_path):
-    env = dict(os.environ, PYTHONPATH=str(REPO))
-    run = subprocess.run([sys.executable, "benchmarks/retention.py", "--smoke", "--batches", "1,2", "--out",
-                          str(tmp_path)], cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    with open(tmp_path / "retention.csv") as f:
-        rows = list(csv.DictReader(f))
+    run_smoke("retention.py", tmp_path, "--batches", "1,2")
+    rows = csv_rows(tmp_path / "retention.csv")
     assert [(r["batch"], r["retention_ratio"]) for r in rows] == [
         (b, r) for b in ("1", "2") for r in ("1", "0.5", "0.3")]
     for row in rows:
