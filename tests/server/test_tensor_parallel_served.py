@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
+from processes import alive, live_children
 from served import generate, ids, post, stub_pids, wait_for
 from triton_server import TENSOR_PARALLEL_SETTINGS
 
@@ -19,23 +20,9 @@ PROMPTS = ["the quick brown fox", "tensor parallel ranks"]
 PARAMS = {"max_tokens": 8, "temperature": 0, "ignore_eos": True}
 
 
-def children(pid: int) -> list[int]:
-    found = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        found += [int(p) for p in (task / "children").read_text().split()]
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
-
-
 def rank_pids(stub: int) -> list[int]:
     """The stub's children that run a rank (the watchdog is the other child)."""
-    return [p for p in children(stub) if b"diffulex_backend.workers" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    return [p for p in live_children(stub) if b"diffulex_backend.workers" in Path(f"/proc/{p}/cmdline").read_bytes()]
 
 
 def ask(server, prompt: str) -> list[int]:

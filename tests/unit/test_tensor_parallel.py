@@ -9,9 +9,9 @@ import subprocess
 import sys
 import textwrap
 import time
-from pathlib import Path
 
 import pytest
+from processes import alive, live_children
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
@@ -61,19 +61,8 @@ def checkpoints(tmp_path_factory):
 
 
 def child_pids() -> set[int]:
-    """The live child processes of this process (zombies excluded)."""
-    pids = set()
-    for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-        pids.update(int(p) for p in (task / "children").read_text().split())
-    return {p for p in pids if _alive(p)}
-
-
-def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return False
-    return state != "Z"
+    """The running child processes of this process."""
+    return live_children(os.getpid())
 
 
 def generate(checkpoint: str, **settings) -> list[list[int]]:
@@ -170,14 +159,14 @@ def test_workers_exit_when_the_engine_process_is_killed(checkpoints, tmp_path):
     process = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
     try:
         workers = [int(p) for p in process.stdout.readline().split()]
-        assert len(workers) == 1 and _alive(workers[0])
+        assert len(workers) == 1 and alive(workers[0])
     finally:
         process.kill()
         process.wait()
     deadline = time.monotonic() + 10
-    while any(_alive(p) for p in workers) and time.monotonic() < deadline:
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(p) for p in workers)
+    assert not any(alive(p) for p in workers)
 
 
 LORA_TARGETS = {"llada": ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"],
