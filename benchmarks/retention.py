@@ -17,7 +17,6 @@ Writes retention.csv and retention.md to --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import pathlib
 import statistics
 import sys
@@ -34,6 +33,7 @@ from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
 from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings,  # noqa: E402
                      page_bytes, synchronize, write_model_dir)
+from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["model", "batch", "prompt", "retention_ratio", "kv_pages_per_request", "kv_mib_per_request", "step_ms",
           "step_vs_dense", "floor_ms", "step_vs_floor", "choose_step_ms", "note"]
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     model = random_model(**shape, dtype=dtype, device=device, seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    table = ResultTable("retention", FIELDS)
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = write_model_dir(shape, pathlib.Path(tmp) / name)
         for batch in [int(b) for b in args.batches.split(",")]:
@@ -101,23 +101,15 @@ def main(argv=None) -> int:
                 result = run(model, model_dir, device, plan, batch, prompt, ratio, timed)
                 dense_ms = dense_ms or result["step_ms"]
                 floor_ms = 1e3 * (weight_bytes + result["context_pages"] * page_bytes(model)) / bandwidth
-                row = dict(model=name, batch=batch, prompt=prompt, retention_ratio=ratio,
-                           kv_pages_per_request=result["pages"],
-                           kv_mib_per_request=result["pages"] * page_bytes(model) / 2**20, step_ms=result["step_ms"],
-                           step_vs_dense=result["step_ms"] / dense_ms, floor_ms=floor_ms,
-                           step_vs_floor=result["step_ms"] / floor_ms, choose_step_ms=result["choose_ms"], note=f"{device}, {dtype}, page {PAGE_SIZE}")
-                rows.append({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
-                print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
+                table.add(model=name, batch=batch, prompt=prompt, retention_ratio=ratio,
+                          kv_pages_per_request=result["pages"],
+                          kv_mib_per_request=result["pages"] * page_bytes(model) / 2**20, step_ms=result["step_ms"],
+                          step_vs_dense=result["step_ms"] / dense_ms, floor_ms=floor_ms,
+                          step_vs_floor=result["step_ms"] / floor_ms, choose_step_ms=result["choose_ms"],
+                          note=f"{device}, {dtype}, page {PAGE_SIZE}")
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-    with open(args.out / "retention.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    command = "python benchmarks/retention.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    lines = ["| " + " | ".join(FIELDS) + " |", "|" + "---|" * len(FIELDS)]
-    lines += ["| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in rows]
-    (args.out / "retention.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+    table.write(args.out, argv)
     return 0
 
 

@@ -19,7 +19,6 @@ Writes tensor_parallel.csv and tensor_parallel.md to --out.
 from __future__ import annotations
 
 import argparse
-import csv
 import pathlib
 import statistics
 import sys
@@ -35,6 +34,7 @@ map_kernels_package()
 from diffulex_backend import Diffulex, SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint  # noqa: E402
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings  # noqa: E402
+from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["model", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
           "step_vs_weight_floor", "outputs", "note"]
@@ -115,7 +115,7 @@ def main(argv=None) -> int:
     if args.checkpoint is not None:
         models = {args.checkpoint.name: None}
     args.out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    table = ResultTable("tensor_parallel", FIELDS)
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in models.items():
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
@@ -132,22 +132,13 @@ def main(argv=None) -> int:
                     result = run_engine(checkpoint, size, batch, args.smoke, device)
                     baseline = baseline or dict(result, size=size)
                     floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as in forward.py
-                    row = dict(model=name, tp=size, batch=batch, step_ms=result["step_ms"],
-                               collective_ms=result["collective_ms"], speedup=baseline["step_ms"] / result["step_ms"],
-                               ideal_speedup=size / baseline["size"], weight_floor_ms=floor_ms,
-                               step_vs_weight_floor=result["step_ms"] / floor_ms,
-                               outputs=first_difference(baseline["tokens"], result["tokens"]),
-                               note=f"{device}, {dtype}, prompt {PROMPT if not args.smoke else 16}")
-                    rows.append({k: f"{v:.4g}" if isinstance(v, float) else v for k, v in row.items()})
-                    print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
-    with open(args.out / "tensor_parallel.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, FIELDS)
-        writer.writeheader()
-        writer.writerows(rows)
-    lines = ["| " + " | ".join(FIELDS) + " |", "|" + "---|" * len(FIELDS)]
-    lines += ["| " + " | ".join(str(r[k]) for k in FIELDS) + " |" for r in rows]
-    command = "python benchmarks/tensor_parallel.py " + " ".join(argv if argv is not None else sys.argv[1:])
-    (args.out / "tensor_parallel.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")
+                    table.add(model=name, tp=size, batch=batch, step_ms=result["step_ms"],
+                              collective_ms=result["collective_ms"], speedup=baseline["step_ms"] / result["step_ms"],
+                              ideal_speedup=size / baseline["size"], weight_floor_ms=floor_ms,
+                              step_vs_weight_floor=result["step_ms"] / floor_ms,
+                              outputs=first_difference(baseline["tokens"], result["tokens"]),
+                              note=f"{device}, {dtype}, prompt {PROMPT if not args.smoke else 16}")
+    table.write(args.out, argv)
     return 0
 
 
