@@ -8,7 +8,6 @@ import time
 from dataclasses import dataclass
 
 import numpy as np
-import torch
 
 from . import strategies  # noqa: F401  (registers every strategy)
 from .config import Config

@@ -149,27 +149,30 @@ class ModelRunner:
         hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
-        tokens, predictions = self._predict(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64), None)
+        no_tokens = (torch.zeros(0, dtype=torch.int64), None)
+        tokens, predictions = self._predict(plans, blocks, hidden) if blocks else no_tokens
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
-        page = self.config.page_size
-        pairs = sum(p.num_tokens * (p.context_len - p.num_dropped_pages * page + p.num_tokens) for p in plans)
-        flops = self.flops_per_token * batch.num_tokens + self.attn_flops_per_pair * pairs
-        for p in plans:  # page retention's measuring forward, over the whole prompt
-            if p.retention is not None:
-                flops += p.num_tokens * (self.flops_per_token + self.attn_flops_per_pair * (p.context_len + p.num_tokens))
+        measuring = [p for p in plans if p.retention is not None]  # page retention chooses for these
+        retained = self.choose_retained_pages(measuring) if measuring else {}
+        flops = self.forward_flops(plans) + self.forward_flops(measuring)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
-                          predictions=predictions, retained_pages=self.choose_retained_pages(plans))
+                          predictions=predictions, retained_pages=retained)
+
+    def forward_flops(self, plans: list[SeqPlan]) -> float:
+        """Model FLOPs of a forward over the plans: the weights' per token, and attention's per (query, key) pair
+        over the context a sequence reads (its kept pages only) and its own fed tokens."""
+        page = self.config.page_size
+        tokens = sum(p.num_tokens for p in plans)
+        pairs = sum(p.num_tokens * (p.context_len - p.num_dropped_pages * page + p.num_tokens) for p in plans)
+        return self.flops_per_token * tokens + self.attn_flops_per_pair * pairs
 
     def choose_retained_pages(self, plans: list[SeqPlan]) -> dict[str, tuple[np.ndarray, int]]:
-        """For the plans that ask (retention.py): one eager forward of their rows, storing nothing, that measures
-        the attention each context page gets per layer and head; then the pages each request keeps."""
-        chosen = [dataclasses.replace(p, cache_index=np.full_like(p.cache_index, -1))
-                  for p in plans if p.retention is not None]
-        if not chosen:
-            return {}
+        """For plans that ask (retention.py): one eager forward of their rows, storing nothing, that measures the
+        attention each context page gets per layer and head; then the pages each request keeps."""
+        chosen = [dataclasses.replace(p, cache_index=np.full_like(p.cache_index, -1)) for p in plans]
         batch = build_forward_batch(chosen, self.config.page_size, self.config.max_model_len, pin_memory=False)
         input_ids, positions, meta = batch.to_device(self.device)
         meta.retention_stats = stats = RetentionStats(self.config.page_size)
