@@ -52,7 +52,8 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
     model = load_model(config.model, model_name=config.model_name, dtype=dtype, device=device, tp=tp)
     if config.lora_path is not None:
         merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
-    adapters = [load_adapter(path, model, name, config.max_lora_rank) for name, path in config.lora_module_paths.items()]
+    adapters = [load_adapter(path, model, name, config.max_lora_rank)
+                for name, path in config.lora_module_paths.items()]
     attach_adapters(model, adapters)
     return model, {adapter.name: slot for slot, adapter in enumerate(adapters)}
 

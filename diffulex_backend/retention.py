@@ -1,8 +1,9 @@
 """Sparse attention by page retention: a request keeps `retention_ratio` of its prompt's KV pages and frees the rest.
 
-Once a request's prompt is wholly in the cache (its last token included) and its first block is fed, the runner measures how much attention
-the block's queries give each page of the context, per layer and head (`RetentionStats`: one extra eager forward
-of the requests choosing in that step, once each, measured for all of them at once in every layer). `select_pages` keeps:
+Once a request's prompt is wholly in the cache (its last token included) and its first block is fed, the runner
+measures how much attention the block's queries give each page of the context, per layer and head
+(`RetentionStats`: one extra eager forward of the requests choosing in that step, once each, measured for all of
+them at once in every layer). `select_pages` keeps:
   * the first page (the attention sink) and the last one (the text the block continues), always;
   * of the others, the pages the heads attend to most, up to ceil(retention_ratio x pages) in all:
       - `head_select` on: each head (of every layer) names its own top pages; pages are ranked by how many heads

@@ -84,7 +84,8 @@ class Channel:
     def broadcast(self, obj=None):
         """Rank 0 sends `obj`; the others receive it. Returns the object on every rank."""
         if self.rank == 0:
-            payload = torch.frombuffer(bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)), dtype=torch.uint8)
+            data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+            payload = torch.frombuffer(data, dtype=torch.uint8)
             size = torch.tensor([payload.numel()], dtype=torch.int64)
         else:
             size = torch.zeros(1, dtype=torch.int64)
@@ -167,7 +168,8 @@ class WorkerGroup:
                 if self.store.check([key]):
                     return f"tensor-parallel rank {rank} failed: {self.store.get(key).decode()}"
                 if process.poll() is not None:
-                    return f"tensor-parallel rank {rank} (pid {process.pid}) exited with {exit_status(process.returncode)}"
+                    status = exit_status(process.returncode)
+                    return f"tensor-parallel rank {rank} (pid {process.pid}) exited with {status}"
             if time.monotonic() > deadline:
                 return None
             time.sleep(0.05)

@@ -61,7 +61,8 @@ class CheckpointWeight:
     param: str  # name in this module's state dict
     shape: tuple[int, ...]  # the shape the checkpoint tensor must have
     expert: int | None  # for stacked experts [E, ...]: the index of this expert in the parameter
-    pieces: tuple[Piece, ...]  # what this rank copies from the tensor; () when it holds none of it (another rank's expert)
+    # What this rank copies from the tensor; () when it holds none of it (another rank's expert).
+    pieces: tuple[Piece, ...]
 
     @property
     def rows(self) -> slice:

@@ -32,4 +32,5 @@ def test_a_bad_ratio_is_refused_by_name(server, value, shown):
     status, payload = post(f"{server.http_url}/v2/models/diffulex/generate",
                            {"text_input": PROMPT, "parameters": PARAMS | {"retention_ratio": value}})
     assert (status, json.loads(payload)["error"]) == (
-        400, f"request parameters: sampling parameter 'retention_ratio' must be a number in (0, 1] or null, got {shown}")
+        400,
+        f"request parameters: sampling parameter 'retention_ratio' must be a number in (0, 1] or null, got {shown}")

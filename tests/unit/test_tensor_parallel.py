@@ -110,8 +110,8 @@ def test_two_ranks_choose_the_pages_one_rank_keeps(checkpoints):
 
 def test_closing_the_engine_ends_its_workers(checkpoints):
     before = child_pids()
-    engine = Diffulex(checkpoints("llada", {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48, "intermediate_size": 96}), **SETTINGS,
-                      tensor_parallel_size=3)
+    shape = {"num_heads": 6, "num_kv_heads": 3, "hidden_size": 48, "intermediate_size": 96}
+    engine = Diffulex(checkpoints("llada", shape), **SETTINGS, tensor_parallel_size=3)
     workers = [p.pid for p in engine.workers.processes]
     assert set(workers) <= child_pids() - before and len(workers) == 2
     engine.close()
