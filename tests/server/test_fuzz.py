@@ -13,6 +13,7 @@ from served import generate, ids, post, reference
 
 from diffulex_backend import SamplingParams
 from diffulex_backend.serving.request_parsing import BadRequest, parse_request
+from diffulex_backend.serving.text_values import field_types
 
 INT_EDGES = [0, 1, -1, 2**31 - 1, 2**31, 2**32, 2**63 - 1, 2**63, 2**64 - 1, 2**64, -(2**63), 10**30]
 FLOAT_EDGES = [0.0, -0.0, 1e-45, 1e-30, 1e-5, 0.5, 1.0, 1.5, 3.4028234663852886e38, 3.5e38, 1e308, -1.0,
@@ -60,8 +61,8 @@ def sent_value(name: str, value):
     if not isinstance(value, str) or name in ("confidence", "stop", "lora_name"):
         return value
     text = value.strip()
-    if text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off") and isinstance(
-            getattr(SamplingParams(), name), bool):
+    # The field's declared type, not its default's: head_select defaults to None.
+    if text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off") and field_types(SamplingParams)[name] is bool:
         return text.lower() in ("true", "1", "yes", "on")
     try:
         return int(text)
