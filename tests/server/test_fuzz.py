@@ -62,7 +62,8 @@ def sent_value(name: str, value):
         return value
     text = value.strip()
     # The field's declared type, not its default's: head_select defaults to None.
-    if text.lower() in ("true", "1", "yes", "on", "false", "0", "no", "off") and field_types(SamplingParams)[name] is bool:
+    words = ("true", "1", "yes", "on", "false", "0", "no", "off")
+    if text.lower() in words and field_types(SamplingParams)[name] is bool:
         return text.lower() in ("true", "1", "yes", "on")
     try:
         return int(text)
