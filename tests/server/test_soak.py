@@ -18,7 +18,9 @@ from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
 CONCURRENCY = 16
 REQUESTS_PER_WORKER = 12
 PROMPTS = ["12+34=", "hello", "the quick brown fox", "soak", "a", "diffusion", "7*8=", "once upon a time"]
-GOOD_PARAMS = [{"max_tokens": n, "temperature": 0} for n in (4, 8, 12)]
+# The last one is sparse: its longer prompts drop pages while the others decode beside it.
+GOOD_PARAMS = [{"max_tokens": n, "temperature": 0} for n in (4, 8, 12)] + [
+    {"max_tokens": 8, "temperature": 0, "retention_ratio": 0.5}]
 
 # One entry per class of malformed input: (generate body, a fragment of the error it must get).
 MALFORMED = [
@@ -39,6 +41,10 @@ MALFORMED = [
     ({"text_input": "hi", "sampling_parameters": '{"stop": [1, 2]}'}, "sampling parameter 'stop'"),
     ({"text_input": "hi", "sampling_parameters": '{"confidence": {"a": 1}}'}, "sampling parameter 'confidence'"),
     ({"text_input": "hi", "sampling_parameters": '{"max_token": 3}'}, "unknown sampling parameter"),
+    ({"text_input": "hi", "sampling_parameters": '{"retention_ratio": NaN}'}, "NaN is not a number"),
+    ({"text_input": "hi", "sampling_parameters": '{"retention_ratio": 0}'}, "sampling parameter 'retention_ratio'"),
+    ({"text_input": "hi", "sampling_parameters": '{"retention_ratio": 1e39}'}, "sampling parameter 'retention_ratio'"),
+    ({"text_input": "hi", "sampling_parameters": '{"head_select": [true]}'}, "sampling parameter 'head_select'"),
     ({"text_input": "hi", "sampling_parameters": "x" * 70000}, "at most 65536 are accepted"),
     ({"text_input": "", "parameters": {"max_tokens": 4}}, "input 'text_input' is empty"),
     ({"text_input": "y" * 200_000, "parameters": {"max_tokens": 4}}, "can fit max_model_len"),
