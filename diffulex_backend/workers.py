@@ -12,8 +12,8 @@ Failure never hangs the engine. A worker that dies closes its sockets, so rank 0
 the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left in the group's
 store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without dying. Workers
 exit when told to, when a collective fails, or when rank 0's process is gone (they watch their parent);
-`WorkerGroup.close` waits for them and kills what is left, and runs by itself when the group is collected or the
-interpreter exits.
+`WorkerGroup.close` tells them to stop and kills what is left; a group collected without it, or still open when
+the interpreter exits, kills its workers.
 """
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ from .tensor_parallel import TensorParallel
 
 # The longest a collective may wait for another rank: a step, or a rank still loading its share at start.
 COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
-STOP_TIMEOUT_S = 10.0  # how long close() waits for workers to exit before killing them
+STOP_TIMEOUT_S = 10.0  # how long close() waits for workers told to stop before killing them
 FAILURE_KEY = "failure/{}"  # where a failing worker leaves its error, in the group's store
 
 
@@ -180,17 +180,17 @@ class WorkerGroup:
                 raise RankFailure(self.failure() or f"tensor-parallel rank {rank} exited")
 
     def close(self) -> None:
-        """Stop the workers: told to leave their loop when each waits for a plan, else killed; then wait for them."""
+        """Stop the workers: when each waits for a plan, told to leave their loop and given STOP_TIMEOUT_S to exit;
+        whatever still runs then is killed."""
         if self.in_step and all(p.poll() is None for p in self.processes):
             self.in_step = False
             try:
                 self.channel.broadcast(None)
+                deadline = time.monotonic() + STOP_TIMEOUT_S
+                for process in self.processes:
+                    process.wait(max(0.0, deadline - time.monotonic()))
             except Exception:
-                pass  # a rank already gone: the processes are killed below
-        else:
-            for process in self.processes:
-                if process.poll() is None:
-                    process.kill()
+                pass  # a rank gone or too slow: killed below
         self._closer()
 
 
@@ -218,13 +218,11 @@ class BroadcastRunner:
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:
-    deadline = time.monotonic() + STOP_TIMEOUT_S
+    """Kill what still runs, and reap every process. Also the finalizer of a group dropped without close()."""
     for process in processes:
-        try:
-            process.wait(max(0.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
+        if process.poll() is None:
             process.kill()
-            process.wait()
+        process.wait()
 
 
 def exit_status(returncode: int) -> str:

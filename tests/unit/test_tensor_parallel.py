@@ -119,6 +119,18 @@ def test_closing_the_engine_ends_its_workers(checkpoints):
     assert child_pids() - before == set()
 
 
+def test_an_engine_dropped_without_close_leaves_no_worker(checkpoints):
+    import gc
+
+    before = child_pids()
+    engine = Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
+    assert child_pids() - before
+    started = time.monotonic()
+    del engine
+    gc.collect()  # the workers wait for a plan that never comes: they are killed, not waited for
+    assert child_pids() - before == set() and time.monotonic() - started < 5
+
+
 def test_a_rank_that_dies_fails_the_engine_with_its_name_and_no_hang(checkpoints):
     before = child_pids()
     engine = Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
