@@ -9,10 +9,9 @@ Per batch (one 32-token block per request over a cached 512-token context), thre
 Each is timed as the forward alone (CUDA events around the runner's forward: a graph replay) and as the runner's
 whole step (forward, sampler, acceptance, the step's one sync), with the ratios against merged and the floors:
 weight streaming = the model's bytes / the measured HBM bandwidth, compute = 2 * params * tokens / the measured
-bf16 matmul rate. Beside the mixed case, `delta_ms` is its LoRA deltas alone: every adapted projection of every
-layer through the segmented kernels, over the segment table and bound its graph uses, in one CUDA graph (eager on
-the CPU). A check compares the logits of the unmerged step with adapter 0 on every row against the merged step's.
-It writes lora.csv and lora.md to --out.
+bf16 matmul rate. Beside the mixed case, `delta_ms` is its LoRA work alone (`delta_ms` below), over the segment
+table and bound its graph uses, in one CUDA graph (eager on the CPU). A check compares the logits of the unmerged
+step with adapter 0 on every row against the merged step's. It writes lora.csv and lora.md to --out.
 
     PYTHONPATH=. python benchmarks/lora.py --out DIR            # GPU: LLaDA-8B, batch 1 and 32
     PYTHONPATH=. python benchmarks/lora.py --smoke --out DIR    # anywhere: a tiny model, one iteration each
@@ -33,12 +32,13 @@ from source_checkout import map_kernels_package  # noqa: E402
 
 map_kernels_package()
 
-from diffulex_backend.layers.lora import LoraSegments, device_segments, segment_table  # noqa: E402
+from diffulex_backend.layers.lora import LoraSegments, device_segments, row_slots, segment_table  # noqa: E402
 from diffulex_backend.lora import attach_adapters, has_adapters, load_adapter, lora_batch, merge_adapter  # noqa: E402
 from diffulex_backend.lora import TARGETS as LORA_ATTRIBUTES  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model, write_peft_adapter  # noqa: E402
-from diffulex_kernels.lora import add_lora_segments  # noqa: E402
+from diffulex_kernels.activation import silu_and_mul  # noqa: E402
+from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora  # noqa: E402
 from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, cached_context_plans, device_ms, fill_cache,  # noqa: E402
                      floors, free_memory, graph_replay_ms, make_engine, measure_ceilings, wall_ms, write_model_dir)
 
@@ -93,7 +93,9 @@ def graph_segments(engine, plans) -> LoraSegments:
 
 
 def delta_ms(model, segments: LoraSegments, tokens: int, reps: int) -> float:
-    """Every adapted projection's LoRA delta of every layer, as the fused forward launches them, on random inputs."""
+    """The LoRA work of every layer as the fused forward launches it, on random inputs: the qkv, o_proj and down_proj
+    deltas, and gate_up's shrink with the SiLU-and-mul its expand is folded into, less the plain SiLU-and-mul that
+    it replaces."""
     device, dtype = model.embed_tokens.weight.device, model.embed_tokens.weight.dtype
     work = []  # (stack, input, output) per projection and layer
     inputs = {}
@@ -108,16 +110,26 @@ def delta_ms(model, segments: LoraSegments, tokens: int, reps: int) -> float:
             out_features, in_features = weight.shape
             if in_features not in inputs:
                 inputs[in_features] = torch.randn(tokens, in_features, device=device, dtype=dtype)
-            work.append((stack, inputs[in_features], torch.randn(tokens, out_features, device=device, dtype=dtype)))
+            work.append((name, stack, inputs[in_features],
+                         torch.randn(tokens, out_features, device=device, dtype=dtype)))
+    slots = row_slots(segments.table, tokens)
 
     def chain():
-        for stack, x, out in work:
-            add_lora_segments(out, x, stack.a, stack.b, segments.table, segments.max_rows)
+        for name, stack, x, out in work:
+            if name == "gate_up_lora":
+                silu_and_mul_lora(out, shrink(x, stack.a, segments.table, segments.max_rows), stack.b, slots)
+            else:
+                add_lora_segments(out, x, stack.a, stack.b, segments.table, segments.max_rows)
+
+    def plain_silu():
+        for name, _, _, out in work:
+            if name == "gate_up_lora":
+                silu_and_mul(out)
 
     with torch.inference_mode():
         if device.type == "cuda":
-            return graph_replay_ms(chain, device, reps)
-        return wall_ms(chain, device)
+            return graph_replay_ms(chain, device, reps) - graph_replay_ms(plain_silu, device, reps)
+        return wall_ms(chain, device) - wall_ms(plain_silu, device)
 
 
 def step_logits(engine, plans) -> torch.Tensor:  # [tokens, vocab] float32
@@ -177,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
         for batch, plans in plans_by_batch.items():
             mixed = [i % NUM_ADAPTERS for i in range(batch)]
             for case, slots in (("unmerged, no adapter rows", [-1] * batch), ("unmerged, mixed", mixed)):
-                cases[batch, case] = (*time_case(engine, with_adapters(plans, slots), settings.reps), len(set(slots) - {-1}))
+                times = time_case(engine, with_adapters(plans, slots), settings.reps)
+                cases[batch, case] = (*times, len(set(slots) - {-1}))
             deltas[batch] = delta_ms(model, graph_segments(engine, plans), batch * BLOCK, settings.reps)
         check_batch = min(settings.batches)
         unmerged = step_logits(engine, with_adapters(plans_by_batch[check_batch], [0] * check_batch))

@@ -18,9 +18,10 @@ small kernels would otherwise cost more than the weights take to stream.
   stride), after the per-head norms.
 - LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
   segmented shrink/expand kernels (`diffulex_kernels.lora`), two launches each: qkv before RoPE, o_proj and
-  down_proj onto their first split-K partial sum (the norm after them adds the rest), gate_up onto the plain
-  product, with SiLU-and-mul as a launch of its own after it (the fused epilogue has no place for a delta before
-  the SiLU). A forward without `lora` launches none of this.
+  down_proj onto their first split-K partial sum (the norm after them adds the rest). gate_up's expand is folded
+  into the SiLU-and-mul that reads the plain product (the streaming kernel's fused epilogue has no place for a
+  delta before the SiLU): its wide output is then read once, not written and read again. A forward without
+  `lora` launches none of this.
 Roundings differ from the torch modules only where a kernel keeps float32 between two ops that the modules round
 in between.
 """
@@ -29,16 +30,15 @@ from __future__ import annotations
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
-from diffulex_backend.layers.lora import LoraSegments, LoraStack
+from diffulex_backend.layers.lora import LoraSegments, LoraStack, row_slots
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
-from diffulex_kernels.activation import silu_and_mul
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
-from diffulex_kernels.lora import add_lora_segments
+from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 
 
@@ -56,6 +56,7 @@ def fused_forward(
     first_norm = model.layers[0].attn_norm
     x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    slots = None if lora is None else row_slots(lora.table, input_ids.shape[0])  # for gate_up's SiLU
     for index, (layer, next_norm) in enumerate(zip(model.layers, norms_after)):
         k_cache = v_cache = None
         if kv_cache is not None:
@@ -66,7 +67,7 @@ def fused_forward(
         if isinstance(mlp, MoE):
             mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
         else:
-            mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora))
+            mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora, slots))
         x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
     return x
 
@@ -95,12 +96,15 @@ def _add_to_first_partial(partials: torch.Tensor, x: torch.Tensor, stack: LoraSt
     return partials
 
 
-def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None) -> torch.Tensor:  # [S, T, hidden]
-    """down_proj's partial sums of silu(gate) * up."""
-    if lora is None or mlp.gate_up_lora is None:
+def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
+               slots: torch.Tensor | None) -> torch.Tensor:  # [S, T, hidden]
+    """down_proj's partial sums of silu(gate) * up; slots: each row's adapter slot, with `lora`."""
+    stack = mlp.gate_up_lora
+    if lora is None or stack is None:
         h = linear_silu_and_mul(x, mlp.gate_up_proj.weight)  # [T, intermediate]
     else:
-        h = silu_and_mul(_add_lora(linear(x, mlp.gate_up_proj.weight), x, mlp.gate_up_lora, lora))
+        h = silu_and_mul_lora(linear(x, mlp.gate_up_proj.weight), shrink(x, stack.a, lora.table, lora.max_rows),
+                              stack.b, slots)
     return _add_to_first_partial(linear_partials(h, mlp.down_proj.weight), h, mlp.down_lora, lora)
 
 

@@ -73,6 +73,14 @@ def device_segments(batch: LoraBatch, device: torch.device) -> LoraSegments:
     return LoraSegments(torch.tensor(batch.segments, dtype=torch.int64).to(device), batch.max_rows)
 
 
+def row_slots(table: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """[num_rows] int32: each row's adapter slot from a segment table, -1 for a row of no segment. A few tensor ops
+    on the device, so a CUDA graph captures them over its static table."""
+    rows = torch.arange(num_rows, device=table.device)
+    inside = (rows >= table[:, 1:2]) & (rows < table[:, 2:3])  # [S, T]; segments never overlap
+    return torch.where(inside, table[:, 0:1], -1).amax(0).to(torch.int32)
+
+
 def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None,
              lora: LoraBatch | LoraSegments | None) -> torch.Tensor:
     """out [T, out] + each segment's x [rows, in] · A[slot]ᵀ · B[slot]ᵀ, in place on the segment's rows."""

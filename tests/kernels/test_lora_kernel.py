@@ -1,12 +1,13 @@
 """The segmented LoRA shrink/expand kernels match the torch reference (layers/lora.add_lora) on a mixed batch,
-and leave the rows of no segment untouched."""
+and leave the rows of no segment untouched; the SiLU-and-mul with gate_up's expand folded in matches the reference
+delta followed by the SiLU, row by row, whatever adapters a tile of rows spans."""
 from __future__ import annotations
 
 import pytest
 import torch
 
-from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
-from diffulex_kernels.lora import add_lora_segments
+from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora, row_slots
+from diffulex_kernels.lora import MANY_ROWS, add_lora_segments, shrink, silu_and_mul_lora
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
 
 # (rows, in, out, rank width, adapters): LLaDA-8B's qkv at rank 16 x 3 parts, or small ragged ones.
@@ -60,3 +61,35 @@ def test_an_upper_bound_on_segment_rows_gives_the_same_result():
     tight = add_lora_segments(base.clone(), x, a, b, segments, max_rows=7)
     loose = add_lora_segments(base.clone(), x, a, b, segments, max_rows=30)
     assert torch.equal(tight, loose)
+
+
+@pytest.mark.parametrize("rows", [40, MANY_ROWS + 24], ids=["few_rows", "many_rows"])  # tiles of 16 and 32 rows
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_silu_and_mul_with_the_gate_up_delta_matches_the_reference(rows, dtype):
+    # gate_up's two parts side by side along the rank, as attach_adapters stacks them. Segments start off the
+    # tile grid, so one tile holds rows of adapter 2, of no adapter and of adapter 0; two requests share adapter 0.
+    k, size, width, adapters = 48, 40, 8, 3
+    gen = generator(rows)
+    x = randn(rows, k, dtype=dtype, gen=gen)
+    stack = LoraStack(a=randn(adapters, 2 * width, k, dtype=dtype, gen=gen) / k ** 0.5,
+                      b=randn(adapters, 2 * size, 2 * width, dtype=dtype, gen=gen) / width ** 0.5)
+    base = randn(rows, 2 * size, dtype=dtype, gen=gen)
+    third = 21 + (rows - 26) // 2
+    batch = LoraBatch(((2, 3, 11), (0, 14, 21), (0, 21, third), (1, third, rows - 5)))
+    table = torch.tensor(batch.segments, device=DEVICE)
+    bound = max(end - start for _, start, end in batch.segments)
+    out = silu_and_mul_lora(base, shrink(x, stack.a, table, bound), stack.b, row_slots(table, rows))
+
+    adapted = add_lora(base.double().clone(), x.double(), LoraStack(stack.a.double(), stack.b.double()), batch)
+    gate, up = adapted.split(size, dim=-1)
+    reference = torch.nn.functional.silu(gate) * up
+    assert relative_error(out, reference) < REL_TOL[dtype]
+    # Rows of no adapter are the plain SiLU-and-mul of the base product.
+    plain = torch.cat([torch.arange(0, 3), torch.arange(11, 14), torch.arange(rows - 5, rows)]).to(DEVICE)
+    gate, up = base[plain].double().split(size, dim=-1)
+    assert relative_error(out[plain], torch.nn.functional.silu(gate) * up) < REL_TOL[dtype]
+
+
+def test_row_slots_name_each_rows_adapter_and_none_elsewhere():
+    table = torch.tensor([(2, 1, 3), (0, 3, 4), (0, 0, 0), (1, 6, 8)], device=DEVICE)  # an empty padding row
+    assert row_slots(table, 9).tolist() == [-1, 2, 2, 0, -1, -1, 1, 1, -1]
