@@ -16,6 +16,8 @@ small kernels would otherwise cost more than the weights take to stream.
   Dense layers of a MoE model take the dense path above.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
   stride), after the per-head norms.
+- dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
+  ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
 - LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
   segmented shrink/expand kernels (`diffulex_kernels.lora`), two launches each: qkv before RoPE, o_proj and
   down_proj onto their first split-K partial sum (the norm after them adds the rest). gate_up's expand is folded
@@ -40,6 +42,7 @@ from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
+from diffulex_kernels.soft_embedding import soft_embeddings
 
 
 def fused_forward(
@@ -48,11 +51,16 @@ def fused_forward(
     positions: torch.Tensor,  # [T] long
     meta: AttentionMetadata,
     kv_cache: torch.Tensor | None,  # [2, num_layers, num_pages, page_size, kv_heads, head_dim]
-    soft=None,  # models.decoder_lm.SoftInputs: rows fed as embedding mixtures (dmax), in torch ops
+    soft=None,  # models.decoder_lm.SoftInputs: rows fed as embedding mixtures (dmax)
     lora: LoraSegments | None = None,  # which rows take which adapter; None: no adapter
 ) -> torch.Tensor:  # [T, hidden], after the final norm
     cos, sin = rotary_angles(positions, model.arch.rotary_dim, model.arch.rope_theta)  # float32, as the kernel wants
-    residual = model.input_embeddings(input_ids, soft)
+    if soft is not None and model.tp.size == 1:  # one launch; under tensor parallelism the table is sharded
+        merge = soft.merge
+        residual = soft_embeddings(model.embed_tokens.weight, input_ids, soft.ids, soft.coef, merge.mask_token_id,
+                                   smooth=merge.mode == "iter_smooth_topk", renormalize=merge.renormalize)
+    else:
+        residual = model.input_embeddings(input_ids, soft)
     first_norm = model.layers[0].attn_norm
     x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]

@@ -35,6 +35,7 @@ from ..kv_cache import KVCacheManager
 from ..models.decoder_lm import TokenMerge
 from ..plan import LogitBlock, SeqPlan
 from ..registry import Strategy, register_strategy
+from ..sampling import Confidence
 from ..runner import ModelRunner, Predictions
 from ..scheduler import Scheduler
 from .block_diffusion import BlockDiffusionRequest, validate_multi_bd
@@ -121,11 +122,16 @@ class DMaxRunner(ModelRunner):
     def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         tokens = self.acceptance(batch, use_kernel=self.use_kernels)  # [A]
-        if self.token_merge.top_k == 1:  # one reduction; topk's radix select takes several passes over the logits
-            top_logits, top_ids = logits.max(dim=-1, keepdim=True)
+        k = self.token_merge.top_k
+        if k == 1 and all(p.sampling.temperature == 0 and p.sampling.confidence_kind == Confidence.PROB
+                          for p, _ in blocks):
+            # A greedy row's token is its top-1 and a prob confidence that token's probability: the sampler has
+            # already found both, so no pass over the logits is made again.
+            top_ids, top_probs = batch.predicted[:, None], batch.confidence[:, None]
         else:
-            top_logits, top_ids = logits.topk(self.token_merge.top_k, dim=-1)  # [A, K]
-        top_probs = torch.exp(top_logits.to(batch.logsumexp.dtype) - batch.logsumexp[:, None])
+            # One reduction for K = 1; topk's radix select takes several passes over the logits.
+            top_logits, top_ids = logits.max(dim=-1, keepdim=True) if k == 1 else logits.topk(k, dim=-1)  # [A, K]
+            top_probs = torch.exp(top_logits.to(batch.logsumexp.dtype) - batch.logsumexp[:, None])
         editing = [p.sampling.edit_threshold > 0 for p, _ in blocks]
         if any(editing):
             mask = self.acceptance.mask_token_id

@@ -1,5 +1,5 @@
-"""The decoder forward with Triton kernels (fused norms, in-place RoPE, SiLU-and-mul, paged attention) gives
-the hidden states of the torch modules, over a paged cache written by an earlier forward."""
+"""The decoder forward with Triton kernels (fused norms, in-place RoPE, SiLU-and-mul, paged attention, dmax's soft
+input rows) gives the hidden states of the torch modules, over a paged cache written by an earlier forward."""
 from __future__ import annotations
 
 import pytest
@@ -7,6 +7,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.models.decoder_lm import SoftInputs, TokenMerge
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_model
 from kernel_cases import DEVICE, REL_TOL, relative_error
 
@@ -42,19 +43,24 @@ def test_fused_forward_matches_the_torch_modules(model_name):
     pages = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
     # A causal prefill of two prompts (6 and 9 tokens) stores every token, then a decode step feeds an
-    # 8-token block per sequence over that cached context, bidirectional inside the block.
+    # 8-token block per sequence over that cached context, bidirectional inside the block, with dmax's soft
+    # inputs on some of its rows.
     prefill = metadata([6, 9], [0, 0], list(range(6)) + list(range(9)),
                        [pages[0][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(6)]
                        + [pages[1][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(9)], pages)
     decode = metadata([8, 8], [6, 9], [6] * 8 + [9] * 8, [-1] * 16, pages)
     gen = torch.Generator().manual_seed(3)
+    probs = torch.rand(16, 2, generator=gen) * 0.6
+    weights = torch.tensor([1.0, 0.0, 0.5, 1.0] * 4)[:, None]  # 0: the row is its token
+    soft = SoftInputs(torch.randint(0, 258, (16, 2), generator=gen).to(DEVICE),
+                      torch.cat([probs, weights], 1).to(DEVICE), TokenMerge(MASK_TOKEN_ID, "dmax_topk", True, 2))
     steps = [
-        (torch.randint(0, 258, (15,), generator=gen), torch.cat([torch.arange(6), torch.arange(9)]), prefill),
-        (torch.full((16,), MASK_TOKEN_ID), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]), decode),
+        (torch.randint(0, 258, (15,), generator=gen), torch.cat([torch.arange(6), torch.arange(9)]), prefill, None),
+        (torch.full((16,), MASK_TOKEN_ID), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]), decode, soft),
     ]
     with torch.inference_mode():
-        for input_ids, positions, meta in steps:
-            want = reference(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[0])
-            got = fused(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[1])
+        for input_ids, positions, meta, soft_inputs in steps:
+            want = reference(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[0], soft_inputs)
+            got = fused(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[1], soft_inputs)
             assert relative_error(got, want) < TOLERANCE
     assert relative_error(caches[1], caches[0]) < TOLERANCE
