@@ -33,13 +33,13 @@ def _mixture(weight_ptr, stride_w, ids, probs, rest, mask_row, hs, h_mask, SMOOT
     return e, mixed
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["mask_token_id"])  # kept a tensor whatever its value: its int64 cast below
 def _soft_embedding_kernel(weight_ptr, input_ids_ptr, ids_ptr, coef_ptr, out_ptr, stride_w, stride_ids, stride_coef,
                            stride_out, hidden, mask_token_id, K, K_TILE: tl.constexpr, SMOOTH: tl.constexpr,
                            RENORMALIZE: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
-    token_row = weight_ptr + tl.load(input_ids_ptr + row) * stride_w
+    token_row = weight_ptr + tl.load(input_ids_ptr + row).to(tl.int64) * stride_w
     out_row = out_ptr + row * stride_out
     w = tl.load(coef_ptr + row * stride_coef + K)
     offsets = tl.arange(0, BLOCK_H)
@@ -51,7 +51,7 @@ def _soft_embedding_kernel(weight_ptr, input_ids_ptr, ids_ptr, coef_ptr, out_ptr
         ks = tl.arange(0, K_TILE)
         k_mask = ks < K
         probs = tl.load(coef_ptr + row * stride_coef + ks, mask=k_mask, other=0.0)
-        ids = tl.load(ids_ptr + row * stride_ids + ks, mask=k_mask, other=0)
+        ids = tl.load(ids_ptr + row * stride_ids + ks, mask=k_mask, other=0).to(tl.int64)
         rest = tl.maximum(1.0 - tl.sum(probs, axis=0), 0.0)
         mask_row = weight_ptr + mask_token_id.to(tl.int64) * stride_w
         scale = 1.0

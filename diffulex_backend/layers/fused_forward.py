@@ -64,7 +64,9 @@ def fused_forward(
     first_norm = model.layers[0].attn_norm
     x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
-    slots = None if lora is None else row_slots(lora.table, input_ids.shape[0])  # for gate_up's SiLU
+    slots = None  # each row's adapter slot, for gate_up's SiLU
+    if lora is not None and any(getattr(layer.mlp, "gate_up_lora", None) is not None for layer in model.layers):
+        slots = row_slots(lora.table, input_ids.shape[0])
     for index, (layer, next_norm) in enumerate(zip(model.layers, norms_after)):
         k_cache = v_cache = None
         if kv_cache is not None:

@@ -75,10 +75,14 @@ def device_segments(batch: LoraBatch, device: torch.device) -> LoraSegments:
 
 def row_slots(table: torch.Tensor, num_rows: int) -> torch.Tensor:
     """[num_rows] int32: each row's adapter slot from a segment table, -1 for a row of no segment. A few tensor ops
-    on the device, so a CUDA graph captures them over its static table."""
-    rows = torch.arange(num_rows, device=table.device)
-    inside = (rows >= table[:, 1:2]) & (rows < table[:, 2:3])  # [S, T]; segments never overlap
-    return torch.where(inside, table[:, 0:1], -1).amax(0).to(torch.int32)
+    on the device, so a CUDA graph captures them over its static table: slot + 1 is added at each segment's first
+    row and taken off at its end, and the running sum is then the slot + 1 of every row (segments never overlap;
+    an empty one cancels itself)."""
+    marks = torch.zeros(num_rows + 1, dtype=torch.int64, device=table.device)
+    plus_one = table[:, 0] + 1
+    marks.index_add_(0, table[:, 1], plus_one)
+    marks.index_add_(0, table[:, 2], -plus_one)
+    return (marks.cumsum(0)[:num_rows] - 1).to(torch.int32)
 
 
 def add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None,

@@ -35,8 +35,8 @@ from ..kv_cache import KVCacheManager
 from ..models.decoder_lm import TokenMerge
 from ..plan import LogitBlock, SeqPlan
 from ..registry import Strategy, register_strategy
-from ..sampling import Confidence
 from ..runner import ModelRunner, Predictions
+from ..sampling import Confidence
 from ..scheduler import Scheduler
 from .block_diffusion import BlockDiffusionRequest, validate_multi_bd
 

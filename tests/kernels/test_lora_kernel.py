@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+import diffulex_kernels.lora as lora_kernels
 from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora, row_slots
 from diffulex_kernels.lora import MANY_ROWS, add_lora_segments, shrink, silu_and_mul_lora
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
@@ -90,6 +91,39 @@ def test_silu_and_mul_with_the_gate_up_delta_matches_the_reference(rows, dtype):
     assert relative_error(out[plain], torch.nn.functional.silu(gate) * up) < REL_TOL[dtype]
 
 
+@pytest.mark.parametrize("sum_first", [False, True], ids=["partials_read", "partials_summed_first"])
+def test_split_partial_sums_give_the_reference_whether_or_not_they_are_added_up_first(sum_first, monkeypatch):
+    # K = 300 splits into shares of 128, so the readers get several partial sums; a threshold of 0 bytes makes
+    # both readers (the expand and the SiLU) take the one-launch sum first.
+    if sum_first:
+        monkeypatch.setattr(lora_kernels, "SUM_FIRST_BYTES", 0)
+    rows, k, size, width, adapters = 24, 300, 24, 8, 2
+    gen = generator(9)
+    x = randn(rows, k, dtype=torch.float32, gen=gen)
+    stack = LoraStack(a=randn(adapters, 2 * width, k, dtype=torch.float32, gen=gen) / k ** 0.5,
+                      b=randn(adapters, 2 * size, 2 * width, dtype=torch.float32, gen=gen) / width ** 0.5)
+    base = randn(rows, 2 * size, dtype=torch.float32, gen=gen)
+    batch = LoraBatch(((1, 2, 10), (0, 12, 22)))
+    table = torch.tensor(batch.segments, device=DEVICE)
+    partials = shrink(x, stack.a, table, 10)
+    assert partials.shape[0] == 3
+    reference = add_lora(base.double().clone(), x.double(), LoraStack(stack.a.double(), stack.b.double()), batch)
+    out = add_lora_segments(base.clone(), x, stack.a, stack.b, table, 10)
+    assert relative_error(out - base, reference - base.double()) < 1e-5
+    gate, up = reference.split(size, dim=-1)
+    h = silu_and_mul_lora(base, partials, stack.b, row_slots(table, rows))
+    assert relative_error(h, torch.nn.functional.silu(gate) * up) < 1e-5
+
+
+def test_mismatched_silu_inputs_are_refused():
+    gen = generator(4)
+    gate_up, b = randn(8, 32, dtype=torch.float32, gen=gen), randn(2, 32, 8, dtype=torch.float32, gen=gen)
+    with pytest.raises(ValueError, match="do not fit"):
+        silu_and_mul_lora(gate_up, torch.zeros(1, 8, 8, device=DEVICE), b, torch.full((7,), -1, device=DEVICE))
+
+
 def test_row_slots_name_each_rows_adapter_and_none_elsewhere():
     table = torch.tensor([(2, 1, 3), (0, 3, 4), (0, 0, 0), (1, 6, 8)], device=DEVICE)  # an empty padding row
     assert row_slots(table, 9).tolist() == [-1, 2, 2, 0, -1, -1, 1, 1, -1]
+    assert row_slots(torch.tensor([(1, 0, 4)], device=DEVICE), 4).tolist() == [1, 1, 1, 1]  # ends at the last row
+    assert row_slots(torch.zeros(0, 3, dtype=torch.int64, device=DEVICE), 3).tolist() == [-1, -1, -1]

@@ -43,6 +43,15 @@ def test_soft_rows_match_the_reference(k, mode, renormalize, dtype):
     assert not torch.equal(out[~hard], weight[input_ids[~hard]])
 
 
+@pytest.mark.parametrize("mask_token_id", [0, 1])  # Triton folds an int argument of 1 into a constant
+def test_any_mask_token_id_compiles_and_mixes_its_row(mask_token_id):
+    weight, input_ids, ids, coef = inputs(1, torch.float32)
+    merge = TokenMerge(mask_token_id, "dmax_topk", True, 1)
+    expected = reference(lambda t: torch.nn.functional.embedding(t, weight), input_ids, SoftInputs(ids, coef, merge))
+    out = soft_embeddings(weight, input_ids, ids, coef, mask_token_id, smooth=False, renormalize=True)
+    assert relative_error(out, expected) < 1e-6
+
+
 def test_mismatched_coefficients_are_refused():
     weight, input_ids, ids, coef = inputs(2, torch.float32)
     with pytest.raises(ValueError, match="do not fit"):
