@@ -83,8 +83,10 @@ def fused_forward(
 
 
 def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
-    """A row-parallel product's split-K partial sums ([S, T, hidden], float32) as they go to the residual-add norm:
-    unchanged on one rank (the norm adds them up); under tensor parallelism summed here and over ranks, in float32."""
+    """A row-parallel product's partial sums ([S, T, hidden]) as they go to the residual-add norm: unchanged on one
+    rank (the norm adds them up); under tensor parallelism summed here and over ranks, in their dtype: float32 from
+    the streaming kernel, the activation dtype from cuBLAS past its MAX_TOKENS rows (one product, S = 1), where the
+    all-reduce then moves half the bytes and each rank's share is rounded before the sum."""
     if tp.size == 1:
         return partials
     return tp.all_reduce(partials.sum(0) if partials.dim() == 3 else partials)
