@@ -23,12 +23,11 @@ with empty segments (first row = end row, whose programs return at once), and a 
 """
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .dtypes import dot_dtype
 from .pdl import use_pdl, wait_for_previous_kernel
 
 BLOCK_K = 128  # the shrink's step along the hidden size
@@ -158,9 +157,9 @@ def _silu_and_mul_lora_kernel(x_ptr, s_ptr, b_ptr, slot_ptr, out_ptr, stride_x, 
 
 
 def _native_dots(weights: torch.Tensor) -> bool:
-    """Whether the dots take 16-bit operands as they are (`_dot`): 16-bit weights, compiled. Triton's interpreter
-    (the CPU path) multiplies 16-bit dots wrongly, so there they go through float32."""
-    return weights.element_size() == 2 and os.environ.get("TRITON_INTERPRET") != "1"
+    """Whether the dots take 16-bit operands as they are (`_dot`): where `dot_dtype` keeps the weights' own dtype
+    (a GPU), not under the interpreter, which multiplies 16-bit dots wrongly."""
+    return dot_dtype(weights) != tl.float32
 
 
 def _rank_block(r: int) -> int:
