@@ -14,11 +14,20 @@ from .tensor_parallel import TensorParallel
 
 
 def resolve_device(name: str) -> torch.device:
+    """The device a setting names. A GPU always carries its index (`cuda:N`): every thread starts on GPU 0, so a
+    bare `cuda` would mean the GPU of whichever thread reads it, and `torch.cuda.set_device` refuses it."""
     if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        name = "cuda" if torch.cuda.is_available() else "cpu"
     device = torch.device(name)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type != "cuda":
+        return device
+    if not torch.cuda.is_available():
         raise ValueError(f"config field 'device' is {name!r}, but no CUDA device is available")
+    if device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        raise ValueError(f"config field 'device' is {name!r}, but this machine has {torch.cuda.device_count()} "
+                         f"CUDA device(s)")
     return device
 
 

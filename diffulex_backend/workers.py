@@ -49,10 +49,11 @@ class RankFailure(RuntimeError):
 
 
 def rank_device(device: torch.device, rank: int) -> torch.device:
-    """Rank r of an engine on cuda:d runs on cuda:d+r; on the CPU every rank is a process on the CPU."""
+    """Rank r of an engine on cuda:d runs on cuda:d+r; on the CPU every rank is a process on the CPU. The engine's
+    device is resolved (model_setup.resolve_device), so a GPU always carries its index."""
     if device.type != "cuda":
         return device
-    return torch.device("cuda", (device.index or 0) + rank)
+    return torch.device("cuda", device.index + rank)
 
 
 def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, object]:
@@ -120,9 +121,9 @@ class WorkerGroup:
 
     def __init__(self, config: Config, device: torch.device):
         size = config.tensor_parallel_size
-        if device.type == "cuda" and (device.index or 0) + size > torch.cuda.device_count():
+        if device.type == "cuda" and device.index + size > torch.cuda.device_count():
             raise ValueError(f"config field 'tensor_parallel_size' is {size}: ranks on {device} onwards need GPUs "
-                             f"up to cuda:{(device.index or 0) + size - 1}, and this machine has "
+                             f"up to cuda:{device.index + size - 1}, and this machine has "
                              f"{torch.cuda.device_count()}")
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
