@@ -15,6 +15,7 @@ from .kv_cache import KVCacheManager
 from .model_setup import load_model_with_adapters, num_kv_pages, resolve_device, resolve_dtype, select_attention
 from .output import Detokenizer, RequestOutput, StepOutput
 from .plan import SchedulerOutput
+from .refusal import Refusal
 from .registry import STRATEGIES
 from .request import FinishReason, Request, RequestStatus
 from .sampling import GREEDY_TEMPERATURE, SamplingParams
@@ -134,34 +135,36 @@ class DiffulexEngine:
             # Every token covers at most max_token_chars characters, so a longer text cannot fit: it is refused
             # before the tokenizer spends seconds on it.
             if len(prompt) > limit * self.max_token_chars:
-                raise ValueError(f"prompt has {len(prompt)} characters; at most {limit * self.max_token_chars} "
-                                 f"can fit max_model_len ({limit}) tokens")
+                raise Refusal(f"prompt has {len(prompt)} characters; at most {limit * self.max_token_chars} "
+                              f"can fit max_model_len ({limit}) tokens", "prompt")
             prompt_ids = self.tokenizer.encode(prompt)
         else:
             prompt_ids = [int(t) for t in prompt]
             bad = [t for t in prompt_ids if not 0 <= t < vocab]
             if bad:
-                raise ValueError(f"prompt token id {bad[0]} is out of range [0, {vocab})")
+                raise Refusal(f"prompt token id {bad[0]} is out of range [0, {vocab})", "input_ids")
         if not prompt_ids:
-            raise ValueError("prompt is empty")
+            raise Refusal("prompt is empty", "prompt")
         if mask in prompt_ids:
-            raise ValueError(f"prompt holds the mask token ({mask}) at position {prompt_ids.index(mask)}; "
-                             "the engine decodes masked positions only in the generation area")
+            raise Refusal(f"prompt holds the mask token ({mask}) at position {prompt_ids.index(mask)}; "
+                          "the engine decodes masked positions only in the generation area", "prompt")
         bad = [t for t in params.stop_token_ids if t >= vocab]
         if bad:
-            raise ValueError(f"sampling parameter 'stop_token_ids' holds {bad[0]}, outside the vocabulary [0, {vocab})")
+            raise Refusal(f"sampling parameter 'stop_token_ids' holds {bad[0]}, outside the vocabulary [0, {vocab})",
+                          "stop_token_ids")
         n, m = len(prompt_ids), params.max_tokens
         if n + m > limit:
-            raise ValueError(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
-                             f"max_model_len ({limit})")
+            raise Refusal(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
+                          f"max_model_len ({limit})", "max_tokens")
         self.req_cls.check_prompt(n, self.config)
         self.req_cls.check_params(params, self.config)
         if params.lora_name is not None and params.lora_name not in self.lora_slots:
-            raise ValueError(f"sampling parameter 'lora_name' is {params.lora_name!r}, which names no adapter; "
-                             f"registered (config field 'lora_modules'): {sorted(self.lora_slots)}")
+            raise Refusal(f"sampling parameter 'lora_name' is {params.lora_name!r}, which names no adapter; "
+                          f"registered (config field 'lora_modules'): {sorted(self.lora_slots)}", "lora_name")
         pages = -(-(n + m) // self.config.page_size)
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
-            raise ValueError(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}")
+            raise Refusal(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}",
+                          "max_tokens")
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
         # The step packs both into int64 tensors: the noise hash takes a 32-bit seed (the two halves of a 64-bit
         # one folded together; a seed below 2**32 is unchanged), and a top_k past the vocabulary keeps all of it.

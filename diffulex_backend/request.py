@@ -14,6 +14,7 @@ import numpy as np
 
 from .config import SamplingMode
 from .plan import LogitBlock, RequestSampling, SeqPlan
+from .refusal import Refusal
 from .retention import Retention
 from .sampling import SamplingParams
 
@@ -48,11 +49,11 @@ class Request:
         """Raise ValueError for sampling parameters this strategy cannot honour."""
         for name, strategy in (("sub_block_size", "fast_dllm_v2"), ("edit_threshold", "dmax")):
             if getattr(params, name) is not None and config.decoding_strategy != strategy:
-                raise ValueError(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
-                                 f"not '{config.decoding_strategy}'")
+                raise Refusal(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
+                              f"not '{config.decoding_strategy}'", name)
         if params.retention_ratio not in (None, 1, 1.0) and not cls.SUPPORTS_PAGE_RETENTION:
-            raise ValueError(f"sampling parameter 'retention_ratio' must be 1 or null for decoding_strategy "
-                             f"'{config.decoding_strategy}', which does not drop pages")
+            raise Refusal(f"sampling parameter 'retention_ratio' must be 1 or null for decoding_strategy "
+                          f"'{config.decoding_strategy}', which does not drop pages", "retention_ratio")
 
     def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
                  mask_token_id: int, seed: int, shifted: bool):

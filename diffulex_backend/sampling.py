@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .refusal import Refusal
+
 
 class Confidence(enum.IntEnum):
     PROB = 0  # probability of the chosen token
@@ -53,7 +55,7 @@ class SamplingParams:
 
     def __post_init__(self):
         def fail(name, allowed):
-            raise ValueError(f"sampling parameter '{name}' must be {allowed}, got {_shown(getattr(self, name))}")
+            raise Refusal(f"sampling parameter '{name}' must be {allowed}, got {_shown(getattr(self, name))}", name)
 
         if isinstance(self.stop, str):
             self.stop = [self.stop]
@@ -106,10 +108,10 @@ class SamplingParams:
     @classmethod
     def from_dict(cls, values: dict) -> "SamplingParams":
         if not isinstance(values, dict):
-            raise ValueError(f"sampling parameters must be a JSON object, got {type(values).__name__}")
+            raise Refusal(f"sampling parameters must be a JSON object, got {type(values).__name__}")
         unknown = sorted(set(values) - set(cls.field_names()))
         if unknown:
-            raise ValueError(f"unknown sampling parameter(s) {unknown}; allowed: {cls.field_names()}")
+            raise Refusal(f"unknown sampling parameter(s) {unknown}; allowed: {cls.field_names()}", "unknown")
         return cls(**values)
 
 

@@ -7,8 +7,9 @@ blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_
 picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_lora` (a LoRA
 adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
 engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
-`diffulex_bad_path` and `diffulex_failing` (an engine that fails at every step) are loaded by the tests that need them, which is why the server runs with explicit model
-control. Stopping the server is checked when the session ends.
+`diffulex_bad_path`, `diffulex_failing` (an engine that fails at every step) and `diffulex_dying_*` (a thread of the
+engine loop that ends; tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
+server runs with explicit model control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
 bare GPU machine) the import names `diffulex_kernels` and `diffulex_client` are mapped onto `kernels/` and
@@ -93,6 +94,9 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)
+    for name in ("diffulex_dying_at_start", "diffulex_dying_decoder", "diffulex_dying_responder"):
+        add_model(repository, name, Path(__file__).parent / "server" / "dying_thread_model.py", model=checkpoint,
+                  **TEST_SETTINGS)
     server = TritonServer(repository, repository.parent / "tritonserver.log",
                           ("--model-control-mode=explicit", "--load-model=diffulex",
                            # The server suite loads a model with a bad path on purpose; without this, that

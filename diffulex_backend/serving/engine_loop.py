@@ -13,6 +13,11 @@ pinned on one request: it fails the loop, every open request ends with an INTERN
 refused with UNAVAILABLE, and `on_failure` is told (the model's watchdog then reloads it). While requests are
 open, the response thread also asks `server_is_leaving` twice a second: once the server shuts down or unloads the
 model, every open request ends with UNAVAILABLE at once instead of being cut off.
+
+A thread that ends without being told to (an exception in its set-up, an error that escapes its loop) fails the
+loop the same way, with the cause `THREAD_DEATH`: a model whose threads are gone must never look ready. Whichever
+thread is left answers every request the other one held; when the response thread is the one that ended, the
+decoding thread answers them and stops.
 """
 
 from __future__ import annotations
@@ -60,11 +65,21 @@ class ResponseStream(Protocol):
         """Send an error as the final response."""
 
 
+# The error counter's cause for an error that no failure of the loop explains (metrics.ERROR_CAUSES).
+ERROR_CAUSE_OF_KIND = {ErrorKind.INVALID_ARG: "refused", ErrorKind.CANCELLED: "cancelled",
+                       ErrorKind.INTERNAL: "internal", ErrorKind.UNAVAILABLE: "unavailable"}
+
+
 class LoopState(enum.Enum):
     RUNNING = enum.auto()
     LEAVING = enum.auto()  # the server is shutting down or unloading the model: open requests were ended
-    FAILED = enum.auto()  # engine.step() raised; nothing more is decoded
+    FAILED = enum.auto()  # the engine or one of the loop's threads failed; nothing more is decoded
     STOPPED = enum.auto()
+
+
+class FailureCause(enum.Enum):
+    ENGINE = "engine_failure"  # engine.step() or engine.abort() raised
+    THREAD_DEATH = "thread_death"  # a thread of the loop ended without being told to
 
 
 # Commands, to the decoding thread.
@@ -83,6 +98,13 @@ class Abort:
 
 class Stop:
     pass
+
+
+@dataclass(frozen=True)
+class Halt:
+    """From the response thread as it ends: the decoding thread answers the requests it held, then stops."""
+
+    open_streams: dict[str, ResponseStream]
 
 
 # Events, to the response thread, in the order the decoding thread saw things happen.
@@ -116,7 +138,8 @@ class Aborted:
 
 @dataclass(frozen=True)
 class Failed:
-    message: str
+    cause: FailureCause
+    message: str  # what the clients are told
 
 
 class Stopped:
@@ -136,7 +159,7 @@ class OpenRequest:
 
 class EngineLoop:
     def __init__(self, engine: Diffulex, metrics: ServingMetrics, *, cancel_poll_interval_s: float = 0.02,
-                 on_failure: Callable[[str], None] = lambda message: None,
+                 on_failure: Callable[[FailureCause, str], None] = lambda cause, message: None,
                  server_is_leaving: Callable[[], bool] = lambda: False, server_check_interval_s: float = 0.5):
         self._engine = engine
         self._metrics = metrics
@@ -152,11 +175,19 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._state = LoopState.RUNNING
         self._failure = ""
+        # Which threads have ended (under the lock): the one that ends last answers what the other one held.
+        self._decoding_ended = self._responses_ended = False
         self._request_ids = itertools.count()
-        self._decoding_thread = threading.Thread(target=self._decode, name="diffulex-decoding", daemon=True)
-        self._response_thread = threading.Thread(target=self._respond, name="diffulex-responses", daemon=True)
+        self._decoding_thread = threading.Thread(target=self._run_decoding, name="diffulex-decoding", daemon=True)
+        self._response_thread = threading.Thread(target=self._run_responses, name="diffulex-responses", daemon=True)
+        self._set_up = threading.Event()
         self._decoding_thread.start()
         self._response_thread.start()
+        self._set_up.wait()
+        if self._state is LoopState.FAILED:  # the decoding thread could not set itself up: nothing can be served
+            self._events.put(Stopped())
+            self._response_thread.join()
+            raise RuntimeError(self._failure)
 
     @property
     def state(self) -> LoopState:
@@ -170,7 +201,7 @@ class EngineLoop:
                 self._commands.put(Submit(request_id, prepared, stream, time.monotonic()))
                 return
             message = self._refusal()
-        _send_error(stream, ErrorKind.UNAVAILABLE, message)
+        self._end_with_error(stream, ErrorKind.UNAVAILABLE, message)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """End both threads; requests still open end with UNAVAILABLE once the step under way has ended. A step
@@ -187,32 +218,61 @@ class EngineLoop:
 
     def _refusal(self) -> str:
         if self._state is LoopState.FAILED:
-            return f"the engine failed and this model can no longer serve: {self._failure}"
+            return self._failure
         if self._state is LoopState.LEAVING:
             return LEAVING_MESSAGE
         return "the model is being unloaded"
 
     # ---- decoding thread ----------------------------------------------------------------------------------
-    def _decode(self) -> None:
-        live: set[str] = set()
+    def _run_decoding(self) -> None:
+        """The decoding thread, set-up included: any way out but a Stop or a Halt fails the loop."""
+        live: dict[str, ResponseStream] = {}  # the requests the engine holds, and where they are answered
+        try:
+            self._enter_device()
+        except BaseException as err:  # noqa: BLE001 (the constructor raises it, and the model does not load)
+            logger.critical("the decoding thread could not start", exc_info=True)
+            with self._lock:
+                self._state = LoopState.FAILED
+                self._failure = f"the decoding thread could not start: {type(err).__name__}: {err}"
+            self._set_up.set()
+            return
+        self._set_up.set()
+        try:
+            self._decode(live)
+            return
+        except BaseException as err:  # noqa: BLE001 (whatever ends this thread must not leave requests waiting)
+            logger.critical("the decoding thread stopped", exc_info=True)
+            cause = f"{type(err).__name__}: {err}"
+        self._fail(FailureCause.THREAD_DEATH,
+                   f"the decoding thread stopped and this model can no longer serve: {cause}", live)
+
+    def _enter_device(self) -> None:
         device = self._engine.device
         if device.type == "cuda":
             # A new thread's current device is GPU 0; the Triton kernels launch on the current one.
             torch.cuda.set_device(device)
+
+    def _decode(self, live: dict[str, ResponseStream]) -> None:
         try:
             while True:
                 for command in self._next_commands(block=not self._engine.has_unfinished_requests()):
                     if isinstance(command, Stop):
                         self._events.put(Stopped())
                         return
+                    if isinstance(command, Halt):
+                        self._answer_all({**live, **command.open_streams}, FailureCause.THREAD_DEATH)
+                        return
                     self._apply(command, live)
                 if self._engine.has_unfinished_requests():
                     outputs = self._engine.step()
-                    live.difference_update(out.request_id for out in outputs if out.finished)
+                    for out in outputs:
+                        if out.finished:
+                            live.pop(out.request_id, None)
                     self._events.put(Stepped(outputs, self._engine.metrics(), time.monotonic()))
         except Exception as err:  # the engine's state is unknown now: stop decoding rather than guess
             logger.exception("the engine failed")
-            self._fail(f"{type(err).__name__}: {err}")
+            self._fail(FailureCause.ENGINE,
+                       f"the engine failed and this model can no longer serve: {type(err).__name__}: {err}", live)
 
     def _next_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -222,7 +282,7 @@ class EngineLoop:
             except queue.Empty:
                 return commands
 
-    def _apply(self, command, live: set[str]) -> None:
+    def _apply(self, command, live: dict[str, ResponseStream]) -> None:
         if isinstance(command, Submit):
             try:
                 self._engine.add_request(command.prepared, request_id=command.request_id)
@@ -230,30 +290,85 @@ class EngineLoop:
                 logger.exception("add_request failed")
                 self._events.put(Rejected(command.stream, ErrorKind.INTERNAL, f"{type(err).__name__}: {err}"))
                 return
-            live.add(command.request_id)
+            live[command.request_id] = command.stream
             self._events.put(Opened(command.request_id, command.stream, command.arrival_time, self._engine.metrics()))
         elif isinstance(command, Abort) and command.request_id in live:
             self._engine.abort(command.request_id)
-            live.discard(command.request_id)
+            del live[command.request_id]
             self._events.put(Aborted(command.request_id, self._engine.metrics()))
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, cause: FailureCause, message: str, live: dict[str, ResponseStream]) -> None:
+        """On the decoding thread, as it ends: refuse what is queued for it, and tell the response thread, or answer
+        everything here when that thread has ended too."""
         with self._lock:
             self._failure = message
-            if self._state is LoopState.RUNNING:
+            if self._state in (LoopState.RUNNING, LoopState.LEAVING):
                 self._state = LoopState.FAILED
-            refusal = self._refusal()
-            pending = self._next_commands(block=False)
-        self._events.put(Failed(message))
-        for command in pending:
+            self._decoding_ended = True
+            answer_here = self._responses_ended
+            if not answer_here:
+                refusal = self._refusal()
+                self._events.put(Failed(cause, message))
+                for command in self._next_commands(block=False):
+                    if isinstance(command, Submit):
+                        self._events.put(Rejected(command.stream, ErrorKind.UNAVAILABLE, refusal))
+                    elif isinstance(command, Stop):
+                        self._events.put(Stopped())
+        if answer_here:
+            self._answer_all(live, cause)
+            self._report_failure(cause, message)
+
+    def _answer_all(self, open_streams: dict[str, ResponseStream], cause: FailureCause) -> None:
+        """Answer every request still owed a final response, when the thread that would have answered it has ended:
+        `open_streams`, the requests in events that were never read, and those queued for the decoding thread. The
+        loop is FAILED by then, so nothing new is queued."""
+        streams = dict(open_streams)
+        rejected = []
+        while True:
+            try:
+                event = self._events.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(event, Opened):
+                streams[event.request_id] = event.stream
+            elif isinstance(event, Rejected):
+                rejected.append(event)
+        for command in self._next_commands(block=False):
             if isinstance(command, Submit):
-                self._events.put(Rejected(command.stream, ErrorKind.UNAVAILABLE, refusal))
-            elif isinstance(command, Stop):
-                self._events.put(Stopped())
+                streams[command.request_id] = command.stream
+            elif isinstance(command, Halt):
+                streams.update(command.open_streams)
+        for event in rejected:
+            self._end_with_error(event.stream, event.kind, event.message)
+        for stream in streams.values():
+            self._end_with_error(stream, ErrorKind.INTERNAL, self._failure, cause)
 
     # ---- response thread ----------------------------------------------------------------------------------
-    def _respond(self) -> None:
+    def _run_responses(self) -> None:
+        """The response thread: any way out but a Stopped event fails the loop, and the decoding thread answers the
+        requests this one held."""
         open_requests: dict[str, OpenRequest] = {}
+        try:
+            self._respond(open_requests)
+            return
+        except BaseException as err:  # noqa: BLE001 (whatever ends this thread must not leave requests waiting)
+            logger.critical("the response thread stopped", exc_info=True)
+            cause = f"{type(err).__name__}: {err}"
+        message = f"the response thread stopped and this model can no longer serve: {cause}"
+        open_streams = {request_id: request.stream for request_id, request in open_requests.items()}
+        with self._lock:
+            self._failure = message
+            if self._state in (LoopState.RUNNING, LoopState.LEAVING):
+                self._state = LoopState.FAILED
+            self._responses_ended = True
+            answer_here = self._decoding_ended
+            if not answer_here:
+                self._commands.put(Halt(open_streams))
+        if answer_here:
+            self._answer_all(open_streams, FailureCause.THREAD_DEATH)
+        self._report_failure(FailureCause.THREAD_DEATH, message)
+
+    def _respond(self, open_requests: dict[str, OpenRequest]) -> None:
         next_poll = time.monotonic() + self._cancel_poll_interval_s
         next_server_check = time.monotonic() + self._server_check_interval_s
         while True:
@@ -265,7 +380,7 @@ class EngineLoop:
                 event = None
             if isinstance(event, Stopped):
                 for request in open_requests.values():
-                    _send_error(request.stream, ErrorKind.UNAVAILABLE, "the model is being unloaded")
+                    self._end_with_error(request.stream, ErrorKind.UNAVAILABLE, "the model is being unloaded")
                 return
             try:  # whatever goes wrong with one event, this thread must live on to answer the others
                 if event is not None:
@@ -293,15 +408,29 @@ class EngineLoop:
             self._metrics.update_engine(event.snapshot)
             request = open_requests.pop(event.request_id, None)
             if request is not None:
-                _send_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+                self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
         elif isinstance(event, Rejected):
-            _send_error(event.stream, event.kind, event.message)
+            self._end_with_error(event.stream, event.kind, event.message)
         elif isinstance(event, Failed):
-            message = f"the engine failed and this model can no longer serve: {event.message}"
             for request in open_requests.values():
-                _send_error(request.stream, ErrorKind.INTERNAL, message)
+                self._end_with_error(request.stream, ErrorKind.INTERNAL, event.message, event.cause)
             open_requests.clear()
-            self._on_failure(event.message)
+            self._report_failure(event.cause, event.message)
+
+    def _end_with_error(self, stream: ResponseStream, kind: ErrorKind, message: str,
+                        cause: FailureCause | None = None) -> None:
+        """Send the error as the stream's final response, and count it under its cause."""
+        _send_error(stream, kind, message)
+        try:
+            self._metrics.count_errors(cause.value if cause is not None else ERROR_CAUSE_OF_KIND[kind])
+        except Exception:
+            logger.exception("counting an error failed")
+
+    def _report_failure(self, cause: FailureCause, message: str) -> None:
+        try:
+            self._on_failure(cause, message)
+        except Exception:
+            logger.exception("reporting the failure failed")
 
     def _deliver(self, output: StepOutput, now: float, open_requests: dict[str, OpenRequest]) -> int:
         """Send what the output is due; returns the generated tokens it delivered."""
@@ -311,7 +440,7 @@ class EngineLoop:
         if request.cancelling:
             if output.finished:  # it finished before the abort arrived, so no Aborted event will come
                 del open_requests[output.request_id]
-                _send_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+                self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
             return 0
         try:
             self._observe(request, output, now)
@@ -323,7 +452,8 @@ class EngineLoop:
             logger.exception("sending a response failed")
             del open_requests[output.request_id]
             self._commands.put(Abort(output.request_id))  # free its pages
-            _send_error(request.stream, ErrorKind.INTERNAL, f"building the response failed: {type(err).__name__}: {err}")
+            self._end_with_error(request.stream, ErrorKind.INTERNAL,
+                                 f"building the response failed: {type(err).__name__}: {err}")
             return 0
         if output.finished:
             del open_requests[output.request_id]
@@ -353,7 +483,7 @@ class EngineLoop:
                        len(open_requests))
         for request_id, request in open_requests.items():
             self._commands.put(Abort(request_id))
-            _send_error(request.stream, ErrorKind.UNAVAILABLE, LEAVING_MESSAGE)
+            self._end_with_error(request.stream, ErrorKind.UNAVAILABLE, LEAVING_MESSAGE)
         open_requests.clear()
 
     def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:

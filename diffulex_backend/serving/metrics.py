@@ -22,10 +22,16 @@ REQUEST_LATENCY_BUCKETS_S = [0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 12
 # Committed tokens per forward pass a request took part in: 1 is autoregressive speed, more is the gain of
 # parallel decoding.
 TOKENS_PER_FORWARD_BUCKETS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.0, 32.0]
+# Why a request ended with an error: refused as sent (INVALID_ARG), cancelled by its client, ended by an engine
+# failure or by a thread of the model that stopped, refused while the model cannot serve (UNAVAILABLE), or a fault
+# of ours that touched that request alone (INTERNAL).
+ERROR_CAUSES = ("refused", "cancelled", "engine_failure", "thread_death", "unavailable", "internal")
 
 
 class ServingMetrics:
-    def __init__(self, metric_family, labels: dict[str, str]):
+    def __init__(self, metric_family, labels: dict[str, str], refusal_fields: tuple[str, ...] = ()):
+        """`refusal_fields`: the fields a refusal may name; any other name is counted as "other", so that a client
+        cannot grow the label set."""
         def metric(name, description, kind, buckets=None):
             family = metric_family(name=name, description=description, kind=kind)
             self._families.append(family)  # a family unregisters when it is garbage collected
@@ -53,6 +59,23 @@ class ServingMetrics:
         self.prefix_cache_hit_ratio = metric(
             "diffulex_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
             gauge)
+
+        errors = metric_family(name="diffulex_request_errors_total",
+                               description="Requests that ended with an error, by cause", kind=counter)
+        refusals = metric_family(name="diffulex_request_refusals_total",
+                                 description="Requests refused as sent, by the field the refusal names", kind=counter)
+        self._families += [errors, refusals]
+        self._errors = {cause: errors.Metric(labels={**labels, "cause": cause}) for cause in ERROR_CAUSES}
+        self._refusals = {field: refusals.Metric(labels={**labels, "field": field})
+                          for field in (*refusal_fields, "other")}
+
+    def count_errors(self, cause: str, count: int = 1) -> None:
+        if count:
+            self._errors[cause].increment(count)
+
+    def count_refusal(self, field: str) -> None:
+        self._errors["refused"].increment(1)
+        self._refusals[field if field in self._refusals else "other"].increment(1)
 
     def update_engine(self, snapshot: EngineMetrics) -> None:
         """Set the gauges that changed since the last snapshot: each set is a round trip to the server, and most

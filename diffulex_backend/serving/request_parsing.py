@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from ..refusal import Refusal
 from ..sampling import SamplingParams
 from .text_values import field_types, from_text
 
@@ -52,7 +53,7 @@ MAX_PARAMETERS_CHARS = 65536
 MAX_JSON_DEPTH = 8
 
 
-class BadRequest(ValueError):
+class BadRequest(Refusal):
     """The request cannot be served as sent; the message is returned to the client."""
 
 
@@ -78,20 +79,21 @@ def parse_request(inputs: Mapping[str, np.ndarray], request_parameters: str = ""
 def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
     if "input_ids" in inputs:
         if "text_input" in inputs:
-            raise BadRequest("send either 'text_input' or 'input_ids', not both")
+            raise BadRequest("send either 'text_input' or 'input_ids', not both", "input_ids")
         ids = np.asarray(inputs["input_ids"])
         if ids.dtype != np.int32:
-            raise BadRequest(f"input 'input_ids' must be INT32, got {ids.dtype}")
+            raise BadRequest(f"input 'input_ids' must be INT32, got {ids.dtype}", "input_ids")
         if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
-            raise BadRequest(f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(ids.shape)}")
+            raise BadRequest(f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(ids.shape)}",
+                             "input_ids")
         if ids.size == 0:
-            raise BadRequest("input 'input_ids' is empty")
+            raise BadRequest("input 'input_ids' is empty", "input_ids")
         return ids.reshape(-1).tolist()
     if "text_input" not in inputs:
-        raise BadRequest("missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)")
+        raise BadRequest("missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)", "prompt")
     text = _read_string(inputs, "text_input")
     if not text:
-        raise BadRequest("input 'text_input' is empty")
+        raise BadRequest("input 'text_input' is empty", "text_input")
     return text
 
 
@@ -115,7 +117,8 @@ def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: 
     try:
         return SamplingParams.from_dict({key: _converted(key, value) for key, value in values.items()})
     except (TypeError, ValueError) as err:
-        raise BadRequest(f"{' + '.join(sources) or 'sampling parameters'}: {err}") from None
+        raise BadRequest(f"{' + '.join(sources) or 'sampling parameters'}: {err}",
+                         getattr(err, "field", "sampling_parameters")) from None
 
 
 def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:
@@ -124,7 +127,7 @@ def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:
         if name in inputs:
             values[key] = _read_scalar(inputs, name)
     if "beam_width" in inputs and _read_scalar(inputs, "beam_width") != 1:
-        raise BadRequest("input 'beam_width' must be 1: diffusion decoding has no beam search")
+        raise BadRequest("input 'beam_width' must be 1: diffusion decoding has no beam search", "beam_width")
     if "end_id" in inputs:
         values["stop_token_ids"] = [_read_scalar(inputs, "end_id")]
     if "stop_words" in inputs:
@@ -194,9 +197,9 @@ def _json_depth(raw: str) -> int:
 def _read_string(inputs: Mapping[str, np.ndarray], name: str) -> str:
     array = np.asarray(inputs[name])
     if array.dtype != np.object_ and array.dtype.kind not in "SU":
-        raise BadRequest(f"input '{name}' must be a STRING (BYTES) tensor, got {array.dtype}")
+        raise BadRequest(f"input '{name}' must be a STRING (BYTES) tensor, got {array.dtype}", name)
     if array.size != 1:
-        raise BadRequest(f"input '{name}' must hold exactly one string, got {array.size}")
+        raise BadRequest(f"input '{name}' must hold exactly one string, got {array.size}", name)
     return _decoded(array.reshape(-1)[0], name)
 
 
@@ -205,16 +208,16 @@ def _decoded(value, name: str) -> str:
         try:
             return value.decode("utf-8")
         except UnicodeDecodeError as err:
-            raise BadRequest(f"input '{name}' is not valid UTF-8: {err}") from None
+            raise BadRequest(f"input '{name}' is not valid UTF-8: {err}", name) from None
     return str(value)
 
 
 def _read_scalar(inputs: Mapping[str, np.ndarray], name: str):
     array = np.asarray(inputs[name])
     if array.size != 1:
-        raise BadRequest(f"input '{name}' must hold exactly one value, got {array.size}")
+        raise BadRequest(f"input '{name}' must hold exactly one value, got {array.size}", name)
     if array.dtype.kind not in "iuf":
-        raise BadRequest(f"input '{name}' must be a number, got {array.dtype}")
+        raise BadRequest(f"input '{name}' must be a number, got {array.dtype}", name)
     return array.reshape(-1)[0].item()
 
 
@@ -223,7 +226,7 @@ def _read_bool(inputs: Mapping[str, np.ndarray], name: str) -> bool:
         return False
     array = np.asarray(inputs[name])
     if array.dtype != np.bool_:
-        raise BadRequest(f"input '{name}' must be BOOL, got {array.dtype}")
+        raise BadRequest(f"input '{name}' must be BOOL, got {array.dtype}", name)
     if array.size != 1:
-        raise BadRequest(f"input '{name}' must hold exactly one value, got {array.size}")
+        raise BadRequest(f"input '{name}' must hold exactly one value, got {array.size}", name)
     return bool(array.reshape(-1)[0])

@@ -5,7 +5,12 @@ fault in native code), every request gets "Stub process ... is not healthy" whil
 answers 200, until the server is restarted. So the model starts this watchdog as a child process in its own
 session, with a pipe to it, and tells it how things end:
   * "clean" on a normal finalize: the watchdog exits;
-  * "reload" when the engine has failed: the watchdog reloads the model, which gets a fresh process and engine;
+  * "reload" when the engine has failed, or a thread of the model ended: the watchdog reloads the model, which gets
+    a fresh process and engine;
+  * "reload-at-start" for the same, when the engine had served no step since the load: the watchdog reloads the
+    model unless it has done so MAX_RELOADS_AT_START times in the last RELOAD_WINDOW_S seconds already. A model
+    that fails before its first step on every load then stays unloaded (not ready), and the log says why, rather
+    than being reloaded for ever;
   * nothing (the pipe closes because the stub died): the watchdog reloads the model.
 Reloading is unload, then load: the model reports not ready, and new requests get "unknown model", as soon as the
 unload is asked; it is back once the load ends. The repository API needs `--model-control-mode=explicit`; the
@@ -24,12 +29,29 @@ import http.client
 import json
 import logging
 import sys
+import tempfile
 import time
+from pathlib import Path
 
 logger = logging.getLogger("diffulex.stub_watchdog")
 
-CLEAN, RELOAD = b"clean", b"reload"
+CLEAN, RELOAD, RELOAD_AT_START = b"clean", b"reload", b"reload-at-start"
 LOAD_TIMEOUT_S = 3600  # a large checkpoint loads for minutes
+MAX_RELOADS_AT_START = 3
+RELOAD_WINDOW_S = 600.0
+
+
+def reloads_file(server_pid: int, model: str) -> Path:
+    """Where the reloads at start of one model of one server are kept: each watchdog lives for one load only."""
+    return Path(tempfile.gettempdir()) / f"diffulex-watchdog-{server_pid}-{model}.json"
+
+
+def recent_reloads_at_start(path: Path, now: float) -> list[float]:
+    try:
+        times = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    return [t for t in times if isinstance(t, (int, float)) and now - t < RELOAD_WINDOW_S]
 
 
 def process_is_gone(pid: int) -> bool:
@@ -82,12 +104,27 @@ def watch(stub_pid: int, model: str, host: str, port: int, server_pid: int) -> N
     word = sys.stdin.buffer.readline().strip()
     if word == CLEAN:
         return
-    if word != RELOAD:  # the pipe closed without a word: the stub died, or is dying
+    reloads = reloads_file(server_pid, model)
+    if word == RELOAD_AT_START:
+        now = time.time()
+        recent = recent_reloads_at_start(reloads, now)
+        if len(recent) >= MAX_RELOADS_AT_START:
+            logger.error("model '%s' failed before its first step after each of its last %d reloads (within %d s): "
+                         "unloading it and not reloading it again; load it by hand once the cause is fixed",
+                         model, len(recent), RELOAD_WINDOW_S)
+            if not process_is_gone(server_pid):
+                repository_call(host, port, model, "unload")
+            return
+        reloads.write_text(json.dumps([*recent, now]))
+        logger.warning("model '%s' failed before its first step: reloading it (%d of %d tries)", model,
+                       len(recent) + 1, MAX_RELOADS_AT_START)
+    elif word == RELOAD:
+        reloads.unlink(missing_ok=True)  # it served: a failure at start later counts from zero
+        logger.warning("the engine of model '%s' failed: reloading the model", model)
+    else:  # the pipe closed without a word: the stub died, or is dying
         if not wait_until_gone(stub_pid, timeout_s=5.0):
             return  # it lives: it closed the pipe on its way out of a normal finalize
         logger.warning("the stub of model '%s' (pid %d) died: reloading the model", model, stub_pid)
-    else:
-        logger.warning("the engine of model '%s' failed: reloading the model", model)
     if process_is_gone(server_pid):
         return
     reload_model(host, port, model)

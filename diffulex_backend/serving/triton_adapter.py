@@ -7,6 +7,7 @@ exists only inside the Python backend's stub process.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -17,13 +18,14 @@ import torch
 
 from .. import Diffulex, StepOutput
 from ..warm_up import warm_up
-from .engine_loop import EngineLoop, ErrorKind, LoopState
+from ..sampling import SamplingParams
+from .engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
 from .engine_settings import engine_settings, on_instance_device
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
 from .server_watch import HttpLeaveProbe, ServerWatch, explicit_model_control, http_endpoint, parent_server_args
-from .stub_watchdog import CLEAN, RELOAD
+from .stub_watchdog import CLEAN, RELOAD, RELOAD_AT_START
 
 # Where compiled Triton kernels are kept between loads, unless TRITON_CACHE_DIR says otherwise.
 KERNEL_CACHE_DIR = Path.home() / ".cache" / "diffulex-triton" / "triton"
@@ -58,12 +60,38 @@ def send_error(pb_utils, sender, kind: ErrorKind, message: str) -> None:
                 flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
 
 
+class TritonLogHandler(logging.Handler):
+    """The engine's log records (loading, warm-up, failures) into Triton's log, at the matching level, so that
+    `--log-info=false` and `--log-warning=false` turn them off like the server's own lines."""
+
+    def __init__(self, pb_utils, prefix: str):
+        super().__init__(logging.INFO)
+        self._logger = pb_utils.Logger
+        self._prefix = prefix
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            text = f"{self._prefix}: {self.format(record)}"
+            if record.levelno >= logging.ERROR:
+                self._logger.log_error(text)
+            elif record.levelno >= logging.WARNING:
+                self._logger.log_warn(text)
+            else:
+                self._logger.log_info(text)
+        except Exception:  # logging must never break what it reports on
+            self.handleError(record)
+
+
 class TritonAdapter:
     def __init__(self, pb_utils, args: dict):
         """`args` is what Triton passes to `initialize`. A bad setting or checkpoint raises, which fails the
         load with the engine's message."""
         self._pb_utils = pb_utils
         self._model_name = args["model_name"]
+        self._log_handler = TritonLogHandler(pb_utils, self._model_name)
+        package_logger = logging.getLogger("diffulex_backend")
+        package_logger.addHandler(self._log_handler)
+        package_logger.setLevel(logging.INFO)
         parameters = json.loads(args["model_config"]).get("parameters", {})
         settings = on_instance_device(engine_settings(parameters, model_dir=args["model_repository"]),
                                       args["model_instance_kind"], int(args["model_instance_device_id"]))
@@ -81,9 +109,11 @@ class TritonAdapter:
         self._engine.tokenizer.encode("warm")  # settles the tokenizer's state before two threads share it
         # One series per model instance: each instance is a process with an engine of its own. Triton names the
         # instances of one KIND_GPU group alike on every GPU it lists, so the device tells those apart.
-        metrics = ServingMetrics(pb_utils.MetricFamily, {
+        self._metrics = metrics = ServingMetrics(pb_utils.MetricFamily, {
             "model": self._model_name, "version": args["model_version"],
-            "model_instance": args["model_instance_name"], "device": str(self._engine.device)})
+            "model_instance": args["model_instance_name"], "device": str(self._engine.device)},
+            refusal_fields=(*INPUT_NAMES, *SamplingParams.field_names(), "prompt", "unknown"))
+        self._passes_at_ready = self._engine.num_forward_passes
         server_args = parent_server_args(os.getppid())
         endpoint = http_endpoint(server_args)
         self._watchdog = self._start_watchdog(endpoint) if endpoint and explicit_model_control(server_args) else None
@@ -105,11 +135,15 @@ class TritonAdapter:
                 sender = request.get_response_sender()
                 parsed = parse_request(self._read_inputs(request), request.parameters())
                 prepared = self._engine.prepare_request(parsed.prompt, parsed.params)
-            except ValueError as err:  # BadRequest, or a prompt the engine can never serve
+            except ValueError as err:  # a Refusal, or a prompt the engine can never serve
+                field = getattr(err, "field", "other")
+                self._metrics.count_refusal(field)
+                self._pb_utils.Logger.log_info(f"{self._model_name}: refused a request ({field}): {_bounded(str(err))}")
                 self._refuse(sender, ErrorKind.INVALID_ARG, str(err))
                 continue
             except Exception as err:  # a fault of ours, not the client's; still this request's alone
                 self._pb_utils.Logger.log_error(f"{self._model_name}: preparing a request failed: {err!r}")
+                self._metrics.count_errors("internal")
                 self._refuse(sender, ErrorKind.INTERNAL, f"preparing the request failed: {type(err).__name__}: {err}")
                 continue
             assembler = ResponseAssembler(parsed, self._prompt_text(parsed))
@@ -138,6 +172,7 @@ class TritonAdapter:
         self._tell_watchdog(CLEAN)
         self._loop.stop()
         self._engine.close()  # the tensor-parallel ranks' processes, if any
+        logging.getLogger("diffulex_backend").removeHandler(self._log_handler)
         del self._loop, self._engine
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -172,17 +207,20 @@ class TritonAdapter:
                 pass
             self._watchdog = None
 
-    def _take_out_of_service(self, message: str) -> None:
-        """After an engine failure, which no request caused (each request is checked before it joins a step): open
-        requests have ended with INTERNAL, and new ones get UNAVAILABLE. The watchdog reloads the model, which
-        gives it a fresh process and engine; without one (a server not under explicit model control) the model
-        keeps refusing until it is reloaded by hand."""
+    def _take_out_of_service(self, cause: FailureCause, message: str) -> None:
+        """After an engine failure or the end of one of the loop's threads, which no request caused (each request is
+        checked before it joins a step): open requests have ended with INTERNAL, and new ones get UNAVAILABLE. The
+        watchdog reloads the model, which gives it a fresh process and engine, unless it keeps failing before its
+        first step (stub_watchdog.py); without a watchdog (a server not under explicit model control) the model
+        keeps refusing until it is reloaded by hand. Triton 2.51 never asks `is_ready`, so the unload is what turns
+        the model not ready."""
         pb_utils = self._pb_utils
-        pb_utils.Logger.log_error(f"{self._model_name}: the engine failed: {message}")
+        pb_utils.Logger.log_error(f"{self._model_name}: {cause.value}: {message}")
         if self._watchdog is None:
             pb_utils.Logger.log_error(f"{self._model_name}: no watchdog to reload the model (the server is not "
                                       "under --model-control-mode=explicit): it refuses requests until reloaded")
-        self._tell_watchdog(RELOAD)
+        served_a_step = self._engine.num_forward_passes > self._passes_at_ready
+        self._tell_watchdog(RELOAD if served_a_step else RELOAD_AT_START)
 
 MAX_ERROR_CHARS = 2000
 

@@ -30,6 +30,7 @@ import numpy as np
 from ..acceptance import AcceptanceRule
 from ..config import Config, SamplingMode
 from ..kv_cache import KVCacheManager
+from ..refusal import Refusal
 from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
@@ -47,13 +48,14 @@ def sub_block_size_error(sub_block_size: int, block_size: int, where: str) -> st
 class FastDLLMv2Request(Request):
     @classmethod
     def check_params(cls, params: SamplingParams, config: Config) -> None:
+        super().check_params(params, config)
         if params.sub_block_size is not None:
             error = sub_block_size_error(params.sub_block_size, config.block_size, "sampling parameter")
             if error:
-                raise ValueError(error)
+                raise Refusal(error, "sub_block_size")
         if params.remask_threshold:  # accepted tokens are final here: a remask threshold would reach no code
-            raise ValueError("sampling parameter 'remask_threshold' must be 0 or null for decoding_strategy "
-                             f"'fast_dllm_v2', which never remasks, got {params.remask_threshold!r}")
+            raise Refusal("sampling parameter 'remask_threshold' must be 0 or null for decoding_strategy "
+                          f"'fast_dllm_v2', which never remasks, got {params.remask_threshold!r}", "remask_threshold")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)

@@ -5,10 +5,12 @@ import os
 import threading
 import time
 
+import pytest
+
 from triton_server import TEST_SETTINGS
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.serving.engine_loop import EngineLoop, ErrorKind, LoopState
+from diffulex_backend.serving.engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
 from diffulex_backend.serving.metrics import ServingMetrics
 
 PARAMS = SamplingParams(max_tokens=12)
@@ -105,14 +107,15 @@ def test_a_response_that_cannot_be_sent_ends_with_internal_and_frees_its_pages(c
 def test_an_engine_failure_ends_open_requests_and_refuses_new_ones(checkpoint):
     failures = []
     failing = EngineFailingAtStep(str(checkpoint), failing_step=3, **TEST_SETTINGS)
-    loop, _ = start_loop(failing, on_failure=failures.append)
+    loop, metrics = start_loop(failing, on_failure=lambda cause, message: failures.append((cause, message)))
     open_streams = [RecordingStream(), RecordingStream()]
     for stream in open_streams:
         loop.submit(failing.prepare_request("a prompt", SamplingParams(max_tokens=200)), stream)
     wait_all(open_streams)
     message = "the engine failed and this model can no longer serve: RuntimeError: device lost"
     assert [stream.error for stream in open_streams] == [(ErrorKind.INTERNAL, message)] * 2
-    assert loop.state is LoopState.FAILED and failures == ["RuntimeError: device lost"]
+    assert loop.state is LoopState.FAILED and failures == [(FailureCause.ENGINE, message)]
+    assert metrics._errors["engine_failure"].value == 2
     late = RecordingStream()
     loop.submit(failing.prepare_request("another", PARAMS), late)
     assert late.error == (ErrorKind.UNAVAILABLE, message)
@@ -204,3 +207,73 @@ def test_cancellation_polls_take_open_requests_in_turn_and_every_cancel_is_notic
         assert time.monotonic() < deadline
         time.sleep(0.05)
     loop.stop()
+
+
+class ThreadKilled(BaseException):
+    """What escapes a thread's `except Exception`: a thread ends on it without a word unless guarded."""
+
+
+class EngineDyingAtStep(Diffulex):
+    def __init__(self, model, dying_step: int, **settings):
+        super().__init__(model, **settings)
+        self.dying_step = dying_step
+        self.num_steps = 0
+
+    def step(self):
+        self.num_steps += 1
+        if self.num_steps == self.dying_step:
+            raise ThreadKilled("killed mid-step")
+        return super().step()
+
+
+def test_a_decoding_thread_that_dies_ends_open_requests_and_fails_the_loop(checkpoint):
+    failures = []
+    dying = EngineDyingAtStep(str(checkpoint), dying_step=3, **TEST_SETTINGS)
+    loop, metrics = start_loop(dying, on_failure=lambda cause, message: failures.append((cause, message)))
+    open_streams = [RecordingStream(), RecordingStream()]
+    for stream in open_streams:
+        loop.submit(dying.prepare_request("a prompt", SamplingParams(max_tokens=200)), stream)
+    wait_all(open_streams)
+    message = "the decoding thread stopped and this model can no longer serve: ThreadKilled: killed mid-step"
+    assert [stream.error for stream in open_streams] == [(ErrorKind.INTERNAL, message)] * 2
+    assert loop.state is LoopState.FAILED and failures == [(FailureCause.THREAD_DEATH, message)]
+    assert metrics._errors["thread_death"].value == 2
+    late = RecordingStream()
+    loop.submit(dying.prepare_request("another", PARAMS), late)
+    assert late.error == (ErrorKind.UNAVAILABLE, message)
+    loop.stop()
+
+
+class DyingCounter(RecordingMetric):
+    def increment(self, value):
+        raise ThreadKilled("killed while counting")
+
+
+def test_a_response_thread_that_dies_leaves_the_decoding_thread_to_answer_every_request(checkpoint):
+    failures = []
+    served = Diffulex(str(checkpoint), **TEST_SETTINGS)
+    loop, metrics = start_loop(served, on_failure=lambda cause, message: failures.append((cause, message)))
+    metrics.generation_tokens = DyingCounter()  # the first step that delivers tokens ends the response thread
+    streams = [RecordingStream() for _ in range(3)]
+    for stream in streams:
+        loop.submit(served.prepare_request("a prompt", SamplingParams(max_tokens=200)), stream)
+    wait_all(streams)
+    message = "the response thread stopped and this model can no longer serve: ThreadKilled: killed while counting"
+    assert [stream.error for stream in streams] == [(ErrorKind.INTERNAL, message)] * 3
+    assert loop.state is LoopState.FAILED and failures == [(FailureCause.THREAD_DEATH, message)]
+    late = RecordingStream()
+    loop.submit(served.prepare_request("another", PARAMS), late)
+    assert late.error == (ErrorKind.UNAVAILABLE, message)
+    loop._decoding_thread.join(10)
+    assert not loop._decoding_thread.is_alive()  # it answered what the response thread held, and stopped
+    loop.stop()
+
+
+def test_a_decoding_thread_that_cannot_start_fails_the_loop_construction(checkpoint, monkeypatch):
+    def enter_device(self):
+        raise ValueError("Expected a torch.device with a specified index or an integer, but got:cuda")
+
+    monkeypatch.setattr(EngineLoop, "_enter_device", enter_device)
+    served = Diffulex(str(checkpoint), **TEST_SETTINGS)
+    with pytest.raises(RuntimeError, match="the decoding thread could not start: ValueError: Expected a torch.device"):
+        start_loop(served)
