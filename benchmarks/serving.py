@@ -81,7 +81,6 @@ from diffulex_backend.testing.checkpoint import (
     write_random_checkpoint,
     write_weights,
 )
-from diffulex_backend.warm_up import warm_up
 
 MODEL = "diffulex"
 FIELDS = ["mode", "batch", "round", "seconds", "steps", "ms_per_step", "output_tokens", "tokens_per_s", "outputs_equal",
@@ -337,7 +336,7 @@ def run_engine_loop(engine, plan: Plan, prompts, report: Report, reference: dict
                 streams, events = [], []
                 start = time.perf_counter()
                 for prompt in prompts[batch, name]:  # as TritonAdapter.execute does for each request
-                    parsed = parse_request({"input_ids": np.array([prompt], dtype=np.int32)}, parameters)
+                    parsed = parse_request({"input_ids": np.array([prompt], dtype=np.int64)}, parameters)
                     prepared = engine.prepare_request(parsed.prompt, parsed.params)
                     events.append(threading.Event())
                     text = lambda prompt=parsed.prompt: engine.tokenizer.decode(prompt)
@@ -627,8 +626,8 @@ def main(argv: list[str] | None = None) -> None:
 
         started = time.perf_counter()
         engine = Diffulex(settings["model"], **{k: v for k, v in settings.items() if k != "model"})
-        loaded = time.perf_counter()
-        warm = warm_up(engine)
+        warm = engine.warm_up_report
+        loaded = time.perf_counter() - warm.seconds
         print(f"in process: loaded in {loaded - started:.1f} s, warm-up {warm.seconds:.1f} s over batch sizes "
               f"{list(warm.batch_sizes)}", flush=True)
         run_generate(engine, plan, prompts, report, reference)
@@ -637,7 +636,6 @@ def main(argv: list[str] | None = None) -> None:
             del engine
             free_memory()
             engine = Diffulex(settings["model"], **{k: v for k, v in settings.items() if k != "model"})
-            warm_up(engine)
             run_engine_loop(engine, plan, prompts, report, reference)
             run_staggered(engine, plan, prompts, report, reference)
         del engine

@@ -22,6 +22,7 @@ from .sampling import GREEDY_TEMPERATURE, SamplingParams
 from .tensor_parallel import TensorParallel
 from .workers import BroadcastRunner, WorkerGroup
 from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
+from .warm_up import warm_up as run_warm_up
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,10 @@ class EngineMetrics:
 
 
 class DiffulexEngine:
-    def __init__(self, model: str, **kwargs):
+    def __init__(self, model: str, *, warm_up: bool = True, **kwargs):
+        """`kwargs` are Config's fields. With `warm_up` (the default) the engine decodes a few requests before it
+        returns, so that kernel compiles and CUDA graph captures happen now rather than in the first generate
+        (warm_up.py); `warm_up_report` says how long that took."""
         # The settings as given, until the checkpoint is read; then a resolved copy with nothing left unset.
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
@@ -59,6 +63,7 @@ class DiffulexEngine:
         self.workers = WorkerGroup(config, self.device) if config.tensor_parallel_size > 1 else None
         try:
             self._build(config)
+            self.warm_up_report = run_warm_up(self) if warm_up else None
         except BaseException:
             self.close()
             raise

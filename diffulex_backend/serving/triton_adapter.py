@@ -17,7 +17,6 @@ from pathlib import Path
 import torch
 
 from .. import Diffulex, StepOutput
-from ..warm_up import warm_up
 from ..sampling import SamplingParams
 from .engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
 from .engine_settings import engine_settings, on_instance_device
@@ -102,10 +101,11 @@ class TritonAdapter:
         started = time.monotonic()
         # Compiled kernels outlive the process, so only the first load on a machine compiles them.
         os.environ.setdefault("TRITON_CACHE_DIR", str(KERNEL_CACHE_DIR))
+        # Ready only once warm (the engine warms itself): the first requests would otherwise wait for kernel
+        # compiles and graph captures.
         self._engine = Diffulex(settings.pop("model"), **settings)
-        loaded = time.monotonic()
-        # Ready only once warm: the first requests would otherwise wait for kernel compiles and graph captures.
-        report = warm_up(self._engine)
+        report = self._engine.warm_up_report
+        loaded = time.monotonic() - report.seconds
         self._engine.tokenizer.encode("warm")  # settles the tokenizer's state before two threads share it
         # One series per model instance: each instance is a process with an engine of its own. Triton names the
         # instances of one KIND_GPU group alike on every GPU it lists, so the device tells those apart.
