@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .registry import STRATEGIES
@@ -72,11 +74,14 @@ class Config:
     seed: int = 0  # noise seed of requests that bring none
     lora_path: str | None = None  # a PEFT LoRA directory merged into the weights at load (needs pre_merge_lora)
     pre_merge_lora: bool = False
-    lora_modules: str | None = None  # "name=path,name=path": adapters a request picks by its lora_name
+    # Adapters a request picks by its lora_name: "name=path,name=path" (config.pbtxt), or {name: path} in Python.
+    lora_modules: str | None = None
     max_loras: int = 8  # the most adapters lora_modules may register; all of them stay loaded
     max_lora_rank: int = 64  # adapters of a higher rank are refused at load
 
     def __post_init__(self):
+        if isinstance(self.lora_modules, Mapping):  # one form from here on: the text config.pbtxt gives
+            object.__setattr__(self, "lora_modules", _module_text(self.lora_modules))
         self._validate_fields()
         strategy = STRATEGIES.get(self.decoding_strategy)
         # Filled in once, while the dataclass is being built: afterwards it is frozen.
@@ -198,6 +203,18 @@ class Config:
             if count > self.max_loras:
                 raise ValueError(f"config field 'lora_modules' registers {count} adapters, more than "
                                  f"'max_loras' ({self.max_loras})")
+
+
+def _module_text(modules: Mapping) -> str | None:
+    """{name: path} as lora_modules' text; a name or path that the text could not hold is refused."""
+    for name, path in modules.items():
+        if not isinstance(name, str) or not name.strip() or any(c in name for c in ",="):
+            raise ValueError(f"config field 'lora_modules' names an adapter {name!r}: a name is a non-empty string "
+                             "without ',' or '='")
+        if not isinstance(path, (str, os.PathLike)) or not str(path).strip() or "," in str(path):
+            raise ValueError(f"config field 'lora_modules' gives adapter {name!r} the path {path!r}: a path is a "
+                             "non-empty string without ','")
+    return ",".join(f"{name}={os.fspath(path)}" for name, path in modules.items()) or None
 
 
 def page_retention_strategies() -> list[str]:

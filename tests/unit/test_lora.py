@@ -4,6 +4,7 @@ refused with the file and key at fault."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -188,11 +189,26 @@ def test_unknown_lora_name_is_refused_naming_the_registered_ones(llada_checkpoin
     (dict(lora_modules="a=/x,b=/y", max_loras=1), "registers 2 adapters, more than 'max_loras' \\(1\\)"),
     (dict(lora_modules="a=/x,a=/y"), "names adapter 'a' twice"),
     (dict(lora_modules="a"), "name=path pairs"),
+    (dict(lora_modules={"a,b": "/x"}), "names an adapter 'a,b': a name is a non-empty string without"),
+    (dict(lora_modules={"a": "/x,/y"}), "gives adapter 'a' the path '/x,/y'"),
+    (dict(lora_modules={"a": None}), "gives adapter 'a' the path None"),
     (dict(max_lora_rank=0), "'max_lora_rank' must be an integer >= 1"),
 ])
 def test_bad_lora_config_is_refused(llada_checkpoint, overrides, message):
     with pytest.raises(ValueError, match=message):
         tiny_engine(llada_checkpoint, **overrides)
+
+
+def test_lora_modules_take_a_dict_in_python_and_name_the_same_adapters_as_the_text(llada_checkpoint, adapters):
+    paths = adapters["llada"]
+    as_dict = tiny_engine(llada_checkpoint, lora_modules={"full": Path(paths["full"]), "attn": paths["attn"]})
+    as_text = lora_engine(llada_checkpoint, paths)
+    assert as_dict.config.lora_module_paths == as_text.config.lora_module_paths == {"full": paths["full"],
+                                                                                    "attn": paths["attn"]}
+    assert as_dict.lora_slots == as_text.lora_slots == {"full": 0, "attn": 1}
+    params = [with_lora("full"), with_lora("attn")]
+    assert [o.token_ids for o in run_requests(as_dict, ["pick one", "pick the other"], params)] == [
+        o.token_ids for o in run_requests(as_text, ["pick one", "pick the other"], params)]
 
 
 @pytest.fixture(scope="module")
