@@ -81,8 +81,8 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
         if "text_input" in inputs:
             raise BadRequest("send either 'text_input' or 'input_ids', not both", "input_ids")
         ids = np.asarray(inputs["input_ids"])
-        if ids.dtype != np.int32:
-            raise BadRequest(f"input 'input_ids' must be INT32, got {ids.dtype}", "input_ids")
+        if ids.dtype not in (np.int64, np.int32):
+            raise BadRequest(f"input 'input_ids' must be INT64, got {ids.dtype}", "input_ids")
         if ids.ndim > 2 or (ids.ndim == 2 and ids.shape[0] != 1):
             raise BadRequest(f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(ids.shape)}",
                              "input_ids")
@@ -90,7 +90,7 @@ def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:
             raise BadRequest("input 'input_ids' is empty", "input_ids")
         return ids.reshape(-1).tolist()
     if "text_input" not in inputs:
-        raise BadRequest("missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)", "prompt")
+        raise BadRequest("missing prompt: send 'text_input' (a string) or 'input_ids' (INT64 token ids)", "prompt")
     text = _read_string(inputs, "text_input")
     if not text:
         raise BadRequest("input 'text_input' is empty", "text_input")

@@ -75,7 +75,7 @@ def grpc_inputs(prompt, params: dict, **flags) -> list[grpcclient.InferInput]:
     if isinstance(prompt, str):
         inputs = [tensor("text_input", np.array([[prompt.encode()]], dtype=np.object_))]
     else:
-        inputs = [tensor("input_ids", np.array([prompt], dtype=np.int32))]
+        inputs = [tensor("input_ids", np.array([prompt], dtype=np.int64))]
     inputs.append(tensor("sampling_parameters", np.array([[json.dumps(params).encode()]], dtype=np.object_)))
     inputs += [tensor(name, np.array([[value]], dtype=np.bool_)) for name, value in flags.items()]
     return inputs

@@ -102,7 +102,7 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized_and_stalls_no_one(serve
 
 def test_input_ids_with_two_prompts_or_the_mask_token_are_refused(server, engine):
     with pytest.raises(InferenceServerException) as caught:
-        grpc_stream(server, [tensor("input_ids", np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int32))])
+        grpc_stream(server, [tensor("input_ids", np.array([[5, 6, 7], [8, 9, 10]], dtype=np.int64))])
     assert caught.value.message() == "input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got [2, 3]"
     with pytest.raises(InferenceServerException) as caught:
         grpc_stream(server, grpc_inputs([5, MASK_TOKEN_ID, 7], GOOD))

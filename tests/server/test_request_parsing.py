@@ -35,7 +35,7 @@ def test_text_prompt_with_sampling_parameters_json():
 
 
 def test_input_ids_prompt():
-    parsed = parse_request({"input_ids": np.array([[5, 6, 7]], dtype=np.int32)})
+    parsed = parse_request({"input_ids": np.array([[5, 6, 7]], dtype=np.int64)})
     assert parsed.prompt == [5, 6, 7]
     assert parsed.params == SamplingParams()
 
@@ -52,14 +52,14 @@ def test_sampling_parameters_input_takes_precedence_over_request_parameters():
 
 
 @pytest.mark.parametrize("inputs, parameters, message", [
-    ({}, "", "missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)"),
+    ({}, "", "missing prompt: send 'text_input' (a string) or 'input_ids' (INT64 token ids)"),
     ({"text_input": text("")}, "", "input 'text_input' is empty"),
-    ({"text_input": text("a"), "input_ids": np.array([[1]], dtype=np.int32)}, "",
+    ({"text_input": text("a"), "input_ids": np.array([[1]], dtype=np.int64)}, "",
      "send either 'text_input' or 'input_ids', not both"),
-    ({"input_ids": np.zeros((1, 0), dtype=np.int32)}, "", "input 'input_ids' is empty"),
-    ({"input_ids": np.array([[1.0]], dtype=np.float32)}, "", "input 'input_ids' must be INT32, got float32"),
-    ({"text_input": text("a"), "stream": np.array([[1]], dtype=np.int32)}, "",
-     "input 'stream' must be BOOL, got int32"),
+    ({"input_ids": np.zeros((1, 0), dtype=np.int64)}, "", "input 'input_ids' is empty"),
+    ({"input_ids": np.array([[1.0]], dtype=np.float32)}, "", "input 'input_ids' must be INT64, got float32"),
+    ({"text_input": text("a"), "stream": np.array([[1]], dtype=np.int64)}, "",
+     "input 'stream' must be BOOL, got int64"),
     ({"text_input": text("a"), "sampling_parameters": text("{max_tokens: 3")}, "",
      "input 'sampling_parameters' is not valid JSON: Expecting property name enclosed in double quotes: "
      "line 1 column 2 (char 1)"),
@@ -134,7 +134,7 @@ def test_brackets_inside_strings_do_not_count_as_nesting():
 @pytest.mark.parametrize("shape", [(2, 3), (1, 1, 3)])
 def test_input_ids_holding_more_than_one_prompt_are_refused(shape):
     with pytest.raises(BadRequest) as caught:
-        parse_request({"input_ids": np.ones(shape, dtype=np.int32)})
+        parse_request({"input_ids": np.ones(shape, dtype=np.int64)})
     assert str(caught.value) == f"input 'input_ids' must hold one prompt, of shape [N] or [1, N]; got {list(shape)}"
 
 
@@ -150,7 +150,7 @@ def test_request_parameters_and_sampling_parameters_merge_key_by_key():
                            json.dumps({"max_tokens": 9, "seed": 3}))
     assert (parsed.params.max_tokens, parsed.params.seed) == (4, 3)
     parsed = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"max_tokens": 4}'),
-                            "max_tokens": np.array([[9]], dtype=np.int32)})
+                            "max_tokens": np.array([[9]], dtype=np.int64)})
     assert parsed.params.max_tokens == 4
 
 
@@ -158,11 +158,11 @@ def test_tensorrt_llm_tensor_inputs_set_sampling_parameters_over_request_paramet
     """genai-perf --backend tensorrtllm and TensorRT-LLM clients send these as tensors."""
     parsed = parse_request({
         "text_input": text("hi"),
-        "max_tokens": np.array([[32]], dtype=np.int32), "min_length": np.array([[8]], dtype=np.int32),
-        "temperature": np.array([[0.5]], dtype=np.float32), "top_k": np.array([[5]], dtype=np.int32),
+        "max_tokens": np.array([[32]], dtype=np.int64), "min_length": np.array([[8]], dtype=np.int64),
+        "temperature": np.array([[0.5]], dtype=np.float32), "top_k": np.array([[5]], dtype=np.int64),
         "top_p": np.array([[0.75]], dtype=np.float32), "random_seed": np.array([[2**63]], dtype=np.uint64),
-        "end_id": np.array([[2]], dtype=np.int32), "stop_words": np.array([[b"\n\n", b""]], dtype=np.object_),
-        "beam_width": np.array([[1]], dtype=np.int32),
+        "end_id": np.array([[2]], dtype=np.int64), "stop_words": np.array([[b"\n\n", b""]], dtype=np.object_),
+        "beam_width": np.array([[1]], dtype=np.int64),
     }, json.dumps({"max_tokens": 4, "temperature": 0.1}))
     assert parsed.params == SamplingParams(max_tokens=32, min_tokens=8, temperature=0.5, top_k=5, top_p=0.75,
                                            seed=2**63, stop_token_ids=[2], stop=["\n\n"])
@@ -170,7 +170,7 @@ def test_tensorrt_llm_tensor_inputs_set_sampling_parameters_over_request_paramet
 
 def test_beam_search_is_refused():
     with pytest.raises(BadRequest) as caught:
-        parse_request({"text_input": text("hi"), "beam_width": np.array([[4]], dtype=np.int32)})
+        parse_request({"text_input": text("hi"), "beam_width": np.array([[4]], dtype=np.int64)})
     assert str(caught.value) == "input 'beam_width' must be 1: diffusion decoding has no beam search"
 
 

@@ -137,7 +137,7 @@ def too_long_message(engine: Diffulex) -> str:
 def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served(server, engine, case):
     body, message = {
         "missing prompt": ({"stream": False, "parameters": {"max_tokens": 4}},
-                           "missing prompt: send 'text_input' (a string) or 'input_ids' (INT32 token ids)"),
+                           "missing prompt: send 'text_input' (a string) or 'input_ids' (INT64 token ids)"),
         "invalid JSON": ({"text_input": "hi", "sampling_parameters": "{max_tokens: 4"},
                          "input 'sampling_parameters' is not valid JSON: Expecting property name enclosed in "
                          "double quotes: line 1 column 2 (char 1)"),
@@ -162,7 +162,7 @@ def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served
 def test_wrong_input_dtype_is_rejected_with_its_name_then_a_good_request_is_served(server, engine):
     with pytest.raises(InferenceServerException) as caught:
         grpc_stream(server, [tensor("input_ids", np.array([[1.0, 2.0]], dtype=np.float32))])
-    assert "inference input 'input_ids' data-type is 'FP32', but model 'diffulex' expects 'INT32'" in str(caught.value)
+    assert "inference input 'input_ids' data-type is 'FP32', but model 'diffulex' expects 'INT64'" in str(caught.value)
     prompt_ids = engine.tokenizer.encode("hi")
     (expected,) = reference(engine, [prompt_ids], max_tokens=4)
     results = grpc_stream(server, grpc_inputs(prompt_ids, {"max_tokens": 4}))
