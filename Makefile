@@ -128,3 +128,15 @@ $(GENAI_PERF_VENV)/bin/genai-perf:
 genai-perf: setup
 	$(BIN)/python -m diffulex_client.perf.genai_perf --grpc-url localhost:$(GRPC_PORT) \
 		--http-url localhost:$(HTTP_PORT) $(GENAI_PERF_ARGS)
+
+# What only a GPU can check (tools/gpu_check.py), on a GPU machine: kernels and graphs, the offline API, every family
+# and strategy served through tritonserver, and the server and client suites; the table goes to docs/gpu-check.md.
+# A GPU machine without a network gets the server runtime from `make gpu-runtime`, run here first, in .gpu-runtime.
+GPU_CHECK_ARGS ?=
+
+.PHONY: gpu-check gpu-runtime
+gpu-check:
+	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-runtime: setup
+	$(BIN)/python tools/pack_gpu_runtime.py pack

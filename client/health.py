@@ -6,10 +6,12 @@ from the model configuration endpoint; every value is a string, as Triton holds 
 
 from __future__ import annotations
 
+import http.client
+import json
 from dataclasses import asdict, dataclass, field
+from urllib.parse import quote
 
 import tritonclient.grpc as grpcclient
-import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 from .errors import from_os_error, from_triton_exception
@@ -52,11 +54,23 @@ def _grpc_health(url: str, model: str, timeout: float | None) -> ServerHealth:
 
 
 def _http_health(url: str, model: str, timeout: float | None) -> ServerHealth:
-    seconds = 60.0 if timeout is None else timeout  # tritonclient's own default
-    with httpclient.InferenceServerClient(url, connection_timeout=seconds, network_timeout=seconds) as client:
-        live, ready, model_ready = client.is_server_live(), client.is_server_ready(), client.is_model_ready(model)
-        config = client.get_model_config(model) if model_ready else {}
+    """Over the standard library's HTTP client: the four GETs need nothing more."""
+    host, _, port = url.removeprefix("http://").partition(":")
+    connection = http.client.HTTPConnection(host, int(port or 80), timeout=60.0 if timeout is None else timeout)
+
+    def get(path: str) -> tuple[int, bytes]:
+        connection.request("GET", path)
+        response = connection.getresponse()
+        return response.status, response.read()
+
+    try:
+        name = quote(model, safe="")
+        live, ready = get("/v2/health/live")[0] == 200, get("/v2/health/ready")[0] == 200
+        model_ready = get(f"/v2/models/{name}/ready")[0] == 200
+        config = json.loads(get(f"/v2/models/{name}/config")[1]) if model_ready else {}
         return ServerHealth(live, ready, model_ready, _settings(config))
+    finally:
+        connection.close()
 
 
 def _settings(config: dict) -> dict[str, str]:

@@ -6,8 +6,10 @@ Python backend and its stub come from the nvidia-pytriton wheel, which `make set
     python tools/pack_gpu_runtime.py pack [--out .gpu-runtime] [--python-version 3.12]
         Here, with the development venv: writes OUT/tritonserver.tar.xz (bin/tritonserver, backends/python/ with
         the stub of the target's Python version, lib/ = the wheel's shared libraries without libpython3*, which
-        the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, and py-spy), downloaded
-        with pip unless already there. About 48 MB in all, small enough to travel with a checkout.
+        the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, py-spy, and tritonclient's
+        gRPC client with what it needs beyond the image: python-rapidjson and protobuf 4), downloaded with pip
+        unless already there. tritonclient's wheel is repacked without its perf_analyzer binaries (40 MB). About
+        50 MB in all, small enough to travel with a checkout.
 
     python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
         There, with the image's python3 (the one that holds torch): unpacks the server into PREFIX/tritonserver,
@@ -44,6 +46,7 @@ DEFAULT_RUNTIME = REPOSITORY_ROOT / ".gpu-runtime"
 ARCHIVE = "tritonserver.tar.xz"
 NUMPY_VERSION = "1.26.4"
 PY_SPY_VERSION = "0.4.3"
+TRITONCLIENT_VERSION = "2.51.0"
 # The image's packages that are built against numpy 2 (or are numpy), and so stay out of the stub's path.
 LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
 # This checkout's packages, by import name.
@@ -96,15 +99,32 @@ def pack_server(out: Path, python_version: str) -> Path:
 def download_wheels(out: Path, python_version: str) -> list[Path]:
     wheels = out / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
-    wanted = {"numpy": f"numpy=={NUMPY_VERSION}", "py_spy": f"py-spy=={PY_SPY_VERSION}"}
+    # tritonclient 2.51's generated gRPC code needs protobuf < 5; the image may hold a newer one.
+    wanted = {"numpy": f"numpy=={NUMPY_VERSION}", "py_spy": f"py-spy=={PY_SPY_VERSION}",
+              "python_rapidjson": "python-rapidjson==1.25", "protobuf": "protobuf==4.25.9",
+              "tritonclient": f"tritonclient=={TRITONCLIENT_VERSION}"}
     for prefix, requirement in wanted.items():
         if any(wheels.glob(f"{prefix}-*.whl")):
             continue
         subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
                         "--python-version", python_version, "--platform", "manylinux2014_x86_64",
                         "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_5_x86_64",
+                        "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_28_x86_64",
                         "--platform", "manylinux1_x86_64", "-d", str(wheels), requirement], check=True)
+        if prefix == "tritonclient":
+            (wheel,) = wheels.glob("tritonclient-*.whl")
+            without_binaries(wheel)
     return sorted(wheels.glob("*.whl"))
+
+
+def without_binaries(wheel: Path) -> None:
+    """The wheel without its data/bin folder (perf_analyzer, twice): the Python client is all the check needs."""
+    slim = wheel.with_name(wheel.name + ".partial")
+    with zipfile.ZipFile(wheel) as source, zipfile.ZipFile(slim, "w", zipfile.ZIP_DEFLATED) as target:
+        for member in source.infolist():
+            if ".data/data/bin/" not in member.filename:
+                target.writestr(member, source.read(member))
+    os.replace(slim, wheel)
 
 
 def pack(args: argparse.Namespace) -> None:
@@ -121,7 +141,8 @@ def pack(args: argparse.Namespace) -> None:
 
 # ---- install (on the GPU machine) -------------------------------------------------------------------------
 def extract_wheel(wheel: Path, site_packages: Path, bin_dir: Path) -> None:
-    """A plain wheel install (no pip needed): the package into site-packages, its scripts into bin."""
+    """A plain wheel install (no pip needed): the package into site-packages (with what the wheel's data folder
+    puts under purelib or platlib), its scripts into bin."""
     with zipfile.ZipFile(wheel) as zf:
         for member in zf.infolist():
             parts = Path(member.filename).parts
@@ -129,6 +150,10 @@ def extract_wheel(wheel: Path, site_packages: Path, bin_dir: Path) -> None:
                 target = bin_dir / parts[-1]
                 target.write_bytes(zf.read(member))
                 target.chmod(0o755)
+            elif len(parts) >= 3 and parts[0].endswith(".data") and parts[1] in ("purelib", "platlib"):
+                target = site_packages.joinpath(*parts[2:])
+                target.parent.mkdir(parents=True, exist_ok=True)
+                target.write_bytes(zf.read(member))
             elif not parts[0].endswith(".data"):
                 zf.extract(member, site_packages)
 
