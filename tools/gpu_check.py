@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -45,11 +46,12 @@ class Section:
     paths: tuple[str, ...]
 
 
+# The served path first: it is what users run, and what no other check covers.
 SECTIONS = (
-    Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py")),
-    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py")),
     Section("served: every family and strategy, KIND_GPU, the shipped repository",
             ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py")),
+    Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py")),
+    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py")),
     Section("served: server suite", tuple(f"tests/server/{name}" for name in (
         "test_triton_server.py", "test_thread_death.py", "test_engine_loop.py", "test_stub_death.py",
         "test_shutdown.py", "test_data_parallel.py", "test_page_retention_served.py", "test_demo_answer.py",
@@ -86,14 +88,17 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float) 
     junit = Path(tempfile.mkdtemp(prefix="gpu-check-")) / f"{slug}.xml"
     started = time.monotonic()
     with open(log_dir / f"{slug}.log", "w") as log:
+        # A session of its own, so that a section cut off at the deadline takes its tritonservers with it.
+        process = subprocess.Popen(
+            [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
+             *section.paths], cwd=REPOSITORY_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(KERNEL_CACHE)})
         try:
-            returncode = subprocess.run(
-                [str(python), "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", f"--junitxml={junit}",
-                 *section.paths], cwd=REPOSITORY_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(KERNEL_CACHE)},
-                timeout=max(1.0, deadline - time.monotonic()),
-                check=False).returncode
+            returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+            log.write(f"\ncut off at the check's {TIME_LIMIT_S} s limit\n")
             returncode = -1
     seconds = time.monotonic() - started
     tests = failed = skipped = 0
