@@ -387,8 +387,8 @@ def format_table(rows: list[Row]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r.kernel} | {r.case} | {r.kernel_ms:.4f} | {r.floor_ms:.3g} | {r.kernel_ms / r.floor_ms:.2f} | "
-            f"{r.eager_ms:.4f} | {r.reference_ms:.4f} | {r.reference_ms / r.eager_ms:.1f} | {r.note} |"
+            f"| {r.kernel} | {r.case} | {r.kernel_ms:.4g} | {r.floor_ms:.4g} | {r.kernel_ms / r.floor_ms:.2f} | "
+            f"{r.eager_ms:.4g} | {r.reference_ms:.4g} | {r.reference_ms / r.eager_ms:.1f} | {r.note} |"
         )
     return "\n".join(lines)
 

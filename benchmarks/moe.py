@@ -72,7 +72,7 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
     expert_bytes = 3 * shape.hidden * shape.inter * args[1].element_size()
     weight_floor_ms = 1e3 * touched * expert_bytes / ceilings.bandwidth
     compute_floor_ms = 1e3 * 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter / ceilings.matmul_rate
-    default = plan_moe_launch(tokens * shape.top_k, shape.experts)
+    default = plan_moe_launch(tokens * shape.top_k, shape.experts, args[0].element_size())
     if smoke:  # the smoke run also checks the product
         out, ref = fused_moe(*args), fused_moe_reference(*args)
         error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()

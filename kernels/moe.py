@@ -31,7 +31,7 @@ with the average number of pairs per expert, where the product turns compute-bou
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -51,18 +51,24 @@ class MoeLaunch:
     num_stages: int
 
 
-def plan_moe_launch(num_pairs: int, num_experts: int) -> MoeLaunch:
+def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> MoeLaunch:
     """The launch `fused_moe` uses. The row tile follows the average number of pairs per expert: 16 at decode (see
     the module's note); past that, a tile about as tall as the average run, with wide weight tiles, as a
     compute-bound GEMM wants. On an H100 at LLaDA2-mini's and Qwen3-30B-A3B's expert shapes this picks the fastest
-    of the tiles benchmarks/moe.py times, or one within 3% of it (docs/kernels.md)."""
+    of the tiles benchmarks/moe.py times, or one within 3% of it (docs/kernels.md). The tiles are sized for 16-bit
+    weights; 32-bit ones take half the depth (block_k), so that the stages in flight hold the same bytes and fit
+    shared memory."""
     per_expert = num_pairs / num_experts
     if per_expert <= 8:
         # Weight-bound: 4 stages of a 64x128 weight tile pair keep enough bytes in flight (as in linear.py).
-        return MoeLaunch(16, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    if per_expert <= 16:
-        return MoeLaunch(32, block_n=64, block_k=128, num_warps=4, num_stages=4)
-    return MoeLaunch(64 if per_expert <= 64 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+        launch = MoeLaunch(16, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    elif per_expert <= 16:
+        launch = MoeLaunch(32, block_n=64, block_k=128, num_warps=4, num_stages=4)
+    else:
+        launch = MoeLaunch(64 if per_expert <= 64 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
+    if element_size > 2:
+        launch = replace(launch, block_k=launch.block_k * 2 // element_size)
+    return launch
 
 
 @dataclass(frozen=True)
@@ -310,7 +316,7 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
     if num_pairs == 0:
         return torch.empty_like(hidden)
-    launch = plan_moe_launch(num_pairs, num_experts) if launch is None else launch
+    launch = plan_moe_launch(num_pairs, num_experts, hidden.element_size()) if launch is None else launch
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
     act = gate_up_silu(hidden, w_gate_up, routed, topk_ids.shape[1], launch)
     return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch)

@@ -175,3 +175,10 @@ def test_decode_tiles_are_16_rows_and_grow_with_the_pairs_per_expert():
     assert plan_moe_launch(256 * 8, 128).block_m == 32
     assert plan_moe_launch(1024 * 8, 256).block_m == 64
     assert plan_moe_launch(2048 * 8, 128).block_m == 128
+
+
+def test_32_bit_weights_take_half_the_tile_depth_so_the_stages_fit_shared_memory():
+    """Found on an H100: the 16-bit tiles in float32 asked for 245760 bytes of shared memory, past its 232448."""
+    for pairs in (32 * 8, 256 * 8, 2048 * 8):
+        half, full = plan_moe_launch(pairs, 128, 2), plan_moe_launch(pairs, 128, 4)
+        assert full.block_k == half.block_k // 2 and (full.block_m, full.block_n) == (half.block_m, half.block_n)
