@@ -6,6 +6,7 @@ Every failure is a `CheckpointError` that names the file and the key at fault.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from diffulex_backend.tensor_parallel import TensorParallel, check_shardable
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -149,6 +152,9 @@ def load_model(
         raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
+    if arch.unrecognized_config_keys:
+        logger.warning("%s: config keys %s are unknown to model %r and were not read; the model loads without them",
+                       config_path, list(arch.unrecognized_config_keys), arch.model_name)
     check_shardable(arch, tp)
     model = family.empty(arch, attention_fn, dtype=dtype, device=device, tp=tp)
     load_weights(model, directory)

@@ -69,11 +69,15 @@ def test_family_is_detected_from_model_type_and_from_architectures():
     (dict(bd_size=0), "'bd_size' must be a positive integer"),
     (dict(layer_types=["sliding_attention"] * 28), "'layer_types' must list 'full_attention'"),
     (dict(use_sliding_window=True), "'use_sliding_window' is True"),
-    (dict(block_size=32), "unknown config key 'block_size'"),
 ])
 def test_config_errors_name_the_key(edit, message):
     with pytest.raises(ValueError, match=message):
         FAMILY.parse_config({**RELEASED_CONFIG, **edit}, "config.json")
+
+
+def test_a_key_fast_dllm_v2_does_not_read_is_kept_for_the_warning():
+    arch = FAMILY.parse_config({**RELEASED_CONFIG, "block_size": 32}, "config.json")
+    assert (arch.block_size, arch.unrecognized_config_keys) == (32, ("block_size",))  # bd_size, not block_size
 
 
 def test_missing_bd_size_is_an_error():
