@@ -46,7 +46,8 @@ def read_config(path: str | Path) -> dict:
 
 
 def detect_model_name(config: dict, path: str | Path) -> str:
-    """The registered family named by config.json's "model_type", else by its "architectures"."""
+    """The registered family named by config.json's "model_type", else the one that recognises the file by its
+    "architectures" (or, for a family whose model_type is a generic one such as "llama", by its "auto_map")."""
     families = {name: AutoModelForDiffusionLM.get(name) for name in AutoModelForDiffusionLM.keys()}
     model_type = config.get("model_type")
     for name, family in families.items():
@@ -54,7 +55,7 @@ def detect_model_name(config: dict, path: str | Path) -> str:
             return name
     architectures = config.get("architectures") or []
     for name, family in families.items():
-        if any(a in family.ARCHITECTURES for a in architectures):
+        if family.recognises(config):
             return name
     raise CheckpointError(
         f"{path}: config key 'model_type' is {model_type!r} (architectures {architectures!r}), which names no"

@@ -199,6 +199,12 @@ class DecoderLM(nn.Module):
         """ModelArch -> config.json with the family's full released key set."""
         raise NotImplementedError
 
+    @classmethod
+    def recognises(cls, config: dict) -> bool:
+        """Whether config.json names this family by something other than its "model_type" (which the loader
+        checks first, for every family): by default, an "architectures" entry."""
+        return any(a in cls.ARCHITECTURES for a in config.get("architectures") or [])
+
     # --- construction -------------------------------------------------------------------------------------
 
     @classmethod

@@ -1,5 +1,7 @@
 """The Qwen2/Qwen3 decoder as Dream (Qwen2: q/k/v bias) and SDAR (Qwen3: per-head q/k norm) ship it:
-Qwen config.json keys and Qwen weight names. One module, two switches."""
+Qwen config.json keys and Qwen weight names. One module, two switches. Llama's weight names and config keys are
+the same as Qwen2's without the biases, so a Llama-layout family (Stable-DiffCoder) is this decoder with both
+switches off."""
 from __future__ import annotations
 
 from pathlib import Path
