@@ -14,10 +14,19 @@ from pathlib import Path
 from typing import Any, Iterable
 
 # Keys any HF config may carry that change no forward pass: where the file came from, which classes remote code
-# would use, the dtype the weights were saved in (the engine picks its own), and generation's KV-cache switch.
+# would use, the dtype the weights were saved in (the engine picks its own), generation's KV-cache switch, what a
+# transformers model returns, labels of a classification head, and transformers' generate() defaults (a request's
+# sampling parameters decide decoding here). Older transformers write all of PretrainedConfig's attributes.
 INERT_KEYS = frozenset({
     "_name_or_path", "architectures", "auto_map", "model_type", "torch_dtype", "dtype",
     "transformers_version", "use_cache",
+    "output_attentions", "output_hidden_states", "return_dict", "torchscript", "_attn_implementation_autoset",
+    "finetuning_task", "id2label", "label2id", "problem_type", "tokenizer_class", "prefix", "task_specific_params",
+    "max_length", "min_length", "do_sample", "early_stopping", "num_beams", "num_beam_groups", "diversity_penalty",
+    "temperature", "top_k", "top_p", "typical_p", "repetition_penalty", "length_penalty", "no_repeat_ngram_size",
+    "encoder_no_repeat_ngram_size", "bad_words_ids", "num_return_sequences", "output_scores",
+    "return_dict_in_generate", "forced_bos_token_id", "forced_eos_token_id", "remove_invalid_values",
+    "exponential_decay_length_penalty", "suppress_tokens", "begin_suppress_tokens",
 })
 # The only RoPE transformers calls "default": no scaling of the frequencies.
 UNSCALED_ROPE = "default"

@@ -53,6 +53,14 @@ def test_a_key_on_no_list_is_kept_for_the_warning(family, release):
     assert arch.unrecognized_config_keys == ("newly_added_key",)
 
 
+@pytest.mark.parametrize("family, release", RELEASES)
+def test_keys_every_hf_config_may_carry_load_quietly(family, release):
+    """An older transformers writes every PretrainedConfig attribute: output switches, labels, generate() defaults."""
+    config = {**RELEASED[family, release], "output_hidden_states": False, "return_dict": True, "id2label": {"0": "A"},
+              "temperature": 1.0, "top_p": 1.0, "num_beams": 1, "_name_or_path": "/models/x"}
+    assert AutoModelForDiffusionLM.get(family).parse_config(config, "config.json").unrecognized_config_keys == ()
+
+
 def test_new_families_parse_to_their_released_architecture():
     parse = {family: AutoModelForDiffusionLM.get(family).parse_config(RELEASED[family, release], "config.json")
              for family, release in RELEASES}
