@@ -246,6 +246,18 @@ def test_coder_and_reasoner_families_stream_the_engine_outputs(server, coder_and
         wait_for(lambda: model_state(client, f"diffulex_{name}") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+def test_a_config_key_no_family_lists_loads_and_the_server_log_names_it(server, engine, unknown_key_checkpoint):
+    (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)  # the same weights, without the key
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_unknown_key")
+        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_unknown_key")
+        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+        client.unload_model("diffulex_unknown_key")
+        wait_for(lambda: model_state(client, "diffulex_unknown_key") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    assert (f"{unknown_key_checkpoint / 'config.json'}: config keys ['newly_added_key'] are unknown to model 'llada'"
+            in server.log_tail(200_000))
+
+
 def test_fast_dllm_v2_streams_a_response_per_block_with_per_request_overrides(server, fast_dllm_v2_checkpoint):
     """Block-causal blocks decoded sub-block by sub-block; a request's sub_block_size and accept_threshold change
     what it decodes (the two parameter sets give different tokens and forward counts in process)."""
