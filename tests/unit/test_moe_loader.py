@@ -1,4 +1,4 @@
-"""The MoE families' released layout: config.json read strictly, sharded safetensors with an index, experts stored
+"""The MoE families' released layout: config.json checked key by key, sharded safetensors with an index, experts stored
 one at a time and packed into the stacked parameters; every error names the file and the key. And the command
 that writes such a checkpoint."""
 from __future__ import annotations
