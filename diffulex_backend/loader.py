@@ -158,5 +158,13 @@ def load_model(
                        config_path, list(arch.unrecognized_config_keys), arch.model_name)
     check_shardable(arch, tp)
     model = family.empty(arch, attention_fn, dtype=dtype, device=device, tp=tp)
-    load_weights(model, directory)
+    try:
+        load_weights(model, directory)
+    except CheckpointError as e:
+        if model_name is not None:
+            raise
+        # Some families share a config.json model_type (Dream, DiffuCoder, Dream-reasoner): weights that do not
+        # fit the detected one are most often another's.
+        raise CheckpointError(f"{e} (model_name {name!r} was detected from config.json; set model_name to load the"
+                              f" checkpoint as another family: {AutoModelForDiffusionLM.keys()})") from e
     return model.eval()

@@ -6,6 +6,7 @@ decoding against plain samplers on that reference, and tokens unchanged by batch
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -14,7 +15,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCau
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import AttentionMetadata
-from diffulex_backend.loader import detect_model_name, load_model
+from diffulex_backend.loader import CheckpointError, detect_model_name, load_model
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
 from engine_driver import run_one_at_a_time, run_requests, tiny_engine
 from family_reference import ReferenceModel
@@ -70,6 +71,14 @@ def test_dream_reasoner_has_per_head_qk_norm_and_is_not_shifted(checkpoints):
     assert (arch.head_dim, arch.block_size) == (8, 32)
     names = load_file(f"{checkpoints['dream_reasoner']}/model.safetensors").keys()
     assert "model.layers.0.self_attn.q_norm.weight" in names and "model.layers.0.self_attn.q_proj.bias" not in names
+
+
+def test_dream_reasoner_loaded_as_the_detected_dream_names_the_weight_and_model_name(checkpoints):
+    path = checkpoints["dream_reasoner"]
+    with pytest.raises(CheckpointError, match=re.escape(
+            "unexpected weight 'model.layers.0.self_attn.k_norm.weight' for model 'dream' (model_name 'dream' was"
+            " detected from config.json; set model_name to load the checkpoint as another family: [")):
+        load_model(path)
 
 
 def test_stable_diffcoder_is_detected_from_its_class_names_and_takes_the_tokenizers_mask(checkpoints):
