@@ -59,8 +59,8 @@ class DreamModel(QwenModel):
 @AutoModelForDiffusionLM.register("diffucoder")
 class DiffuCoderModel(DreamModel):
     """DiffuCoder (apple/DiffuCoder-7B-Base, -Instruct, -cpGRPO): Qwen2.5-Coder weights trained as a masked
-    diffusion model with Dream's code. Its config.json is Dream's, key for key (model_type "Dream", DreamModel), so
-    the loader cannot tell the two apart: `model_name` "diffucoder" picks this family. The math is Dream's; what
+    diffusion model with Dream's code. Its config.json is written by Dream's configuration class (model_type "Dream",
+    DreamModel), so the loader cannot tell the two apart: `model_name` "diffucoder" picks this family. The math is Dream's; what
     differs is the default decoding strategy, d2f (bidirectional attention inside the prompt, block diffusion after
     it), which is how DiffuCoder is served with D2F adapters."""
     FAMILY = "diffucoder"
