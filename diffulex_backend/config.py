@@ -2,7 +2,7 @@
 
 `Config(...)` checks every field, then hands the strategy-specific checks to the strategy's record
 (registry.py), and fills what the strategy decides: its canonical name for an alias, `sampling_mode` and
-`enable_prefix_caching` when unset. What depends on the checkpoint (`model_name`, `mask_token_id`,
+`enable_prefix_caching` when unset, and the model family's strategy when `decoding_strategy` is unset. What depends on the checkpoint (`model_name`, `mask_token_id`,
 `max_model_len`) stays None until the engine reads the checkpoint and holds a resolved copy
 (`dataclasses.replace`, validated again); nothing changes a Config after it is built.
 """
@@ -14,7 +14,7 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from .registry import STRATEGIES
+from .registry import STRATEGIES, default_strategy
 
 
 class SamplingMode(enum.Enum):
@@ -35,7 +35,9 @@ TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
 class Config:
     model: str
     model_name: str | None = None  # detected from config.json when None
-    decoding_strategy: str = "multi_bd"  # a registered name or alias; the canonical name once built
+    # A registered name or alias, the canonical name once built; None: model_name's family's (registry.py's
+    # default_strategy: d2f for diffucoder, else multi_bd).
+    decoding_strategy: str | None = None
     sampling_mode: str | None = None  # None: the strategy's ("topk" for vanilla, "threshold" otherwise)
     block_size: int = 32
     buffer_size: int = 1  # blocks in flight per request (multi_bd, d2f)
@@ -82,6 +84,9 @@ class Config:
     def __post_init__(self):
         if isinstance(self.lora_modules, Mapping):  # one form from here on: the text config.pbtxt gives
             object.__setattr__(self, "lora_modules", _module_text(self.lora_modules))
+        if self.decoding_strategy is None:  # a model_name of the wrong type is refused below, by name
+            family = self.model_name if isinstance(self.model_name, str) else None
+            object.__setattr__(self, "decoding_strategy", default_strategy(family))
         self._validate_fields()
         strategy = STRATEGIES.get(self.decoding_strategy)
         # Filled in once, while the dataclass is being built: afterwards it is frozen.

@@ -6,6 +6,7 @@ Every failure is a `CheckpointError` that names the file and the key at fault.
 from __future__ import annotations
 
 import json
+import logging
 from pathlib import Path
 
 import torch
@@ -20,6 +21,8 @@ from diffulex_backend.tensor_parallel import TensorParallel, check_shardable
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+logger = logging.getLogger(__name__)
 
 
 class CheckpointError(ValueError):
@@ -43,7 +46,8 @@ def read_config(path: str | Path) -> dict:
 
 
 def detect_model_name(config: dict, path: str | Path) -> str:
-    """The registered family named by config.json's "model_type", else by its "architectures"."""
+    """The registered family named by config.json's "model_type", else the one that recognises the file by its
+    "architectures" (or, for a family whose model_type is a generic one such as "llama", by its "auto_map")."""
     families = {name: AutoModelForDiffusionLM.get(name) for name in AutoModelForDiffusionLM.keys()}
     model_type = config.get("model_type")
     for name, family in families.items():
@@ -51,7 +55,7 @@ def detect_model_name(config: dict, path: str | Path) -> str:
             return name
     architectures = config.get("architectures") or []
     for name, family in families.items():
-        if any(a in family.ARCHITECTURES for a in architectures):
+        if family.recognises(config):
             return name
     raise CheckpointError(
         f"{path}: config key 'model_type' is {model_type!r} (architectures {architectures!r}), which names no"
@@ -149,7 +153,18 @@ def load_model(
         raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
+    if arch.unrecognized_config_keys:
+        logger.warning("%s: config keys %s are unknown to model %r and were not read; the model loads without them",
+                       config_path, list(arch.unrecognized_config_keys), arch.model_name)
     check_shardable(arch, tp)
     model = family.empty(arch, attention_fn, dtype=dtype, device=device, tp=tp)
-    load_weights(model, directory)
+    try:
+        load_weights(model, directory)
+    except CheckpointError as e:
+        if model_name is not None:
+            raise
+        # Some families share a config.json model_type (Dream, DiffuCoder, Dream-reasoner): weights that do not
+        # fit the detected one are most often another's.
+        raise CheckpointError(f"{e} (model_name {name!r} was detected from config.json; set model_name to load the"
+                              f" checkpoint as another family: {AutoModelForDiffusionLM.keys()})") from e
     return model.eval()

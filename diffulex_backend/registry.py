@@ -122,3 +122,16 @@ AutoSampler: RegistryView[type] = RegistryView("AutoSampler", STRATEGIES, lambda
 
 # Keyed by model name ("llada", "dream", "sdar").
 AutoModelForDiffusionLM: Registry = Registry("AutoModelForDiffusionLM", "model_name")
+
+
+# The strategy of a family that names no other (its DEFAULT_STRATEGY), and of settings that name no family.
+DEFAULT_STRATEGY = "multi_bd"
+
+
+def default_strategy(model_name: str | None) -> str:
+    """The decoding strategy that settings naming none get: the family's own when `model_name` names a registered
+    family (DiffuCoder's is d2f), else DEFAULT_STRATEGY. A family detected from config.json later does not change
+    it: the families that config.json cannot name are exactly the ones a setting must name."""
+    if model_name is None or model_name not in AutoModelForDiffusionLM:
+        return DEFAULT_STRATEGY
+    return AutoModelForDiffusionLM.get(model_name).DEFAULT_STRATEGY

@@ -4,7 +4,9 @@ repository's diffulex model over a tiny random-weight checkpoint.
 The model repository is built in a temporary folder from the shipped config.pbtxt and model.py, with
 the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so short outputs span several
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
-picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_lora` (a LoRA
+picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_diffucoder`, `diffulex_dream_reasoner` and
+`diffulex_stable_diffcoder` (families picked by model_name, or detected, each with its own default strategy),
+`diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (a LoRA
 adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
 engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
 `diffulex_bad_path`, `diffulex_failing` (an engine that fails at every step) and `diffulex_dying_*` (a thread of the
@@ -17,7 +19,9 @@ bare GPU machine) the import names `diffulex_kernels` and `diffulex_client` are 
 """
 
 import importlib.util
+import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
@@ -62,6 +66,23 @@ def fast_dllm_v2_checkpoint(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def coder_and_reasoner_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """DiffuCoder, Dream-reasoner and Stable-DiffCoder, by model name."""
+    root = tmp_path_factory.mktemp("checkpoint")
+    return {name: write_random_checkpoint(root / name, name)
+            for name in ("diffucoder", "dream_reasoner", "stable_diffcoder")}
+
+
+@pytest.fixture(scope="session")
+def unknown_key_checkpoint(tmp_path_factory, checkpoint) -> Path:
+    """The session checkpoint with a config.json key that no family lists."""
+    directory = Path(shutil.copytree(checkpoint, tmp_path_factory.mktemp("checkpoint") / "unknown_key"))
+    config = json.loads((directory / "config.json").read_text())
+    (directory / "config.json").write_text(json.dumps({**config, "newly_added_key": 1}))
+    return directory
+
+
+@pytest.fixture(scope="session")
 def math_adapter(tmp_path_factory, checkpoint) -> Path:
     """A PEFT LoRA adapter of the session checkpoint, on every attention and MLP projection."""
     return write_peft_adapter(tmp_path_factory.mktemp("adapters") / "math", checkpoint,
@@ -80,12 +101,19 @@ def engine(checkpoint) -> Diffulex:
 
 
 @pytest.fixture(scope="session")
-def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, math_adapter, missing_checkpoint):
+def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, coder_and_reasoner_checkpoints,
+           unknown_key_checkpoint, math_adapter, missing_checkpoint):
     repository = tmp_path_factory.mktemp("model_repository")
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
     add_model(repository, "diffulex_llada2", model=llada2_checkpoint, model_name="llada2_mini", **TEST_SETTINGS)
     add_model(repository, "diffulex_fast_dllm_v2", model=fast_dllm_v2_checkpoint, **FAST_DLLM_V2_SETTINGS)
+    for name, path in coder_and_reasoner_checkpoints.items():
+        # decoding_strategy left empty: each engine takes its family's default. Stable-DiffCoder is detected from its
+        # config.json; the other two name their family.
+        add_model(repository, f"diffulex_{name}", model=path, decoding_strategy="",
+                  **({} if name == "stable_diffcoder" else {"model_name": name}), **TEST_SETTINGS)
+    add_model(repository, "diffulex_unknown_key", model=unknown_key_checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_lora", model=checkpoint, lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
     add_model(repository, "diffulex_dmax", model=checkpoint, decoding_strategy="dmax", **TEST_SETTINGS)
     add_model(repository, "diffulex_data_parallel", model=checkpoint,

@@ -13,7 +13,7 @@ class RouterScore(enum.Enum):
 
 @dataclass(frozen=True)
 class ModelArch:
-    model_name: str  # the registered family: "llada", "dream", "sdar"
+    model_name: str  # the registered family: "llada", "dream", "sdar", ...
     hidden_size: int
     num_layers: int
     num_heads: int
@@ -44,6 +44,9 @@ class ModelArch:
     router_bias: bool = False  # a per-expert bias added to the scores for selection only (LLaDA2's expert_bias)
     norm_topk_prob: bool = True  # the kept weights are renormalised to sum to one...
     routed_scaling_factor: float = 1.0  # ...then scaled by this
+    # config.json keys the family neither reads nor knows to change nothing: the model loads without them (the
+    # loader warns), and they stay here so that what the engine reports can name them.
+    unrecognized_config_keys: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_layers", "num_heads", "num_kv_heads", "head_dim",

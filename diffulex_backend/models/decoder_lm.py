@@ -164,6 +164,8 @@ class DecoderLM(nn.Module):
     # Set by each family.
     MODEL_TYPES: tuple[str, ...] = ()  # config.json "model_type" values that name this family
     ARCHITECTURES: tuple[str, ...] = ()  # config.json "architectures" entries that name this family
+    # The decoding strategy the engine uses for this family when the settings name none.
+    DEFAULT_STRATEGY: str = "multi_bd"
     TOP_WEIGHTS: dict[str, str] = {}  # checkpoint name -> parameter name, outside the layers
     LAYER_PREFIX: str = ""  # checkpoint prefix of layer N, with {} for N
     LAYER_WEIGHTS: dict[str, tuple[str, FusedPart | None]] = {}  # suffix -> (parameter suffix, part)
@@ -196,6 +198,12 @@ class DecoderLM(nn.Module):
     def config_dict(cls, arch: ModelArch) -> dict:
         """ModelArch -> config.json with the family's full released key set."""
         raise NotImplementedError
+
+    @classmethod
+    def recognises(cls, config: dict) -> bool:
+        """Whether config.json names this family by something other than its "model_type" (which the loader
+        checks first, for every family): by default, an "architectures" entry."""
+        return any(a in cls.ARCHITECTURES for a in config.get("architectures") or [])
 
     # --- construction -------------------------------------------------------------------------------------
 

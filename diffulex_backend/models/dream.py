@@ -54,3 +54,16 @@ class DreamModel(QwenModel):
             "use_sliding_window": False,
             "vocab_size": arch.vocab_size,
         }
+
+
+@AutoModelForDiffusionLM.register("diffucoder")
+class DiffuCoderModel(DreamModel):
+    """DiffuCoder (apple/DiffuCoder-7B-Base, -Instruct, -cpGRPO): Qwen2.5-Coder weights trained as a masked
+    diffusion model with Dream's code. Its config.json is written by Dream's configuration class (model_type "Dream",
+    DreamModel), so the loader cannot tell the two apart: `model_name` "diffucoder" picks this family. The math is Dream's; what
+    differs is the default decoding strategy, d2f (bidirectional attention inside the prompt, block diffusion after
+    it), which is how DiffuCoder is served with D2F adapters."""
+    FAMILY = "diffucoder"
+    MODEL_TYPES = ()  # config.json says "Dream": detection keeps it for the dream family
+    ARCHITECTURES = ()
+    DEFAULT_STRATEGY = "d2f"

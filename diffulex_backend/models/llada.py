@@ -97,6 +97,7 @@ class LLaDAModel(DecoderLM):
             eos_token_ids=c.token_ids("eos_token_id"),
             shifted=False,
             block_size=None,
+            unrecognized_config_keys=c.unrecognized,
         )
 
     @classmethod

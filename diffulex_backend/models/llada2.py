@@ -142,6 +142,7 @@ class LLaDA2Model(DecoderLM):
             router_bias=True,
             norm_topk_prob=True,
             routed_scaling_factor=c.float("routed_scaling_factor", 2.5),
+            unrecognized_config_keys=c.unrecognized,
         )
         try:
             return ModelArch(**arch)

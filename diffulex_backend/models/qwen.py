@@ -1,5 +1,7 @@
 """The Qwen2/Qwen3 decoder as Dream (Qwen2: q/k/v bias) and SDAR (Qwen3: per-head q/k norm) ship it:
-Qwen config.json keys and Qwen weight names. One module, two switches."""
+Qwen config.json keys and Qwen weight names. One module, two switches. Llama's weight names and config keys are
+the same as Qwen2's without the biases, so a Llama-layout family (Stable-DiffCoder) is this decoder with both
+switches off."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -13,7 +15,8 @@ QWEN_CONFIG_KEYS = frozenset({
     "attention_dropout", "bos_token_id", "eos_token_id", "hidden_act", "hidden_size", "initializer_range",
     "intermediate_size", "mask_token_id", "max_position_embeddings", "max_window_layers",
     "num_attention_heads", "num_hidden_layers", "num_key_value_heads", "pad_token_id", "rms_norm_eps",
-    "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings", "use_sliding_window", "vocab_size",
+    "rope_parameters", "rope_scaling", "rope_theta", "sliding_window", "tie_word_embeddings", "use_sliding_window",
+    "vocab_size",
 })
 
 
@@ -52,7 +55,6 @@ class QwenModel(DecoderLM):
     def parse_config(cls, config: dict, path: str | Path) -> ModelArch:
         c = ConfigReader(config, path, cls.FAMILY, cls.CONFIG_KEYS)
         c.expect("hidden_act", ("silu",), default="silu")
-        c.expect("rope_scaling", (None,), default=None)
         c.expect("use_sliding_window", (False,), default=False)
         if "attention_bias" in cls.CONFIG_KEYS:
             # Qwen3's attention_bias adds a bias to q, k, v and o; SDAR ships without it.
@@ -93,7 +95,7 @@ class QwenModel(DecoderLM):
             head_dim=head_dim,
             intermediate_size=c.int("intermediate_size"),
             vocab_size=c.int("vocab_size"),
-            rope_theta=c.float("rope_theta"),
+            rope_theta=c.rope_theta(),
             rms_norm_eps=c.float("rms_norm_eps"),
             max_position_embeddings=c.int("max_position_embeddings"),
             tie_word_embeddings=c.bool("tie_word_embeddings", False),
@@ -103,4 +105,5 @@ class QwenModel(DecoderLM):
             block_size=block_size,
             qkv_bias=cls.QKV_BIAS,
             qk_norm=cls.QK_NORM,
+            unrecognized_config_keys=c.unrecognized,
         )

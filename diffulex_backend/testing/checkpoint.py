@@ -56,6 +56,14 @@ RELEASED_SHAPES = {
     "fast_dllm_v2-7b": dict(model_name="fast_dllm_v2", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
                             intermediate_size=18944, vocab_size=152064, max_position_embeddings=32768,
                             rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # DiffuCoder-7B: Qwen2.5-Coder-7B's shape, which is Qwen2.5-7B's.
+    "diffucoder-7b": dict(model_name="diffucoder", hidden_size=3584, num_layers=28, num_heads=28, num_kv_heads=4,
+                          intermediate_size=18944, vocab_size=152064, max_position_embeddings=131072,
+                          rope_theta=1000000.0, rms_norm_eps=1e-6),
+    # Stable-DiffCoder-8B: Seed-Coder-8B's shape.
+    "stable_diffcoder-8b": dict(model_name="stable_diffcoder", hidden_size=4096, num_layers=32, num_heads=32,
+                                num_kv_heads=8, intermediate_size=14336, vocab_size=155136,
+                                max_position_embeddings=32768, rope_theta=500000.0, rms_norm_eps=1e-6),
     "sdar-8b": dict(model_name="sdar", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768),
     # LLaDA2.0-mini and LLaDA2.1-mini: 16 B parameters, 1.4 B active.

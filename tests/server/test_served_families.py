@@ -37,6 +37,12 @@ MODELS = {
     "sdar_moe_multi_bd": ("sdar_moe", {}, {}),
     "fast_dllm_v2": ("fast_dllm_v2", {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4,
                                       "buffer_size": 1, "accept_threshold": 0.3}, {}),
+    # Named by model_name (their config.json says Dream), each with its family's default strategy spelled out:
+    # config.pbtxt's own default would otherwise apply to the served engine and not to the one in process.
+    "diffucoder_d2f": ("diffucoder", {"model_name": "diffucoder", "decoding_strategy": "d2f"}, {}),
+    "dream_reasoner_multi_bd": ("dream_reasoner", {"model_name": "dream_reasoner", "decoding_strategy": "multi_bd"},
+                                {}),
+    "stable_diffcoder_multi_bd": ("stable_diffcoder", {}, {}),  # detected from config.json
 }
 GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 

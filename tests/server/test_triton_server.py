@@ -228,6 +228,36 @@ def test_a_moe_family_picked_by_model_name_streams_the_engine_outputs(server, ll
         wait_for(lambda: model_state(client, "diffulex_llada2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+@pytest.mark.parametrize("name, strategy", [("diffucoder", "d2f"), ("dream_reasoner", "multi_bd"),
+                                            ("stable_diffcoder", "multi_bd")])
+def test_coder_and_reasoner_families_stream_the_engine_outputs(server, coder_and_reasoner_checkpoints, name, strategy):
+    """DiffuCoder and Dream-reasoner named by model_name, Stable-DiffCoder detected from config.json; config.pbtxt
+    leaves decoding_strategy empty, so each decodes with its family's default, as the engine in process does."""
+    model_name = None if name == "stable_diffcoder" else name
+    reference_engine = Diffulex(str(coder_and_reasoner_checkpoints[name]), model_name=model_name, **TEST_SETTINGS)
+    assert (reference_engine.config.model_name, reference_engine.config.decoding_strategy) == (name, strategy)
+    (expected,) = reference(reference_engine, [PROMPTS[3]], **GREEDY)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model(f"diffulex_{name}")
+        results = grpc_stream(server, grpc_inputs(PROMPTS[3], GREEDY, stream=True), model=f"diffulex_{name}")
+        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+        assert len(results) >= 2
+        client.unload_model(f"diffulex_{name}")
+        wait_for(lambda: model_state(client, f"diffulex_{name}") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
+def test_a_config_key_no_family_lists_loads_and_the_server_log_names_it(server, engine, unknown_key_checkpoint):
+    (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)  # the same weights, without the key
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_unknown_key")
+        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_unknown_key")
+        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+        client.unload_model("diffulex_unknown_key")
+        wait_for(lambda: model_state(client, "diffulex_unknown_key") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    assert (f"{unknown_key_checkpoint / 'config.json'}: config keys ['newly_added_key'] are unknown to model 'llada'"
+            in server.log_tail(200_000))
+
+
 def test_fast_dllm_v2_streams_a_response_per_block_with_per_request_overrides(server, fast_dllm_v2_checkpoint):
     """Block-causal blocks decoded sub-block by sub-block; a request's sub_block_size and accept_threshold change
     what it decodes (the two parameter sets give different tokens and forward counts in process)."""

@@ -103,9 +103,10 @@ def test_cli_writes_a_loadable_checkpoint_with_config_overrides(tmp_path, capsys
     assert load_tokenizer(tmp_path / "out").decode([104, 105]) == "hi"
 
 
-def test_writer_rejects_a_config_key_the_family_does_not_have(tmp_path):
-    with pytest.raises(ValueError, match="unknown config key 'block_size' for model 'llada'"):
-        write_random_checkpoint(tmp_path, "llada", block_size=4)
+def test_writer_keeps_a_config_key_the_family_does_not_read_and_the_loader_names_it(tmp_path):
+    write_random_checkpoint(tmp_path, "llada", block_size=4)
+    assert json.loads((tmp_path / "config.json").read_text())["block_size"] == 4
+    assert load_model(tmp_path).arch.unrecognized_config_keys == ("block_size",)
 
 
 def test_writer_rejects_a_head_dim_the_family_cannot_express(tmp_path):

@@ -145,7 +145,7 @@ def test_a_strategy_check_that_needs_the_checkpoint_runs_once_it_is_read(llada_c
 
 def test_model_name_is_detected_and_a_wrong_one_names_the_file(llada_checkpoint):
     assert tiny_engine(llada_checkpoint).config.model_name == "llada"
-    with pytest.raises(CheckpointError, match=re.escape(f"{llada_checkpoint}/config.json: unknown config key")):
+    with pytest.raises(CheckpointError, match=re.escape(f"{llada_checkpoint}/config.json: missing required config key")):
         tiny_engine(llada_checkpoint, model_name="dream")
 
 

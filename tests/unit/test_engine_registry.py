@@ -35,8 +35,16 @@ def test_unknown_strategy_in_the_config_lists_the_registered_keys(llada_checkpoi
         Config(model=llada_checkpoint, decoding_strategy="nope")
 
 
+def test_an_unset_strategy_is_the_named_familys_default(llada_checkpoint):
+    assert Config(model=llada_checkpoint).decoding_strategy == "multi_bd"
+    assert Config(model=llada_checkpoint, model_name="dream").decoding_strategy == "multi_bd"
+    assert Config(model=llada_checkpoint, model_name="diffucoder").decoding_strategy == "d2f"
+    assert Config(model=llada_checkpoint, model_name="diffucoder", decoding_strategy="bd").decoding_strategy == "multi_bd"
+    assert Config(model=llada_checkpoint, model_name="gpt2").decoding_strategy == "multi_bd"  # refused at load
+
+
 def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint):
-    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['dream', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe']"
+    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['diffucoder', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"
     with pytest.raises(CheckpointError, match="^" + re.escape(message) + "$"):
         tiny_engine(llada_checkpoint, model_name="gpt2")
 
@@ -88,7 +96,7 @@ def test_a_strategy_and_its_alias_cannot_be_registered_twice():
 
 
 def test_model_families_are_registered_by_name():
-    assert AutoModelForDiffusionLM.keys() == ["dream", "fast_dllm_v2", "llada", "llada2", "sdar", "sdar_moe"]
+    assert AutoModelForDiffusionLM.keys() == ["diffucoder", "dream", "dream_reasoner", "fast_dllm_v2", "llada", "llada2", "sdar", "sdar_moe", "stable_diffcoder"]
 
 
 def test_a_registry_refuses_a_key_or_alias_twice_and_without_default_says_so():

@@ -10,38 +10,10 @@ from safetensors import safe_open
 from diffulex_backend.loader import detect_model_name
 from diffulex_backend.registry import AutoModelForDiffusionLM
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, main as write_checkpoint_cli, write_random_checkpoint
+from released_configs import FAST_DLLM_V2_7B
 
 # Efficient-Large-Model/Fast_dLLM_v2_7B: Qwen2.5-7B-Instruct's config plus bd_size, layer_types and auto_map.
-RELEASED_CONFIG = {
-    "architectures": ["Fast_dLLM_QwenForCausalLM"],
-    "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration.Fast_dLLM_QwenConfig", "AutoModel": "modeling.Fast_dLLM_QwenModel",
-                 "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM"},
-    "bd_size": 32,
-    "bos_token_id": 151643,
-    "eos_token_id": 151645,
-    "hidden_act": "silu",
-    "hidden_size": 3584,
-    "initializer_range": 0.02,
-    "intermediate_size": 18944,
-    "layer_types": ["full_attention"] * 28,
-    "max_position_embeddings": 32768,
-    "max_window_layers": 28,
-    "model_type": "Fast_dLLM_Qwen",
-    "num_attention_heads": 28,
-    "num_hidden_layers": 28,
-    "num_key_value_heads": 4,
-    "rms_norm_eps": 1e-06,
-    "rope_scaling": None,
-    "rope_theta": 1000000.0,
-    "sliding_window": None,
-    "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16",
-    "transformers_version": "4.53.1",
-    "use_cache": True,
-    "use_sliding_window": False,
-    "vocab_size": 152064,
-}
+RELEASED_CONFIG = FAST_DLLM_V2_7B
 
 FAMILY = AutoModelForDiffusionLM.get("fast_dllm_v2")
 
@@ -69,11 +41,15 @@ def test_family_is_detected_from_model_type_and_from_architectures():
     (dict(bd_size=0), "'bd_size' must be a positive integer"),
     (dict(layer_types=["sliding_attention"] * 28), "'layer_types' must list 'full_attention'"),
     (dict(use_sliding_window=True), "'use_sliding_window' is True"),
-    (dict(block_size=32), "unknown config key 'block_size'"),
 ])
 def test_config_errors_name_the_key(edit, message):
     with pytest.raises(ValueError, match=message):
         FAMILY.parse_config({**RELEASED_CONFIG, **edit}, "config.json")
+
+
+def test_a_key_fast_dllm_v2_does_not_read_is_kept_for_the_warning():
+    arch = FAMILY.parse_config({**RELEASED_CONFIG, "block_size": 32}, "config.json")
+    assert (arch.block_size, arch.unrecognized_config_keys) == (32, ("block_size",))  # bd_size, not block_size
 
 
 def test_missing_bd_size_is_an_error():

@@ -68,7 +68,7 @@ def test_model_name_is_detected_from_model_type_then_architectures():
     assert detect_model_name({"model_type": "sdar"}, "config.json") == "sdar"
     assert detect_model_name({"architectures": ["LLaDAModelLM"]}, "config.json") == "llada"
     with raises("config.json: config key 'model_type' is 'gpt2' (architectures ['GPT2LMHeadModel']), which names"
-                " no registered model; registered: ['dream', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe']"):
+                " no registered model; registered: ['diffucoder', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"):
         detect_model_name({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "config.json")
 
 
@@ -94,10 +94,18 @@ def test_corrupt_config_json(broken):
         load_model(broken)
 
 
-def test_unknown_config_key(broken):
+def test_unknown_config_key_loads_with_a_warning_that_names_it(broken, caplog):
     edit_config(broken, use_flux_capacitor=True)
-    with raises(f"{broken / 'config.json'}: unknown config key 'use_flux_capacitor' for model 'llada'"):
-        load_model(broken)
+    with caplog.at_level("WARNING", logger="diffulex_backend.loader"):
+        model = load_model(broken)
+    assert model.arch.unrecognized_config_keys == ("use_flux_capacitor",)
+    assert f"{broken / 'config.json'}: config keys ['use_flux_capacitor'] are unknown to model 'llada'" in caplog.text
+
+
+def test_released_keys_load_quietly(llada_dir, caplog):
+    with caplog.at_level("WARNING", logger="diffulex_backend.loader"):
+        model = load_model(llada_dir)
+    assert model.arch.unrecognized_config_keys == () and caplog.text == ""
 
 
 def test_missing_config_key(broken):

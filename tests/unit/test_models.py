@@ -15,52 +15,12 @@ from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_ch
 from diffulex_backend.loader import load_model
 from diffulex_backend.models import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
+from released_configs import DREAM_V0_INSTRUCT_7B, LLADA_8B_INSTRUCT, SDAR_1_7B_CHAT
 
 FAMILIES = ["llada", "dream", "sdar"]
 
-# --- config.json of released checkpoints, as published: the loader must accept these as they are -------
+# --- config.json of released checkpoints, as published (released_configs.py) -------------------------------
 
-LLADA_8B_INSTRUCT = {
-    "activation_type": "silu", "alibi": False, "alibi_bias_max": 8.0, "architectures": ["LLaDAModelLM"],
-    "attention_dropout": 0.0, "attention_layer_norm": False, "attention_layer_norm_with_affine": True,
-    "auto_map": {"AutoConfig": "configuration_llada.LLaDAConfig", "AutoModel": "modeling_llada.LLaDAModelLM",
-                 "AutoModelForCausalLM": "modeling_llada.LLaDAModelLM"},
-    "bias_for_layer_norm": False, "block_group_size": 1, "block_type": "llama", "d_model": 4096,
-    "embedding_dropout": 0.0, "embedding_size": 126464, "eos_token_id": 126081, "flash_attention": False,
-    "include_bias": False, "include_qkv_bias": False, "init_cutoff_factor": None, "init_device": "meta",
-    "init_fn": "mitchell", "init_std": 0.02, "input_emb_norm": False, "layer_norm_type": "rms",
-    "layer_norm_with_affine": True, "mask_token_id": 126336, "max_sequence_length": 4096,
-    "mlp_hidden_size": 12288, "mlp_ratio": 4, "model_type": "llada", "multi_query_attention": None,
-    "n_heads": 32, "n_kv_heads": 32, "n_layers": 32, "pad_token_id": 126081, "precision": "amp_bf16",
-    "residual_dropout": 0.0, "rms_norm_eps": 1e-05, "rope": True, "rope_full_precision": True,
-    "rope_theta": 500000.0, "scale_logits": False, "torch_dtype": "bfloat16", "transformers_version": "4.46.3",
-    "use_cache": False, "vocab_size": 126464, "weight_tying": False,
-}
-DREAM_V0_INSTRUCT_7B = {
-    "architectures": ["DreamModel"], "attention_dropout": 0.0,
-    "auto_map": {"AutoConfig": "configuration_dream.DreamConfig", "AutoModel": "modeling_dream.DreamModel"},
-    "bos_token_id": 151643, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 3584,
-    "initializer_range": 0.02, "intermediate_size": 18944, "mask_token_id": 151666,
-    "max_position_embeddings": 131072, "max_window_layers": 28, "model_type": "Dream", "num_attention_heads": 28,
-    "num_hidden_layers": 28, "num_key_value_heads": 4, "pad_token_id": 151643, "rms_norm_eps": 1e-06,
-    "rope_scaling": None, "rope_theta": 1000000.0, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.46.2", "use_cache": False, "use_sliding_window": False,
-    "vocab_size": 152064,
-}
-SDAR_1_7B_CHAT = {
-    "architectures": ["SDARForCausalLM"],
-    "auto_map": {"AutoConfig": "configuration_sdar.SDARConfig", "AutoModel": "modeling_sdar.SDARModel",
-                 "AutoModelForCausalLM": "modeling_sdar.SDARForCausalLM"},
-    "attention_bias": False, "attention_dropout": 0.0, "attn_implementation": "flex_attention",
-    "bos_token_id": 151643, "debug": False, "eos_token_id": 151643, "block_size": 4, "mask_token_id": 151669,
-    "ep_size": 1, "fuse_cross_entropy": True, "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048,
-    "initializer_range": 0.02, "intermediate_size": 6144, "max_position_embeddings": 32768,
-    "max_window_layers": 28, "micro_forward": False, "model_type": "sdar", "num_attention_heads": 16,
-    "num_hidden_layers": 28, "num_key_value_heads": 8, "rms_norm_eps": 1e-06, "rope_scaling": None,
-    "rope_theta": 1000000, "skip_checkpoint": False, "sliding_window": None, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "transformers_version": "4.52.4", "use_cache": False, "use_deepep": False,
-    "use_sliding_window": False, "vocab_size": 151936,
-}
 RELEASED_CONFIGS = {"llada": LLADA_8B_INSTRUCT, "dream": DREAM_V0_INSTRUCT_7B, "sdar": SDAR_1_7B_CHAT}
 
 # --- the dense reference -----------------------------------------------------------------------------------
