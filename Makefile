@@ -34,10 +34,15 @@ HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
 
+# Triton 2.51's HTTP front end crashes on a request body of about 4.19 MB and has no option to refuse one, so its
+# port listens on loopback unless TRITON_HTTP_ADDRESS opens it (0.0.0.0: every host; put a proxy with a body limit
+# in front). gRPC refuses large messages itself.
+TRITON_HTTP_ADDRESS ?= 127.0.0.1
+
 # Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md).
 serve: setup
 	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
-		--model-control-mode=explicit --load-model=diffulex \
+		--model-control-mode=explicit --load-model=diffulex --http-address $(TRITON_HTTP_ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
 # Without a GPU the Triton kernels run under Triton's interpreter. It must be on before the first kernel is

@@ -15,13 +15,14 @@ __all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "START
            "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
-# reference engine uses the same. On a GPU the KV cache has a fixed size: sized from free memory, the first engine on
-# the GPU would take nearly all of it and leave none for the others and the in-process reference.
-FIXED_KV_ON_GPU = {"num_kv_pages": 4096} if torch.cuda.is_available() else {}
-TEST_SETTINGS = {"block_size": 4, "page_size": 4, "buffer_size": 2, "max_model_len": 512, **FIXED_KV_ON_GPU}
+# reference engine uses the same. On a GPU the KV cache has a fixed size (sized from free memory, the first engine on
+# the GPU would take nearly all of it and leave none for the others and the in-process reference), and a batch holds
+# at most 16 requests, so that each load warms up five batch sizes rather than seven.
+ON_GPU = {"num_kv_pages": 4096, "max_num_reqs": 16} if torch.cuda.is_available() else {}
+TEST_SETTINGS = {"block_size": 4, "page_size": 4, "buffer_size": 2, "max_model_len": 512, **ON_GPU}
 # Fast-dLLM v2's model: blocks of 8 decoded in sub-blocks of 4, a low threshold so that sub-blocks take several tokens.
 FAST_DLLM_V2_SETTINGS = {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4, "page_size": 4,
-                         "accept_threshold": 0.3, "max_model_len": 512, **FIXED_KV_ON_GPU}
+                         "accept_threshold": 0.3, "max_model_len": 512, **ON_GPU}
 
 # The data-parallel model's: the test model's, with a KV cache of fixed size, because sizing it from free GPU memory
 # assumes one engine per GPU, and on a machine of one GPU both instances share it.
