@@ -66,6 +66,11 @@ def moe_case(shape: MoeShape, tokens: int, device: torch.device):
     return hidden, w_gate_up, w_down, topk_ids, torch.softmax(scores, dim=1)
 
 
+def significant(ms: float) -> float:
+    """Four significant digits: a tiny shape's floor on a GPU is a few nanoseconds, which four decimals make 0."""
+    return float(f"{ms:.4g}")
+
+
 def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smoke: bool) -> list[dict]:
     args = moe_case(shape, tokens, device)
     touched = args[3].unique().numel()
@@ -95,15 +100,15 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
         eager_ms = time_eager_ms(lambda: fused_moe(*args, launch=launch)) if launch == default else math.nan
         rows.append(dict(
             model=shape.name, tokens=tokens, launch=("default " if launch == default else "") + label(launch),
-            touched_experts=touched, kernel_ms=round(kernel_ms, 4), eager_ms=round(eager_ms, 4),
+            touched_experts=touched, kernel_ms=significant(kernel_ms), eager_ms=significant(eager_ms),
             # The stages are timed for the default plan only.
-            **{f"{name}_ms": round(ms, 4) if launch == default else math.nan
+            **{f"{name}_ms": significant(ms) if launch == default else math.nan
                for name, ms in zip(("route", "gate_up", "down"), stages_ms)},
-            weight_floor_ms=round(weight_floor_ms, 4),
-            compute_floor_ms=round(compute_floor_ms, 4), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
+            weight_floor_ms=significant(weight_floor_ms),
+            compute_floor_ms=significant(compute_floor_ms), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
             vs_compute_floor=round(kernel_ms / compute_floor_ms, 2),
             vs_larger_floor=round(kernel_ms / max(weight_floor_ms, compute_floor_ms), 2),
-            reference_ms=round(reference_ms, 4), reference_vs_kernel=round(reference_ms / kernel_ms, 3),
+            reference_ms=significant(reference_ms), reference_vs_kernel=round(reference_ms / kernel_ms, 3),
         ))
         print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
     return rows

@@ -209,6 +209,11 @@ def install(args: argparse.Namespace) -> None:
     launcher.write_text(LAUNCHER.format(venv_bin=prefix / "bin", lib=f"{server / 'lib'}:{libdir}",
                                         server=server / "bin" / "tritonserver", backends=server / "backends"))
     launcher.chmod(0o755)
+    # The project's command, as `pip install` makes it (pyproject's [project.scripts]).
+    client_command = prefix / "bin" / "diffulex-client"
+    client_command.write_text(f"#!{prefix / 'bin' / 'python'}\nimport sys\nfrom diffulex_client.cli import main\n"
+                              "sys.exit(main())\n")
+    client_command.chmod(0o755)
     check = subprocess.run([str(prefix / "bin" / "python"), "-c", (
                             "import numpy, torch, transformers, diffulex_backend, diffulex_kernels;"
                             "print('numpy', numpy.__version__, 'torch', torch.__version__, 'transformers', "

@@ -119,8 +119,12 @@ class TritonAdapter:
         self._watchdog = self._start_watchdog(endpoint) if endpoint and explicit_model_control(server_args) else None
         watch = ServerWatch(lambda: pb_utils.is_model_ready(self._model_name),
                             HttpLeaveProbe(*endpoint) if endpoint else None)
-        self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service,
-                                server_is_leaving=watch.server_is_leaving)
+        try:
+            self._loop = EngineLoop(self._engine, metrics, on_failure=self._take_out_of_service,
+                                    server_is_leaving=watch.server_is_leaving)
+        except BaseException:  # the load fails with the cause; the watchdog must not reload what never loaded
+            self._tell_watchdog(CLEAN)
+            raise
         pb_utils.Logger.log_info(
             f"{self._model_name}: engine ready in {time.monotonic() - started:.1f} s (load {loaded - started:.1f} s, "
             f"warm-up {report.seconds:.1f} s over batch sizes {list(report.batch_sizes)}; kernel cache "

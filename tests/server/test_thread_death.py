@@ -54,3 +54,5 @@ def test_a_decoding_thread_that_cannot_start_fails_the_load_with_its_cause(serve
         assert "the decoding thread could not start: ThreadKilled: killed while setting up" in caught.value.message()
         assert not client.is_model_ready("diffulex_dying_at_start")
         assert client.is_model_ready("diffulex")
+    time.sleep(3)  # a watchdog that reloaded what never loaded would have logged it by now
+    assert "model 'diffulex_dying_at_start'" not in server.log_tail(200000)
