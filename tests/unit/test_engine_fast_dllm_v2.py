@@ -163,6 +163,16 @@ def test_a_request_remask_threshold_is_refused_since_nothing_would_read_it(check
     assert not llm.has_unfinished_requests()
 
 
+def test_a_request_retention_ratio_is_refused_since_the_strategy_drops_no_pages(checkpoint):
+    """fast_dllm_v2's own check once skipped the base checks: a retention_ratio of 0.5 was accepted and dropped
+    prompt pages, although the strategy keeps every page."""
+    llm = engine(checkpoint)
+    with pytest.raises(ValueError, match="'retention_ratio' must be 1 or null for decoding_strategy 'fast_dllm_v2'"):
+        llm.add_request("a prompt long enough to fill several pages", SamplingParams(max_tokens=8,
+                                                                                       retention_ratio=0.5))
+    assert not llm.has_unfinished_requests() and llm.kv_cache.num_used_pages == 0
+
+
 def test_request_sub_block_size_is_refused_by_other_strategies(checkpoint):
     llm = tiny_engine(checkpoint, decoding_strategy="multi_bd")
     with pytest.raises(ValueError, match="applies to decoding_strategy 'fast_dllm_v2' only, not 'multi_bd'"):
