@@ -10,6 +10,7 @@ import pytest
 from triton_server import TEST_SETTINGS
 
 from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.engine import PreparedRequest
 from diffulex_backend.serving.engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
 from diffulex_backend.serving.metrics import ServingMetrics
 
@@ -66,7 +67,7 @@ class RecordingMetric:
 
 class EngineFailingAtStep(Diffulex):
     def __init__(self, model, failing_step: int, **settings):
-        super().__init__(model, **settings)
+        super().__init__(model, warm_up=False, **settings)  # its steps count from the first request on
         self.failing_step = failing_step
         self.num_steps = 0
 
@@ -139,7 +140,7 @@ class EngineRefusingOnePrompt(Diffulex):
     """An engine whose add_request raises for one prompt, as a fault of ours might, after preparation passed."""
 
     def add_request(self, prompt, params=None, request_id=None):
-        if prompt.prompt_ids == self.tokenizer.encode("refused"):
+        if isinstance(prompt, PreparedRequest) and prompt.prompt_ids == self.tokenizer.encode("refused"):
             raise RuntimeError("cannot queue this one")
         return super().add_request(prompt, params, request_id)
 
@@ -215,7 +216,7 @@ class ThreadKilled(BaseException):
 
 class EngineDyingAtStep(Diffulex):
     def __init__(self, model, dying_step: int, **settings):
-        super().__init__(model, **settings)
+        super().__init__(model, warm_up=False, **settings)  # its steps count from the first request on
         self.dying_step = dying_step
         self.num_steps = 0
 

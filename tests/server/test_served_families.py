@@ -76,7 +76,8 @@ def families_server(tmp_path_factory, checkpoints):
         add_model(repository, name, model=checkpoints[family], instance_group=group,
                   **engine_settings(name, checkpoints))
     loads = [f"--load-model={name}" for name in MODELS]
-    server = TritonServer(repository, repository.parent / "tritonserver.log",
+    # A log of its own: the session's server writes repository.parent / "tritonserver.log".
+    server = TritonServer(repository, repository.parent / "families-tritonserver.log",
                           ("--model-control-mode=explicit", *loads))
     try:
         server.wait_ready(STARTUP_TIMEOUT_S)
