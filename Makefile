@@ -17,9 +17,10 @@ PYTEST_ARGS ?=
 # torch==2.13.0 resolves to the CPU build kept on local disk; a bare `torch` would pull a CUDA build.
 # numpy must stay below 2: the Python backend stub crashes on every STRING input with numpy 2.
 # kubernetes-validate carries the Kubernetes API's JSON schemas, so the tests check deploy/ without a network.
+# fastapi and uvicorn run the OpenAI-compatible front; the official openai client is what its tests speak.
 PYTHON_PACKAGES := torch==2.13.0 "numpy<2" safetensors transformers==5.17.0 tqdm triton==3.6.0 \
 	"tritonclient[all]==2.51.0" nvidia-pytriton==0.7.0 pytest pytest-timeout hypothesis==6.170.15 \
-	kubernetes-validate==1.37.0 jsonschema==4.26.0
+	kubernetes-validate==1.37.0 jsonschema==4.26.0 fastapi==0.163.2 uvicorn==0.54.0 openai==3.51.0
 # libb64-0d: the perf_analyzer binary inside tritonclient links against it.
 APT_PACKAGES := libb64-0d
 
