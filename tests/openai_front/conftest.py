@@ -13,7 +13,6 @@ from triton_server import SHIPPED_MODEL, with_parameters
 from tritonclient.grpc import model_config_pb2
 
 
-
 @pytest.fixture(scope="session")
 def front(server, tmp_path_factory):
     process = FrontProcess(server.grpc_url, "diffulex", tmp_path_factory.mktemp("front") / "front.log",

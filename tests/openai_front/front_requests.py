@@ -34,11 +34,23 @@ def post(front, path: str, body, api_key: str | None = None, timeout: float = 12
     return httpx.post(f"{front.url}{path}", content=content, headers=headers, timeout=timeout)
 
 
-def kv_pages_used(server) -> int:
+GENERATION_TOKENS = re.compile(r'^diffulex_generation_tokens_total\{[^}]*\bmodel="diffulex"[^}]*\} (\S+)$', re.M)
+
+
+def _metric(server, pattern: re.Pattern) -> int:
     with urllib.request.urlopen(server.metrics_url, timeout=10) as response:
-        match = KV_PAGES_USED.search(response.read().decode())
-    assert match, "the server exports no diffulex_kv_pages_used gauge"
+        match = pattern.search(response.read().decode())
+    assert match, f"the server exports no {pattern.pattern.split('{')[0].lstrip('^')}"
     return int(float(match.group(1)))
+
+
+def kv_pages_used(server) -> int:
+    return _metric(server, KV_PAGES_USED)
+
+
+def generation_tokens(server) -> int:
+    """Tokens the model has sent, all requests together."""
+    return _metric(server, GENERATION_TOKENS)
 
 
 def wait_for_kv_pages_used(server, expected: int, timeout_s: float = 15.0) -> int:
