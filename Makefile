@@ -1,6 +1,7 @@
 # diffulex-triton: set-up, serving and tests.
 #
 #   make serve   set everything up, then run tritonserver on model_repository (ports HTTP_PORT/GRPC_PORT/METRICS_PORT)
+#                and the OpenAI-compatible front next to it (OPENAI_PORT)
 #   make test    set everything up, then run the whole test suite
 #
 # Set-up is idempotent: each step leaves a stamp under .venv/.stamps and is redone only when its inputs
@@ -34,10 +35,15 @@ test-setup: setup
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI-compatible front (client/openai_front), as Triton's own OpenAI frontend listens.
+OPENAI_PORT ?= 9000
 
 # Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md).
+# tools/serve.py runs the front beside the server, forwards SIGINT/SIGTERM to the server and stops the front with it.
 serve: setup
-	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
+	$(BIN)/python tools/serve.py --openai-port $(OPENAI_PORT) --grpc-port $(GRPC_PORT) \
+		--model-repository $(MODEL_REPOSITORY) -- \
+		$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
 		--model-control-mode=explicit --load-model=diffulex \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
