@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import re
 import time
 import uuid
@@ -33,6 +34,8 @@ from .responses import SSE_DONE, Collected, UsageCount, chat_chunk, completion_c
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .settings import FrontSettings
 from .triton_stream import ErrorClass, TritonStreamError, open_channel
+
+log = logging.getLogger("diffulex_client.openai_front")
 
 DISCONNECT_POLL_S = 0.1
 MODEL_PARAMETER = re.compile(r"sampling parameter '(\w+)'")
@@ -241,6 +244,12 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
         return _validation_error(err.errors()).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        status = HTTPStatus.INTERNAL_SERVER_ERROR
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}", status), status_code=status)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, err: StarletteHTTPException):

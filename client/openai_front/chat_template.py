@@ -62,7 +62,8 @@ class ChatTemplate:
         return text
 
     def prompt_ids(self, messages: list[ChatMessage]) -> list[int]:
-        return self._tokenizer.encode(self.render(messages), add_special_tokens=False)
+        text = self.render(messages)
+        return self._tokenizer.encode(text, add_special_tokens=False)
 
 
 def _as_template_message(message: ChatMessage, index: int) -> dict:
