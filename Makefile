@@ -131,7 +131,12 @@ $(GENAI_PERF_VENV)/bin/genai-perf:
 	$(PYTHON) -m venv $(GENAI_PERF_VENV)
 	$(GENAI_PERF_VENV)/bin/pip install genai-perf==0.0.16 "numpy<2"
 
+# `make genai-perf-setup` builds that environment alone.
+.PHONY: genai-perf-setup
+genai-perf-setup: $(GENAI_PERF_VENV)/bin/genai-perf
+
+# GENAI_PERF_ARGS, e.g.: --modes completions chat (the OpenAI front that `make serve` runs on OPENAI_PORT).
 .PHONY: genai-perf
 genai-perf: setup
 	$(BIN)/python -m diffulex_client.perf.genai_perf --grpc-url localhost:$(GRPC_PORT) \
-		--http-url localhost:$(HTTP_PORT) $(GENAI_PERF_ARGS)
+		--http-url localhost:$(HTTP_PORT) --openai-url localhost:$(OPENAI_PORT) $(GENAI_PERF_ARGS)
