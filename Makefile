@@ -112,11 +112,14 @@ perf: setup
 		--concurrency $(PERF_CONCURRENCY) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(PERF_ARGS)
 
 # perf_analyzer (in the tritonclient wheel) needs libb64-0d, an APT_PACKAGES entry, and libcudart.so.12, which
-# this wheel provides even without a GPU. It is part of setup because the test suite runs perf_analyzer too.
+# this wheel provides even without a GPU; tools/wrap_perf_analyzer.py puts it on perf_analyzer's library path, so
+# that the venv's perf_analyzer runs as it is. Redone after a package reinstall, which puts the bare binary back.
+# It is part of setup because the test suite runs perf_analyzer too.
 setup: $(STAMPS)/perf-tools
 
-$(STAMPS)/perf-tools: | $(PACKAGES_STAMP)
+$(STAMPS)/perf-tools: tools/wrap_perf_analyzer.py $(PACKAGES_STAMP)
 	$(BIN)/python -m pip install nvidia-cuda-runtime-cu12==12.9.79
+	$(BIN)/python tools/wrap_perf_analyzer.py $(BIN)
 	@mkdir -p $(STAMPS) && touch $@
 
 # genai-perf, NVIDIA's benchmark client, in a virtual environment of its own: it installs a placeholder
