@@ -84,6 +84,8 @@ class HttpResponses:
     def _next_raw_body(self) -> bytes:
         self._apply_deadline()
         try:
+            if self._response.status != 200:  # an error is one JSON body, not events
+                return self._response.read()
             while line := self._response.readline():
                 if line.startswith(SSE_DATA):
                     return line[len(SSE_DATA):]
@@ -152,6 +154,8 @@ class AsyncHttpResponses:
             self._response = await self._session.post(
                 f"http://{self._url}{endpoint(self._model)}", json=streamed_body(self._request),
                 headers=JSON_HEADERS)
+        if self._response.status != 200:  # an error is one JSON body, not events
+            return await self._response.read()
         while line := await self._response.content.readline():
             if line.startswith(SSE_DATA):
                 return line[len(SSE_DATA):]
