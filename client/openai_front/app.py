@@ -136,14 +136,20 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
     arrivals = generate(request.app.state.client, model, requests, open_request)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
+    # Until a streamed response has begun, nothing cancels this handler when its client leaves; this does.
+    watcher = asyncio.create_task(_end_on_disconnect(request, open_request))
     try:
         if not body.stream:
-            return await _whole(request, arrivals, open_request, response_id, created, model, chat)
+            return await _whole(arrivals, response_id, created, model, chat)
         first = await _first(arrivals)
     except BaseException:
         watch.release(open_request)
         await arrivals.aclose()
         raise
+    finally:
+        watcher.cancel()
+        if not body.stream:
+            watch.release(open_request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
     events = _events(first, arrivals, response_id, created, model, chat, include_usage)
     return StreamingResponse(_released(events, watch, open_request, arrivals), media_type="text/event-stream")
@@ -162,24 +168,19 @@ async def _first(arrivals: AsyncIterator[ChoiceResponse]) -> ChoiceResponse:
         raise _from_triton(err) from None
 
 
-async def _whole(request: Request, arrivals, open_request: OpenRequest, response_id: str, created: int, model: str,
-                 chat: bool) -> JSONResponse:
+async def _whole(arrivals, response_id: str, created: int, model: str, chat: bool) -> JSONResponse:
     collected = Collected()
-    watcher = asyncio.create_task(_end_on_disconnect(request, open_request))
     try:
         async for arrival in arrivals:
             collected.add(arrival)
     except TritonStreamError as err:
         raise _from_triton(err) from None
-    finally:
-        watcher.cancel()
-        request.app.state.watch.release(open_request)
     build = collected.chat_completion if chat else collected.completion
     return JSONResponse(build(response_id, created, model).model_dump())
 
 
 async def _end_on_disconnect(request: Request, open_request: OpenRequest) -> None:
-    """A non-streamed request's handler is not cancelled when its client leaves; this ends its generation."""
+    """Ends the request's generation when its client has closed the connection."""
     while not await request.is_disconnected():
         await asyncio.sleep(DISCONNECT_POLL_S)
     open_request.end(OpenAIError(HTTPStatus.BAD_REQUEST, "the client closed the connection"))

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass, field
+from http import HTTPStatus
 
 from .errors import OpenAIError
 from .generation import ChoiceResponse
 from .schemas import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, Completion,
     CompletionChoice, Usage)
-from http import HTTPStatus
 
 FINISH_REASONS = ("stop", "length")
 

@@ -17,7 +17,8 @@ from diffulex_client.openai_front.schemas import ChatCompletionRequest, Completi
 INT_EDGES = [0, 1, -1, 2, 2**31 - 1, 2**31, 2**63 - 1, 2**64 - 1, 2**64, -(2**63), 10**30]
 FLOAT_EDGES = [0.0, -0.0, 1e-45, 0.5, 1.0, 2.0, 3.5e38, 1e308, -1.0, math.inf, -math.inf, math.nan]
 scalars = st.one_of(st.sampled_from(INT_EDGES), st.integers(), st.sampled_from(FLOAT_EDGES), st.floats(),
-                    st.booleans(), st.none(), st.text(max_size=12), st.sampled_from(["16", "text", "", "\x00", "\ud7ff"]))
+                    st.booleans(), st.none(), st.text(max_size=12),
+                    st.sampled_from(["16", "text", "", "\x00", "\ud7ff"]))
 values = st.recursive(scalars, lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner,
                                                                                             max_size=3), max_leaves=8)
 FIELDS = sorted(set(CompletionRequest.model_fields) | set(ChatCompletionRequest.model_fields)
