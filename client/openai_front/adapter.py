@@ -24,6 +24,7 @@ SEED_MODULUS = 2**64
 MIN_SEED = -(2**63)  # an int64 seed, as OpenAI's clients send, or a uint64 one, as the model takes
 MAX_N = 128  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completion request
+MAX_CHOICES = 256  # Triton requests one OpenAI request may start: prompts times n
 FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output")
 
 
@@ -37,6 +38,9 @@ class TritonRequest:
     sampling: dict = field(default_factory=dict)
     stream: bool = False
 
+    def sampling_json(self) -> str:
+        return json.dumps(self.sampling)
+
     def inputs(self) -> list[grpcclient.InferInput]:
         """The input tensors, each with the batch dimension of 1 the model's config declares."""
         if isinstance(self.prompt, str):
@@ -44,7 +48,7 @@ class TritonRequest:
         else:
             tensors = [_tensor("input_ids", "INT32", np.array([self.prompt], dtype=np.int32))]
         tensors.append(_tensor("sampling_parameters", "BYTES",
-                               np.array([[json.dumps(self.sampling).encode("utf-8")]], dtype=np.object_)))
+                               np.array([[self.sampling_json().encode("utf-8")]], dtype=np.object_)))
         tensors += [_tensor(name, "BOOL", np.array([[True]], dtype=np.bool_)) for name in FLAGS]
         tensors.append(_tensor("stream", "BOOL", np.array([[self.stream]], dtype=np.bool_)))
         return tensors
@@ -106,6 +110,9 @@ def base_seed(request: CompletionRequest | ChatCompletionRequest) -> int:
 def triton_requests(request: CompletionRequest | ChatCompletionRequest,
                     prompts: list[str | list[int]]) -> list[TritonRequest]:
     n = choice_count(request)
+    if len(prompts) * n > MAX_CHOICES:
+        raise bad_request(f"{len(prompts)} prompts times n = {n} asks for {len(prompts) * n} choices; at most "
+                          f"{MAX_CHOICES} are accepted", param="n")
     seed = base_seed(request)
     sampling = sampling_parameters(request)
     stream = bool(request.stream)
