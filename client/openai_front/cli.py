@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 from pathlib import Path
 
 import uvicorn
@@ -11,6 +12,8 @@ import uvicorn
 from .app import create_app
 from .request_guard import DEFAULT_MAX_BODY_BYTES
 from .settings import FrontSettings
+
+API_KEY_VARIABLE = "DIFFULEX_OPENAI_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -24,7 +27,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="the model's checkpoint directory, whose tokenizer holds the chat template; "
                              "without it only /v1/completions answers")
     parser.add_argument("--chat-template", type=Path, help="a Jinja chat template file that replaces the tokenizer's")
-    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--api-key", default=os.environ.get(API_KEY_VARIABLE),
+                        help="require 'Authorization: Bearer KEY' on /v1 routes (default: the environment's "
+                             f"{API_KEY_VARIABLE}, which keeps the key out of the process list)")
     parser.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
                         help=f"larger request bodies get 413 before they are read (default: {DEFAULT_MAX_BODY_BYTES})")
     parser.add_argument("--host", default=defaults.host, help=f"address to listen on (default: {defaults.host})")

@@ -3,6 +3,7 @@ free loopback port in front of a tritonserver, stopped with SIGTERM."""
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -25,7 +26,9 @@ class FrontProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", "diffulex_client.openai_front", "--triton-url", triton_url, "--model", model,
              "--host", LOOPBACK, "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT)
+            stdout=self._log, stderr=subprocess.STDOUT,
+            # The key is what the arguments say, whatever the environment running the tests holds.
+            env={k: v for k, v in os.environ.items() if k != "DIFFULEX_OPENAI_API_KEY"})
 
     def log_tail(self, num_chars: int = 6000) -> str:
         return self.log_path.read_text(errors="replace")[-num_chars:]

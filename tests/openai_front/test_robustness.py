@@ -11,6 +11,8 @@ import pytest
 from front_requests import (
     API_KEY, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
 
+from diffulex_client.openai_front.cli import API_KEY_VARIABLE, build_parser
+
 # About a second of decoding for the test model: long enough to leave in the middle of it.
 LONG = {"model": "diffulex", "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
 
@@ -23,6 +25,14 @@ def test_a_missing_or_wrong_key_is_a_401_and_health_stays_open(front):
     with pytest.raises(openai.AuthenticationError):
         openai.OpenAI(base_url=f"{front.url}/v1", api_key="nope", max_retries=0).models.list()
     assert httpx.get(f"{front.url}/health").status_code == 200
+
+
+def test_the_key_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
+    assert build_parser().parse_args([]).api_key == "from-env"
+    assert build_parser().parse_args(["--api-key", "given"]).api_key == "given"
+    monkeypatch.delenv(API_KEY_VARIABLE)
+    assert build_parser().parse_args([]).api_key is None
 
 
 def test_a_body_over_the_limit_is_a_413_before_it_is_read(front):
