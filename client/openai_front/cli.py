@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from .app import create_app
+from .chat_template import ChatTemplate
 from .request_guard import DEFAULT_MAX_BODY_BYTES
 from .settings import FrontSettings
 
@@ -38,13 +39,19 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.max_body_bytes < 1:
-        build_parser().error("--max-body-bytes must be positive")
+        parser.error("--max-body-bytes must be positive")
     settings = FrontSettings(triton_url=args.triton_url, model=args.model, tokenizer=args.tokenizer,
                              chat_template=args.chat_template, api_key=args.api_key,
                              max_body_bytes=args.max_body_bytes, host=args.host, port=args.port)
+    try:
+        template = ChatTemplate.load(settings.tokenizer, settings.chat_template)
+    except (OSError, ValueError) as err:  # a missing folder or file, or a tokenizer transformers cannot read
+        parser.error(f"cannot read the chat template: {err}")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, log_level="info",
+    # Open streams get a few seconds to end on SIGTERM; those still open are then cancelled, on Triton too.
+    uvicorn.run(create_app(settings, template), host=settings.host, port=settings.port, log_level="info",
                 timeout_graceful_shutdown=5)
     return 0

@@ -3,13 +3,15 @@ Triton stream and frees its KV pages, and 64 streams at once all finish with eve
 
 import asyncio
 import socket
+import subprocess
+import sys
 import time
 
 import httpx
 import openai
 import pytest
 from front_requests import (
-    API_KEY, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
+    API_KEY, DEMO_CHECKPOINT, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
 
 from diffulex_client.openai_front.cli import API_KEY_VARIABLE, build_parser
 
@@ -129,3 +131,12 @@ def test_64_concurrent_streams_all_finish_and_every_page_comes_back(front, serve
         alone = post(front, "/v1/completions", {**LONG, "prompt": f"prompt {i}", "max_tokens": 8}, API_KEY).json()
         assert alone["choices"][0]["text"] == text
     assert wait_for_kv_pages_used(server, 0) == 0
+
+
+def test_a_tokenizer_or_template_that_cannot_be_read_stops_the_command_with_a_usage_error(tmp_path):
+    for args in (["--tokenizer", str(tmp_path / "none")],
+                 ["--tokenizer", str(DEMO_CHECKPOINT), "--chat-template", str(tmp_path / "none.jinja")]):
+        done = subprocess.run([sys.executable, "-m", "diffulex_client.openai_front", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2
+        assert "cannot read the chat template" in done.stderr and "none" in done.stderr
