@@ -25,6 +25,7 @@ MIN_SEED = -(2**63)  # an int64 seed, as OpenAI's clients send, or a uint64 one,
 MAX_N = 128  # choices per prompt
 MAX_PROMPTS = 64  # prompts per completion request
 MAX_CHOICES = 256  # Triton requests one OpenAI request may start: prompts times n
+ID_DTYPES = {"INT32": np.int32, "INT64": np.int64}
 FLAGS = ("return_finish_reason", "return_num_input_tokens", "return_num_output_tokens", "exclude_input_in_output")
 
 
@@ -41,12 +42,14 @@ class TritonRequest:
     def sampling_json(self) -> str:
         return json.dumps(self.sampling)
 
-    def inputs(self) -> list[grpcclient.InferInput]:
-        """The input tensors, each with the batch dimension of 1 the model's config declares."""
+    def inputs(self, ids_datatype: str = "INT32") -> list[grpcclient.InferInput]:
+        """The input tensors, each with the batch dimension of 1 the model's config declares; token ids in the type
+        the model declares for `input_ids` (its metadata's datatype, INT32 or INT64)."""
         if isinstance(self.prompt, str):
             tensors = [_tensor("text_input", "BYTES", np.array([[self.prompt.encode("utf-8")]], dtype=np.object_))]
         else:
-            tensors = [_tensor("input_ids", "INT32", np.array([self.prompt], dtype=np.int32))]
+            ids = np.array([self.prompt], dtype=ID_DTYPES[ids_datatype])
+            tensors = [_tensor("input_ids", ids_datatype, ids)]
         tensors.append(_tensor("sampling_parameters", "BYTES",
                                np.array([[self.sampling_json().encode("utf-8")]], dtype=np.object_)))
         tensors += [_tensor(name, "BOOL", np.array([[True]], dtype=np.bool_)) for name in FLAGS]

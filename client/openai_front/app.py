@@ -133,7 +133,7 @@ def _check_request(body: CompletionRequest | ChatCompletionRequest, served: str)
 async def _answer(request: Request, body, requests: list[TritonRequest], model: str, chat: bool):
     watch: ReadinessWatch = request.app.state.watch
     open_request = watch.admit()
-    arrivals = generate(request.app.state.client, model, requests, open_request)
+    arrivals = generate(request.app.state.client, model, requests, open_request, watch.ids_datatype)
     response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     created = int(time.time())
     # Until a streamed response has begun, nothing cancels this handler when its client leaves; this does.

@@ -27,9 +27,9 @@ class ChoiceResponse:
 
 
 async def generate(client: grpcclient_aio.InferenceServerClient, model: str, requests: list[TritonRequest],
-                   open_request: OpenRequest) -> AsyncIterator[ChoiceResponse]:
+                   open_request: OpenRequest, ids_datatype: str = "INT32") -> AsyncIterator[ChoiceResponse]:
     """Raises TritonStreamError for a stream that fails, OpenAIError when the request is ended from outside."""
-    streams = [TritonStream(client, model, request.inputs()) for request in requests]
+    streams = [TritonStream(client, model, request.inputs(ids_datatype)) for request in requests]
     arrivals: asyncio.Queue = asyncio.Queue()  # (request, ModelResponse or TritonStreamError)
 
     async def pump(request: TritonRequest, stream: TritonStream) -> None:

@@ -47,6 +47,7 @@ class ReadinessWatch:
         self._model = model
         self._triton_url = triton_url
         self.state = Readiness.UNKNOWN
+        self.input_datatypes: dict[str, str] = {}  # the model's inputs by name, from its metadata
         self._open: set[OpenRequest] = set()
         self._task: asyncio.Task | None = None
 
@@ -59,6 +60,8 @@ class ReadinessWatch:
         try:
             ready = await self._client.is_model_ready(self._model, client_timeout=POLL_TIMEOUT_S)
             state = Readiness.READY if ready else Readiness.MODEL_NOT_READY
+            if state is Readiness.READY and self.state is not Readiness.READY:
+                await self._read_input_types()
         except Exception:  # any failure to get an answer means the server cannot be reached
             state = Readiness.SERVER_UNREACHABLE
         if state is not self.state:
@@ -67,6 +70,16 @@ class ReadinessWatch:
         if state is not Readiness.READY:
             self._end_open_requests()
         return state
+
+    async def _read_input_types(self) -> None:
+        """The model's declared input types, read whenever it (re)becomes ready: a reload may bring a new config."""
+        metadata = await self._client.get_model_metadata(self._model, as_json=True, client_timeout=POLL_TIMEOUT_S)
+        self.input_datatypes = {item["name"]: item["datatype"] for item in metadata.get("inputs", [])}
+
+    @property
+    def ids_datatype(self) -> str:
+        """What `input_ids` takes: INT32 or INT64, as the served config.pbtxt declares it."""
+        return self.input_datatypes.get("input_ids", "INT32")
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._run())

@@ -58,6 +58,9 @@ def test_text_goes_as_text_input_and_token_ids_as_input_ids_with_the_flags():
     assert "text_input" not in id_inputs
     assert (id_inputs["input_ids"].datatype(), id_inputs["input_ids"].shape()) == ("INT32", [1, 3])
     assert json.loads(ids.sampling_json()) == ids.sampling
+    # A model whose config declares INT64 token ids gets them as INT64.
+    wide = {tensor.name(): tensor for tensor in ids.inputs("INT64")}["input_ids"]
+    assert wide.datatype() == "INT64"
 
 
 @pytest.mark.parametrize("fields, param", [
