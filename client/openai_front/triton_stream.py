@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import re
 from collections.abc import Sequence
 
 import grpc
@@ -40,18 +41,20 @@ class ErrorClass(enum.Enum):
     INTERNAL = "internal"
 
 
-# Message beginnings of the model's and Triton's errors that are not the request's fault.
+# Words of the model's and Triton's errors that are not the request's fault: the model or server is going away.
 UNAVAILABLE_MARKERS = ("the server is shutting down", "the model is being unloaded", "request for unknown model",
-                       "the engine failed", "stub process is not healthy", "failed to connect", "is not ready",
-                       "model is unavailable")
+                       "the engine failed", "can no longer serve", "could not start", "stub process is not healthy",
+                       "failed to connect", "is not ready", "model is unavailable")
 INTERNAL_MARKERS = ("preparing the request failed", "building the response failed")
+# An exception's own text ("RuntimeError: ..."): something failed inside; the model's refusals are sentences.
+EXCEPTION_TEXT = re.compile(r"^[A-Z]\w*(Error|Exception|Failure): ")
 
 
 def classify_error(message: str) -> ErrorClass:
     lowered = message.lower()
     if any(marker in lowered for marker in UNAVAILABLE_MARKERS):
         return ErrorClass.UNAVAILABLE
-    if any(lowered.startswith(marker) for marker in INTERNAL_MARKERS):
+    if any(lowered.startswith(marker) for marker in INTERNAL_MARKERS) or EXCEPTION_TEXT.match(message):
         return ErrorClass.INTERNAL
     return ErrorClass.BAD_REQUEST
 

@@ -1,5 +1,5 @@
 """The OpenAI request as the model's Triton requests, without a server: which inputs, which sampling parameters, the
-seeds of n copies and the bounds that protect the server."""
+seeds of n copies and the bounds that protect the server; and the model's errors sorted into HTTP statuses."""
 
 import json
 
@@ -8,6 +8,7 @@ import pytest
 from diffulex_client.openai_front.adapter import MAX_CHOICES, SEED_MODULUS, completion_prompts, triton_requests
 from diffulex_client.openai_front.errors import OpenAIError
 from diffulex_client.openai_front.schemas import ChatCompletionRequest, CompletionRequest
+from diffulex_client.openai_front.triton_stream import ErrorClass, classify_error
 
 
 def completion(**fields) -> CompletionRequest:
@@ -73,3 +74,16 @@ def test_bounds_are_400s_naming_the_field(fields, param):
     with pytest.raises(OpenAIError) as caught:
         triton_requests(request, completion_prompts(request))
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+@pytest.mark.parametrize("message, kind", [
+    ("input 'sampling_parameters': sampling parameter 'top_k' must be an integer", ErrorClass.BAD_REQUEST),
+    ("prompt has 4 tokens and max_tokens is 3000: 4 + 3000 = 3004 exceeds max_model_len (512)", ErrorClass.BAD_REQUEST),
+    ("the server is shutting down or unloading this model", ErrorClass.UNAVAILABLE),
+    ("the engine failed and this model can no longer serve: RuntimeError: x", ErrorClass.UNAVAILABLE),
+    ("Request for unknown model: 'diffulex' is not found", ErrorClass.UNAVAILABLE),
+    ("building the response failed: KeyError: 'x'", ErrorClass.INTERNAL),
+    ("RuntimeError: CUDA error", ErrorClass.INTERNAL),
+])
+def test_triton_errors_are_sorted_into_the_requests_fault_unavailability_and_internal_faults(message, kind):
+    assert classify_error(message) is kind
