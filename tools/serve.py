@@ -14,6 +14,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 FRONT_STOP_TIMEOUT_S = 15
@@ -59,6 +60,14 @@ def main() -> int:
 
     signal.signal(signal.SIGINT, forward)
     signal.signal(signal.SIGTERM, forward)
+
+    def report_front_exit():  # the server goes on serving Triton's own endpoints; say why port 9000 is gone
+        returncode = front.wait()
+        if server.poll() is None:
+            print(f"serve: the OpenAI front exited with {returncode}; tritonserver keeps serving", file=sys.stderr,
+                  flush=True)
+
+    threading.Thread(target=report_front_exit, daemon=True).start()
     try:
         returncode = server.wait()
     finally:
