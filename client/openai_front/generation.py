@@ -3,7 +3,7 @@ choice they belong to, until every choice has its final response.
 
 The request ends early, with its OpenRequest's error, when the readiness watch or a client disconnect ends it. On
 any exit every stream still open is cancelled first, without awaiting anything, so that a cancelled handler still
-frees the model's KV pages.
+frees the model's KV pages; the calls of streams that ended are then closed by the server.
 """
 
 from __future__ import annotations
@@ -61,5 +61,7 @@ async def generate(client: grpcclient_aio.InferenceServerClient, model: str, req
             task.cancel()
         for stream in streams:
             stream.cancel_if_open()
-        for stream in streams:
-            await stream.aclose()
+        # Shielded: a choice that has ended waits for the server to end its call, even when the handler is
+        # cancelled (its client left); cancelling such a call right after its final response can leave that
+        # response unreleased in Triton 2.51, which then never unloads the model.
+        await asyncio.shield(asyncio.gather(*(stream.aclose() for stream in streams)))
