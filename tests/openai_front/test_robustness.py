@@ -13,6 +13,7 @@ import pytest
 from front_requests import (
     API_KEY, DEMO_CHECKPOINT, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
 
+from diffulex_backend import SamplingParams
 from diffulex_client.openai_front.cli import API_KEY_VARIABLE, build_parser
 
 # About a second of decoding for the test model: long enough to leave in the middle of it.
@@ -79,7 +80,6 @@ def test_a_client_that_leaves_a_stream_frees_its_kv_pages(front, server):
                       headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
         lines = response.iter_lines()
         assert next(lines).startswith("data: ")
-        assert kv_pages_used(server) > 0
     assert wait_for_kv_pages_used(server, 0) == 0
     assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # cancelled, not run to its end
 
@@ -140,3 +140,21 @@ def test_a_tokenizer_or_template_that_cannot_be_read_stops_the_command_with_a_us
                               text=True, timeout=120)
         assert done.returncode == 2
         assert "cannot read the chat template" in done.stderr and "none" in done.stderr
+
+
+def test_a_client_that_leaves_after_one_choice_ended_frees_the_others_pages(front, server, engine):
+    """One choice stops early on a stop string, the other is still decoding when the client leaves: the open one is
+    cancelled and the ended one's call is closed by the server (the session's server must still unload cleanly)."""
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    short, long = (engine.generate([p], params)[0].text for p in ("hello", "goodbye"))
+    stop = next(short[i:i + 3] for i in range(4, len(short)) if short[i:i + 3] not in long)
+    assert wait_for_kv_pages_used(server, 0) == 0
+    sent_before = generation_tokens(server)
+    body = {**LONG, "prompt": ["hello", "goodbye"], "stop": [stop], "stream": True}
+    with httpx.stream("POST", f"{front.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"finish_reason":"stop"' in line:
+                break  # the short choice ended; the long one decodes on
+    assert wait_for_kv_pages_used(server, 0) == 0
+    assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # the long one was cancelled
