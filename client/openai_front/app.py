@@ -44,11 +44,9 @@ TRITON_ERROR_STATUS = {ErrorClass.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
                        ErrorClass.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR}
 
 
-class ClientGone(Exception):
-    """The client closed its connection: nobody is left to answer."""
-
-
-def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = None) -> FastAPI:
+def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = None) -> RequestGuard:
+    """The ASGI app: the FastAPI app behind the request guard (API key, body size). `chat_template` defaults to the
+    one the settings name."""
     template = chat_template or ChatTemplate.load(settings.tokenizer, settings.chat_template)
     created = int(time.time())
 
