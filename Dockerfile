@@ -1,6 +1,8 @@
-# Triton Inference Server 2.51 (NGC 24.10) serving model_repository with the diffulex engine on a GPU.
+# Triton Inference Server 2.51 (NGC 24.10) serving the model repository in /models with the diffulex engine on a GPU,
+# and the OpenAI-compatible front beside it on port 9000.
 #   docker build -t diffulex-triton .
-#   docker run --init --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 diffulex-triton
+#   docker run --init --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 diffulex-triton
+# Mount another repository over /models (`-v $PWD/my_repository:/models:ro`) to serve another checkpoint.
 FROM nvcr.io/nvidia/tritonserver:24.10-py3
 
 # PyTorch built for CUDA 12.6, the CUDA of this image; triton (the GPU kernel compiler) comes with it.
@@ -13,7 +15,8 @@ WORKDIR /opt/diffulex-triton
 # The Python backend stub runs the image's python3; numpy must stay below 2, or every STRING input
 # crashes the stub.
 RUN python3 -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torch==${TORCH_VERSION}" \
-    && python3 -m pip install --no-cache-dir numpy==1.26.4 safetensors==0.8.0 transformers==5.17.0 tqdm==4.70.1
+    && python3 -m pip install --no-cache-dir numpy==1.26.4 safetensors==0.8.0 transformers==5.17.0 tqdm==4.70.1 \
+       "tritonclient[grpc]==2.51.0" fastapi==0.163.2 uvicorn==0.54.0
 
 COPY pyproject.toml setup.py README.md ./
 COPY diffulex_backend/ diffulex_backend/
@@ -21,10 +24,15 @@ COPY kernels/ kernels/
 COPY client/ client/
 RUN python3 -m pip install --no-cache-dir --no-deps .
 
-COPY model_repository/ model_repository/
+COPY tools/serve.py tools/serve.py
+COPY model_repository/ /models/
 
-EXPOSE 8000 8001 8002
-# Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md). Run with
-# `docker run --init` so that an init process reaps the watchdog once it has done its work.
-CMD ["tritonserver", "--model-repository", "/opt/diffulex-triton/model_repository", \
-     "--model-control-mode=explicit", "--load-model=diffulex"]
+EXPOSE 8000 8001 8002 9000
+# NGC's entrypoint stays; the command is the launcher `make serve` uses: tritonserver, and the OpenAI front beside
+# it, stopped with it. Explicit model control lets the model's watchdog reload it when its stub dies
+# (docs/reliability.md). Run with `docker run --init` so that an init process reaps the watchdog once it has done
+# its work. In a pod, run the front as a sidecar instead (deploy/).
+CMD ["python3", "/opt/diffulex-triton/tools/serve.py", "--model-repository", "/models", "--openai-port", "9000", \
+     "--grpc-port", "8001", "--", \
+     "tritonserver", "--model-repository", "/models", "--model-control-mode=explicit", "--load-model=diffulex", \
+     "--grpc-port", "8001"]

@@ -1,6 +1,7 @@
 # diffulex-triton: set-up, serving and tests.
 #
 #   make serve   set everything up, then run tritonserver on model_repository (ports HTTP_PORT/GRPC_PORT/METRICS_PORT)
+#                and the OpenAI-compatible front next to it (OPENAI_PORT)
 #   make test    set everything up, then run the whole test suite
 #
 # Set-up is idempotent: each step leaves a stamp under .venv/.stamps and is redone only when its inputs
@@ -17,9 +18,10 @@ PYTEST_ARGS ?=
 # torch==2.13.0 resolves to the CPU build kept on local disk; a bare `torch` would pull a CUDA build.
 # numpy must stay below 2: the Python backend stub crashes on every STRING input with numpy 2.
 # kubernetes-validate carries the Kubernetes API's JSON schemas, so the tests check deploy/ without a network.
+# fastapi and uvicorn run the OpenAI-compatible front; the official openai client is what its tests speak.
 PYTHON_PACKAGES := torch==2.13.0 "numpy<2" safetensors transformers==5.17.0 tqdm triton==3.6.0 \
 	"tritonclient[all]==2.51.0" nvidia-pytriton==0.7.0 pytest pytest-timeout hypothesis==6.170.15 \
-	kubernetes-validate==1.37.0 jsonschema==4.26.0
+	kubernetes-validate==1.37.0 jsonschema==4.26.0 fastapi==0.163.2 uvicorn==0.54.0 openai==3.51.0
 # libb64-0d: the perf_analyzer binary inside tritonclient links against it.
 APT_PACKAGES := libb64-0d
 
@@ -33,6 +35,8 @@ test-setup: setup
 HTTP_PORT ?= 8000
 GRPC_PORT ?= 8001
 METRICS_PORT ?= 8002
+# The OpenAI-compatible front (client/openai_front), as Triton's own OpenAI frontend listens.
+OPENAI_PORT ?= 9000
 
 # Triton 2.51's HTTP front end crashes on a request body of about 4.19 MB and has no option to refuse one, so its
 # port listens on loopback unless TRITON_HTTP_ADDRESS opens it (0.0.0.0: every host; put a proxy with a body limit
@@ -40,8 +44,11 @@ METRICS_PORT ?= 8002
 TRITON_HTTP_ADDRESS ?= 127.0.0.1
 
 # Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md).
+# tools/serve.py runs the front beside the server, forwards SIGINT/SIGTERM to the server and stops the front with it.
 serve: setup
-	$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
+	$(BIN)/python tools/serve.py --openai-port $(OPENAI_PORT) --grpc-port $(GRPC_PORT) \
+		--model-repository $(MODEL_REPOSITORY) -- \
+		$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
 		--model-control-mode=explicit --load-model=diffulex --http-address $(TRITON_HTTP_ADDRESS) \
 		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
 
@@ -110,11 +117,14 @@ perf: setup
 		--concurrency $(PERF_CONCURRENCY) --http-port $(HTTP_PORT) --metrics-port $(METRICS_PORT) $(PERF_ARGS)
 
 # perf_analyzer (in the tritonclient wheel) needs libb64-0d, an APT_PACKAGES entry, and libcudart.so.12, which
-# this wheel provides even without a GPU. It is part of setup because the test suite runs perf_analyzer too.
+# this wheel provides even without a GPU; tools/wrap_perf_analyzer.py puts it on perf_analyzer's library path, so
+# that the venv's perf_analyzer runs as it is. Redone after a package reinstall, which puts the bare binary back.
+# It is part of setup because the test suite runs perf_analyzer too.
 setup: $(STAMPS)/perf-tools
 
-$(STAMPS)/perf-tools: | $(PACKAGES_STAMP)
+$(STAMPS)/perf-tools: tools/wrap_perf_analyzer.py $(PACKAGES_STAMP)
 	$(BIN)/python -m pip install nvidia-cuda-runtime-cu12==12.9.79
+	$(BIN)/python tools/wrap_perf_analyzer.py $(BIN)
 	@mkdir -p $(STAMPS) && touch $@
 
 # genai-perf, NVIDIA's benchmark client, in a virtual environment of its own: it installs a placeholder
@@ -129,10 +139,15 @@ $(GENAI_PERF_VENV)/bin/genai-perf:
 	$(PYTHON) -m venv $(GENAI_PERF_VENV)
 	$(GENAI_PERF_VENV)/bin/pip install genai-perf==0.0.16 "numpy<2"
 
+# `make genai-perf-setup` builds that environment alone.
+.PHONY: genai-perf-setup
+genai-perf-setup: $(GENAI_PERF_VENV)/bin/genai-perf
+
+# GENAI_PERF_ARGS, e.g.: --modes completions chat (the OpenAI front that `make serve` runs on OPENAI_PORT).
 .PHONY: genai-perf
 genai-perf: setup
 	$(BIN)/python -m diffulex_client.perf.genai_perf --grpc-url localhost:$(GRPC_PORT) \
-		--http-url localhost:$(HTTP_PORT) $(GENAI_PERF_ARGS)
+		--http-url localhost:$(HTTP_PORT) --openai-url localhost:$(OPENAI_PORT) $(GENAI_PERF_ARGS)
 
 # What only a GPU can check (tools/gpu_check.py), on a GPU machine: kernels and graphs, the offline API, every family
 # and strategy served through tritonserver, and the server and client suites; the table goes to docs/gpu-check.md.

@@ -10,6 +10,7 @@ all of them submitted at once to `engine.generate`, and reports:
 
     python benchmarks/quality.py                       # 500 problems, every setting; updates docs/quality.md
     python benchmarks/quality.py --num-problems 100 --no-doc --out results
+    python benchmarks/quality.py --replot              # docs/quality.png again from docs/quality.json, no decoding
 
 The table goes between the markers in docs/quality.md (unless --no-doc), the plot of accuracy against
 tokens per forward to OUT/quality.png, and the raw numbers to OUT/quality.json.
@@ -136,27 +137,55 @@ def plot(results: list[Result], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    groups: dict[tuple[str, str, int], list[Result]] = {}
+    fig, ax = plt.subplots(figsize=(10.5, 5))
+    groups: dict[str, list[Result]] = {}
     for r in results:
-        groups.setdefault((r.setting.model, r.setting.strategy, r.setting.buffer_size), []).append(r)
+        groups.setdefault(group_label(r.setting), []).append(r)
     # Points of different settings often coincide; decreasing sizes keep each one visible under the next.
-    markers = "osD^vP*X"
-    for k, ((model, strategy, buffer_size), rs) in enumerate(groups.items()):
-        label = f"{model} {strategy}" + (f" buffer={buffer_size}" if strategy in BUFFERED else "")
+    markers = "osD^vP*Xh<>"
+    retention_sides: list[str] = []
+    for k, (label, rs) in enumerate(groups.items()):
         ax.scatter([r.tokens_per_forward for r in rs], [100 * r.accuracy for r in rs], label=label,
-                   marker=markers[k % len(markers)], s=140 - 15 * k, alpha=0.8)
+                   marker=markers[k % len(markers)], s=max(140 - 12 * k, 20), alpha=0.8)
+        # A retention group's points differ by their ratio alone: each one says which it is, the groups' marks on
+        # either side of their points so that two models' marks at one spot stay apart.
+        side = (6, -3) if len(retention_sides) % 2 == 0 else (-24, -3)
+        for r in rs:
+            if r.setting.retention_ratio is not None:
+                ax.annotate(f"{r.setting.retention_ratio}", (r.tokens_per_forward, 100 * r.accuracy),
+                            textcoords="offset points", xytext=side, fontsize=7)
+        if any(r.setting.retention_ratio is not None for r in rs):
+            retention_sides.append(label)
     lowest = min(100 * r.accuracy for r in results)
-    ax.set_ylim(min(95.0, lowest - 1.0), 100.5)
+    ax.set_ylim(min(95.0, lowest - 3.0), 101.5)
     ax.set_xlim(0, BLOCK_SIZE)
     ax.set_xlabel(f"tokens per forward (at most block_size = {BLOCK_SIZE})")
     ax.set_ylabel("exact-match accuracy (%)")
     ax.set_title(f"Addition demo models, {results[0].num_problems} held-out problems")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=8, loc="lower left")
+    # Outside the axes: low-accuracy points sit in every corner of them.
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def group_label(setting: Setting) -> str:
+    """The plot's legend entry: one per model, strategy and buffer, and the retention runs apart from the dense."""
+    label = f"{setting.model} {setting.strategy}" + (f" buffer={setting.buffer_size}" if setting.strategy in BUFFERED
+                                                     else "")
+    if setting.retention_ratio is not None:
+        label += f" steps={setting.steps}, retention (ratio marked)"
+    return label
+
+
+def load_results(path: Path) -> list[Result]:
+    """The results a run wrote to quality.json."""
+    results = []
+    for raw in json.loads(path.read_text())["results"]:
+        setting = Setting(**{k: v for k, v in raw["setting"].items() if k != "label"})
+        results.append(Result(setting, **{k: v for k, v in raw.items() if k != "setting"}))
+    return results
 
 
 def update_doc(doc: Path, table: str, env: str) -> None:
@@ -175,7 +204,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--out", type=Path, default=REPO / "docs", help="folder for quality.png and quality.json")
     parser.add_argument("--no-doc", action="store_true", help="do not update the table in docs/quality.md")
+    parser.add_argument("--replot", action="store_true", help="only draw OUT/quality.png from OUT/quality.json")
     args = parser.parse_args(argv)
+    if args.replot:
+        plot(load_results(args.out / "quality.json"), args.out / "quality.png")
+        return
 
     torch.set_num_threads(args.threads)
     problems = held_out_problems(args.num_problems, BENCHMARK_SEED)

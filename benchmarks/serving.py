@@ -11,7 +11,11 @@ One run, on one machine, over one checkpoint (a random LLaDA-8B by default, writ
      cost of the threads and the response side without the stub's round trips to the server;
   3. served: the engine is freed, tritonserver starts on a model repository built in a temporary folder from the
      shipped config.pbtxt and model.py, and the same prompts go as B concurrent HTTP `generate` requests (token ids,
-     max_tokens, temperature 0, ignore_eos), after one warm-up round of B requests.
+     max_tokens, temperature 0, ignore_eos), after one warm-up round of B requests;
+  4. with --front, through the OpenAI front (client/openai_front, its own process, over gRPC to the same server):
+     B concurrent `/v1/completions` requests of token-id prompts with the same settings. Its prompts are its own
+     (with in-process references), so that the prefix cache the served rounds filled gives it no head start; its
+     texts are checked against the decoded in-process tokens.
 
 Every round checks that each request's output_ids equal the in-process ones. With --py-spy, one more served round at
 the largest batch runs under py-spy (all threads, then only the thread holding the GIL) and the stacks are summed
@@ -23,6 +27,8 @@ py-spy, profile.md and the raw stacks to --out.
     python benchmarks/serving.py --out DIR                        # GPU: random LLaDA-8B, batches 1 and 32
     python benchmarks/serving.py --out DIR --checkpoint CKPT      # an existing checkpoint
     python benchmarks/serving.py --out DIR --smoke                # anywhere: a tiny model, batches 1 and 2
+    python benchmarks/serving.py --out DIR --front                # also through the OpenAI front (needs fastapi,
+                                                                  # uvicorn and tritonclient in this python)
 
 On a GPU machine without tritonserver, tools/pack_gpu_runtime.py brings one; run this with its python.
 """
@@ -63,7 +69,7 @@ except ImportError:  # not installed, or tritonclient missing (a GPU image): onl
     sys.modules["diffulex_client"].__path__ = [str(REPOSITORY_ROOT / "client")]
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
-from triton_server import TritonServer, add_model
+from triton_server import LOOPBACK, TritonServer, add_model, free_ports
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.serving.engine_loop import EngineLoop
@@ -81,6 +87,7 @@ from diffulex_backend.testing.checkpoint import (
     write_random_checkpoint,
     write_weights,
 )
+from diffulex_backend.tokenizer import load_tokenizer
 
 MODEL = "diffulex"
 FIELDS = ["mode", "batch", "round", "seconds", "steps", "ms_per_step", "output_tokens", "tokens_per_s", "outputs_equal",
@@ -140,11 +147,16 @@ def make_prompts(plan: Plan, seed: int) -> dict[tuple[int, str], list[list[int]]
     generator = torch.Generator().manual_seed(seed)
     prompts = {}
     for batch in plan.batches:
-        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)] + ["profile", "staggered"]:
+        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)] + ["profile", "staggered"] + front_names(plan):
             ids = torch.randint(0, 256, (batch, plan.prompt_len), generator=generator)
             assert not (ids == MASK_TOKEN_ID).any()
             prompts[batch, name] = ids.tolist()
     return prompts
+
+
+def front_names(plan: Plan) -> list[str]:
+    """The front's own rounds: its prompts differ from the served rounds', whose prefixes the server has cached."""
+    return ["front-warm-up"] + [f"front-{i}" for i in range(plan.repeats)]
 
 
 def request_parameters(plan: Plan) -> dict:
@@ -175,10 +187,11 @@ class Round:
     prefix_hit_tokens: int | None = None
     note: str = ""
     counts: dict = field(default_factory=dict)
+    tokens: int | None = None  # counted by the server, where the ids do not come back (the OpenAI front)
 
     @property
     def output_tokens(self) -> int:
-        return sum(len(ids) for ids in self.output_ids)
+        return self.tokens if self.tokens is not None else sum(len(ids) for ids in self.output_ids)
 
 
 class Report:
@@ -209,12 +222,14 @@ def median_round(rounds: list[Round]) -> Round | None:
 
 
 # ---- 1. in process: generate ----------------------------------------------------------------------------------
-def run_generate(engine, plan: Plan, prompts, report: Report, reference: dict) -> None:
+def run_generate(engine, plan: Plan, prompts, report: Report, reference: dict, front: bool = False) -> None:
     params = SamplingParams(**request_parameters(plan))
     for batch in plan.batches:
         names = ["warm-up"] + [str(i) for i in range(plan.repeats)]
         if batch == max(plan.batches) > 1:
             names.append("staggered")  # the reference of the staggered-admission check; not a timing
+        if front:
+            names += front_names(plan)  # the references of the front's rounds; not timings
         for name in names:
             before, hits = engine.metrics().num_forward_passes, engine.metrics().prefix_cache_hit_tokens
             synchronize()
@@ -226,7 +241,8 @@ def run_generate(engine, plan: Plan, prompts, report: Report, reference: dict) -
             reference[batch, name] = output_ids
             report.add(Round("in-process", batch, name, seconds, engine.metrics().num_forward_passes - before,
                              output_ids, prefix_hit_tokens=engine.metrics().prefix_cache_hit_tokens - hits,
-                             note="reference for the staggered check" if name == "staggered" else ""))
+                             note="reference for the staggered check" if name == "staggered" else
+                             "reference for the front" if name.startswith("front-") else ""))
 
 
 def run_staggered(engine, plan: Plan, prompts, report: Report, reference: dict) -> None:
@@ -406,6 +422,69 @@ def run_served(server: TritonServer, plan: Plan, prompts, report: Report, refere
             report.add(Round("served", batch, name, seconds, steps, output_ids, outputs_equal=equal, note=note))
 
 
+# ---- 4. through the OpenAI front ------------------------------------------------------------------------------
+class Front:
+    """The OpenAI front in its own process, in front of `server` over gRPC."""
+
+    def __init__(self, server: TritonServer, log_path: Path, startup_timeout_s: float = 120.0):
+        (port,) = free_ports(1)
+        self.url = f"http://{LOOPBACK}:{port}"
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "diffulex_client.openai_front", "--triton-url", server.grpc_url, "--model", MODEL,
+             "--host", LOOPBACK, "--port", str(port)], stdout=self._log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + startup_timeout_s
+        while True:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"the front exited with {self.process.returncode}: {log_path.read_text()[-2000:]}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
+                    if response.status == 200:
+                        return
+            except (urllib.error.URLError, ConnectionError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the front was not ready in {startup_timeout_s:.0f} s")
+            time.sleep(0.2)
+
+    def stop(self) -> None:
+        self.process.terminate()
+        self.process.wait(30)
+        self._log.close()
+
+
+def post_completion(url: str, prompt: list[int], plan: Plan) -> dict:
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": plan.new_tokens, "temperature": 0, "ignore_eos": True}
+    request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=600) as response:
+            return json.loads(response.read())
+    except urllib.error.HTTPError as err:
+        raise RuntimeError(f"the front answered {err.code}: {err.read()[:2000]!r}") from None
+
+
+def front_round(front: Front, prompts: list[list[int]], plan: Plan) -> tuple[float, list[str], int]:
+    """Wall time of the B concurrent completions, their texts and their generated tokens in all."""
+    with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
+        start = time.perf_counter()
+        futures = [pool.submit(post_completion, front.url, prompt, plan) for prompt in prompts]
+        answers = [future.result() for future in futures]
+        seconds = time.perf_counter() - start
+    return seconds, [a["choices"][0]["text"] for a in answers], sum(a["usage"]["completion_tokens"] for a in answers)
+
+
+def run_front(front: Front, tokenizer, plan: Plan, prompts, report: Report, reference: dict) -> None:
+    for batch in plan.batches:
+        for name in ["warm-up"] + [str(i) for i in range(plan.repeats)]:
+            key = (batch, f"front-{name}")
+            seconds, texts, tokens = front_round(front, prompts[key], plan)
+            expected = [tokenizer.decode(ids, skip_special_tokens=True) for ids in reference[key]]
+            equal = texts == expected and tokens == sum(len(ids) for ids in reference[key])
+            note = "" if equal else f"texts or token counts differ from the in-process tokens ({tokens} tokens)"
+            report.add(Round("front", batch, name, seconds, 0, [], outputs_equal=equal, note=note, tokens=tokens))
+
+
 def first_difference(got: list[list[int]], want: list[list[int]]) -> str:
     for i, (a, b) in enumerate(zip(got, want)):
         if a != b:
@@ -570,6 +649,16 @@ def write_markdown(report: Report, plan: Plan, device: str, command: str, settin
         rows.append(f"| {batch} | {s(inproc)} | {s(loop)} | {s(served)} | {ratio(served)} | {ratio(loop)} | "
                     f"{per_step(inproc)} | {per_step(served)} | {inproc.steps if inproc else '—'} / "
                     f"{served.steps if served else '—'} | {all(equal) if equal else '—'} |")
+    front_rows = ["| batch | served (s) | through the front (s) | front / served | front / in process | "
+                  "front texts equal |", "|---:|---:|---:|---:|---:|---|"]
+    for batch in plan.batches:
+        inproc, served, front = (median_round(report.timed(m, batch)) for m in ("in-process", "served", "front"))
+        if front is None:
+            continue
+        equal = [r.outputs_equal for r in report.timed("front", batch)]
+        front_rows.append(f"| {batch} | {served.seconds:.3f} | {front.seconds:.3f} | "
+                          f"{front.seconds / served.seconds:.3f}x | {front.seconds / inproc.seconds:.3f}x | "
+                          f"{all(equal)} |")
     loop_notes = [f"- batch {r.batch}: {r.note}" for batch in plan.batches
                   for r in [median_round(report.timed("engine-loop", batch))] if r]
     text = (f"# Served against in-process\n\nDevice: {device}. Command: `{command}`.\n\n"
@@ -581,6 +670,10 @@ def write_markdown(report: Report, plan: Plan, device: str, command: str, settin
             "the in-process-staggered row of serving.csv checks.\n\n" + "\n".join(rows) +
             "\n\nEngine loop without a server, Triton calls per step the response thread would make:\n" +
             "\n".join(loop_notes) + "\n")
+    if len(front_rows) > 2:
+        text += ("\n## Through the OpenAI front\n\nThe same settings as `/v1/completions` requests of token-id prompts "
+                 "(prompts of its own, so that the served rounds' prefix cache gives it no head start), from the "
+                 "median round:\n\n" + "\n".join(front_rows) + "\n")
     (report.out / "serving.md").write_text(text)
     return text
 
@@ -593,6 +686,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--batches", help="comma-separated batch sizes")
     parser.add_argument("--repeats", type=int, help="timed rounds per batch size and mode")
     parser.add_argument("--skip-engine-loop", action="store_true")
+    parser.add_argument("--front", action="store_true", help="also measure through the OpenAI front")
     parser.add_argument("--py-spy", help="py-spy to profile the served stub with ('auto': from PATH or beside python)")
     parser.add_argument("--work-dir", type=Path, help="where the checkpoint and model repository go (default: a "
                                                       "temporary folder, removed at the end)")
@@ -630,7 +724,7 @@ def main(argv: list[str] | None = None) -> None:
         loaded = time.perf_counter() - warm.seconds
         print(f"in process: loaded in {loaded - started:.1f} s, warm-up {warm.seconds:.1f} s over batch sizes "
               f"{list(warm.batch_sizes)}", flush=True)
-        run_generate(engine, plan, prompts, report, reference)
+        run_generate(engine, plan, prompts, report, reference, front=args.front)
         if not args.skip_engine_loop:
             # A second engine: the first has the prompts in its prefix cache now, which would skip their prefill.
             del engine
@@ -650,6 +744,12 @@ def main(argv: list[str] | None = None) -> None:
             server.wait_ready(plan.startup_timeout_s)
             print(f"served: ready in {time.perf_counter() - started:.1f} s", flush=True)
             run_served(server, plan, prompts, report, reference)
+            if args.front:
+                front = Front(server, args.out / "front.log")
+                try:
+                    run_front(front, load_tokenizer(checkpoint), plan, prompts, report, reference)
+                finally:
+                    front.stop()
             if py_spy:
                 try:
                     profile_served(server, py_spy, plan, prompts, report, reference, args.out)

@@ -46,6 +46,13 @@ def read_body(raw: bytes, status: int) -> ModelResponse:
     return ModelResponse.from_json(body)
 
 
+def error_body(raw: bytes) -> bytes:
+    """The JSON of an error answer: a model's error comes as one event, Triton's own (an unknown model's 404) as a
+    plain JSON body."""
+    raw = raw.strip()
+    return raw[len(SSE_DATA):] if raw.startswith(SSE_DATA) else raw
+
+
 def stream_ended_early() -> DiffulexServerError:
     return DiffulexServerError("the server closed the stream before the final response")
 
@@ -84,6 +91,8 @@ class HttpResponses:
     def _next_raw_body(self) -> bytes:
         self._apply_deadline()
         try:
+            if self._response.status != 200:
+                return error_body(self._response.read())
             while line := self._response.readline():
                 if line.startswith(SSE_DATA):
                     return line[len(SSE_DATA):]
@@ -152,6 +161,8 @@ class AsyncHttpResponses:
             self._response = await self._session.post(
                 f"http://{self._url}{endpoint(self._model)}", json=streamed_body(self._request),
                 headers=JSON_HEADERS)
+        if self._response.status != 200:
+            return error_body(await self._response.read())
         while line := await self._response.content.readline():
             if line.startswith(SSE_DATA):
                 return line[len(SSE_DATA):]

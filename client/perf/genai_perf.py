@@ -1,13 +1,19 @@
 """Run NVIDIA's genai-perf against the diffulex model, as each of its Triton request shapes sends them.
 
     python -m diffulex_client.perf.genai_perf --grpc-url localhost:8001 --http-url localhost:8000
-        --tokenizer model_repository/diffulex/demo-llada [--modes vllm tensorrtllm generate] [--concurrency 4]
-        [--output-dir build/genai-perf]
+        --openai-url localhost:9000 --tokenizer model_repository/diffulex/demo-llada
+        [--modes vllm tensorrtllm generate completions chat] [--concurrency 4] [--output-dir build/genai-perf]
 
 Modes:
   vllm         `--endpoint-type kserve --backend vllm`: gRPC streaming, `sampling_parameters` with string values
   tensorrtllm  `--endpoint-type kserve --backend tensorrtllm`: gRPC streaming, TensorRT-LLM's tensor inputs
   generate     `--endpoint-type generate`: HTTP on Triton's generate endpoint
+  completions  `--endpoint-type completions`: the OpenAI front's /v1/completions, streamed
+  chat         `--endpoint-type chat`: the OpenAI front's /v1/chat/completions, streamed (the model needs a template)
+
+The OpenAI modes send `ignore_eos` as a body field (genai-perf fixes the output length only on Triton's endpoints),
+so that every request generates `--output-tokens` tokens; `--input-file` gives prompts of one's own (genai-perf's
+JSONL, one `{"text": ...}` a line) instead of synthetic ones.
 
 genai-perf lives in a virtual environment of its own (`make genai-perf-setup` builds `.venv-genai-perf`): it
 installs a placeholder `perf-analyzer` package and pins other libraries. It drives the `perf_analyzer` binary of
@@ -34,7 +40,10 @@ MODES = {
     "vllm": ["--endpoint-type", "kserve", "--backend", "vllm", "--streaming"],
     "tensorrtllm": ["--endpoint-type", "kserve", "--backend", "tensorrtllm", "--streaming"],
     "generate": ["--endpoint-type", "generate"],
+    "completions": ["--endpoint-type", "completions", "--streaming", "--extra-inputs", "ignore_eos:true"],
+    "chat": ["--endpoint-type", "chat", "--streaming", "--extra-inputs", "ignore_eos:true"],
 }
+OPENAI_MODES = ("completions", "chat")
 
 
 @dataclass(frozen=True)
@@ -47,14 +56,17 @@ class GenaiPerfResult:
 
 
 def genai_perf_command(mode: str, *, grpc_url: str, http_url: str, model: str, tokenizer: Path, concurrency: int,
-                       measurement_interval_ms: int, input_tokens: int, output_tokens: int,
-                       artifact_dir: Path) -> list[str]:
-    url = http_url if mode == "generate" else grpc_url
+                       measurement_interval_ms: int, input_tokens: int, output_tokens: int, artifact_dir: Path,
+                       openai_url: str = "localhost:9000", api_key: str | None = None,
+                       input_file: Path | None = None) -> list[str]:
+    url = {"generate": http_url, **dict.fromkeys(OPENAI_MODES, openai_url)}.get(mode, grpc_url)
+    inputs = (["--input-file", str(input_file)] if input_file is not None else
+              ["--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0"])
     return [str(GENAI_PERF), "profile", "-m", model, "-u", url, *MODES[mode], "--tokenizer", str(tokenizer),
-            "--synthetic-input-tokens-mean", str(input_tokens), "--synthetic-input-tokens-stddev", "0",
-            "--output-tokens-mean", str(output_tokens),
+            *inputs, "--output-tokens-mean", str(output_tokens),
             # A fixed output length (min_tokens / min_length) is sent only on the kserve endpoint.
-            *(["--output-tokens-mean-deterministic"] if mode != "generate" else []),
+            *(["--output-tokens-mean-deterministic"] if mode in ("vllm", "tensorrtllm") else []),
+            *(["--header", f"Authorization:Bearer {api_key}"] if api_key and mode in OPENAI_MODES else []),
             "--concurrency", str(concurrency), "--measurement-interval", str(measurement_interval_ms),
             "--artifact-dir", str(artifact_dir)]
 
@@ -86,9 +98,13 @@ def main(argv: list[str] | None = None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--grpc-url", default="localhost:8001")
     parser.add_argument("--http-url", default="localhost:8000")
+    parser.add_argument("--openai-url", default="localhost:9000", help="the OpenAI front, for completions and chat")
+    parser.add_argument("--api-key", help="the OpenAI front's --api-key, when it has one")
+    parser.add_argument("--input-file", type=Path, help="genai-perf JSONL prompts instead of synthetic ones")
     parser.add_argument("--model", default="diffulex")
     parser.add_argument("--tokenizer", type=Path, default=REPOSITORY_ROOT / "model_repository/diffulex/demo-llada")
-    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=list(MODES))
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES),
+                        default=[mode for mode in MODES if mode not in OPENAI_MODES])
     parser.add_argument("--concurrency", type=int, default=4)
     parser.add_argument("--measurement-interval-ms", type=int, default=5000)
     parser.add_argument("--input-tokens", type=int, default=16)
@@ -98,6 +114,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for mode in args.modes:
         result = run_genai_perf(mode, args.output_dir / mode, grpc_url=args.grpc_url, http_url=args.http_url,
+                                openai_url=args.openai_url, api_key=args.api_key, input_file=args.input_file,
                                 model=args.model, tokenizer=args.tokenizer, concurrency=args.concurrency,
                                 measurement_interval_ms=args.measurement_interval_ms, input_tokens=args.input_tokens,
                                 output_tokens=args.output_tokens)

@@ -64,6 +64,12 @@ def test_server_error_exits_1_with_the_servers_message(server):
                              "16 + 1000 = 1016 exceeds max_model_len (512)\n")
 
 
+def test_an_unknown_model_exits_1_with_the_servers_message(server, protocol):
+    result = run_cli("generate", PROMPT, "--url", url_for(server, protocol), "--protocol", protocol, "--model", "nope")
+    assert result.returncode == ExitCode.SERVER_ERROR == 1
+    assert "Request for unknown model: 'nope' is not found" in result.stderr, result.stderr
+
+
 def test_connection_refused_exits_3(protocol):
     url = f"127.0.0.1:{free_ports(1)[0]}"  # nothing listens there
     for command in (["generate", PROMPT], ["health"]):

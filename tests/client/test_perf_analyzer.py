@@ -1,6 +1,7 @@
 """perf_analyzer over gRPC streaming against the real server, with the shipped input data, and the report."""
 
 import json
+import os
 import subprocess
 from pathlib import Path
 
@@ -85,3 +86,11 @@ def test_sweep_prints_the_finished_levels_and_fails_when_a_level_fails(server, t
     assert [line.split()[0] for line in lines[header + 2:] if line.strip()] == ["1"]  # level 4 never ran
     assert "perf_analyzer failed at concurrency 2 (exit 99)" in err and "the level-2 run broke" in err
     assert sorted(path.name for path in tmp_path.glob("profile_*.json")) == ["profile_concurrency_1.json"]
+
+
+def test_the_environments_perf_analyzer_runs_without_a_library_path():
+    """The venv's perf_analyzer finds libcudart.so.12 by itself (tools/wrap_perf_analyzer.py), as a user runs it."""
+    env = {key: value for key, value in os.environ.items() if key != "LD_LIBRARY_PATH"}
+    done = subprocess.run([sweep.perf_analyzer_path(), "--version"], capture_output=True, text=True, env=env,
+                          timeout=60)
+    assert done.returncode == 0 and "Perf Analyzer Version 2.51.0" in done.stderr, done.stderr

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from diffulex_backend.serving.server_watch import explicit_model_control, http_endpoint, server_options
+from diffulex_client.openai_front.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # The oldest and the newest Kubernetes release whose schemas kubernetes-validate bundles.
@@ -88,6 +89,20 @@ def predictor_as_pod(service: dict) -> dict:
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": service["metadata"]["name"]}, "spec": spec}
 
 
+TRITON_CONTAINERS = ("tritonserver", "kserve-container")
+FRONT_CONTAINER = "openai-front"
+OPENAI_PORT = 9000  # the front's port, as `make serve` and Triton's own OpenAI frontend use
+
+
+def container_named(pod: dict, names) -> dict:
+    (container,) = [item for item in pod["containers"] if item["name"] in names]
+    return container
+
+
+def triton_container(pod: dict) -> dict:
+    return container_named(pod, TRITON_CONTAINERS)
+
+
 def served_pods() -> dict[str, dict]:
     """The pod spec that runs tritonserver, from each way of deploying."""
     return {"kubernetes": kubernetes_resources()["Deployment"]["spec"]["template"]["spec"],
@@ -140,7 +155,7 @@ def container_port(container: dict, port) -> int:
 @pytest.mark.parametrize("way", ["kubernetes", "kserve"])
 def test_tritonserver_loads_the_model_under_explicit_control_on_its_own_ports(way):
     pod = served_pods()[way]
-    (container,) = pod["containers"]
+    container = triton_container(pod)
     argv = container["command"] + container["args"]
     options = server_options(argv[1:])
     assert argv[0] == "tritonserver"
@@ -158,7 +173,7 @@ def test_tritonserver_loads_the_model_under_explicit_control_on_its_own_ports(wa
 
 @pytest.mark.parametrize("way", ["kubernetes", "kserve"])
 def test_probes_ask_tritons_health_endpoints_and_the_startup_probe_outlasts_the_warm_up(way):
-    (container,) = served_pods()[way]["containers"]
+    container = triton_container(served_pods()[way])
     probes = {kind: container[f"{kind}Probe"] for kind in ("startup", "readiness", "liveness")}
     paths = {kind: probe["httpGet"]["path"] for kind, probe in probes.items()}
     assert paths == {"startup": "/v2/health/ready", "readiness": "/v2/health/ready", "liveness": "/v2/health/live"}
@@ -176,7 +191,7 @@ def test_probes_ask_tritons_health_endpoints_and_the_startup_probe_outlasts_the_
 @pytest.mark.parametrize("way", ["kubernetes", "kserve"])
 def test_the_pod_has_a_gpu_a_large_shm_and_reaps_the_watchdog(way):
     pod = served_pods()[way]
-    (container,) = pod["containers"]
+    container = triton_container(pod)
     assert int(container["resources"]["limits"]["nvidia.com/gpu"]) >= 1
     volumes = {volume["name"]: volume for volume in pod["volumes"]}
     (shm,) = [mount for mount in container["volumeMounts"] if mount["mountPath"] == "/dev/shm"]
@@ -190,8 +205,33 @@ def test_the_service_reaches_every_triton_port_of_the_deployments_pods():
     template = deployment["spec"]["template"]
     assert service["spec"]["selector"].items() <= template["metadata"]["labels"].items()
     assert deployment["spec"]["selector"]["matchLabels"].items() <= template["metadata"]["labels"].items()
-    (container,) = template["spec"]["containers"]
-    assert sorted((port["port"], container_port(container, port["targetPort"])) for port in service["spec"]["ports"]) \
-        == sorted((number, number) for number in TRITON_PORTS.values())
+    triton, front = triton_container(template["spec"]), container_named(template["spec"], [FRONT_CONTAINER])
+    reached = sorted((port["port"], container_port(triton if port["targetPort"] in TRITON_PORTS else front,
+                                                   port["targetPort"])) for port in service["spec"]["ports"])
+    assert reached == sorted((number, number) for number in [*TRITON_PORTS.values(), OPENAI_PORT])
     # A replica is taken out only once its successor is ready: a rollout keeps the serving capacity.
     assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+
+
+@pytest.mark.parametrize("way", ["kubernetes", "kserve"])
+def test_the_openai_front_runs_as_a_sidecar_on_the_pods_triton(way):
+    pod = served_pods()[way]
+    triton, front = triton_container(pod), container_named(pod, [FRONT_CONTAINER])
+    assert front["command"] == ["python3", "-m", "diffulex_client.openai_front"]
+    args = build_parser().parse_args(front["args"])  # the front's own parser takes the manifest's line
+    triton_options = server_options(triton["args"])
+    # It reaches tritonserver's gRPC port over the pod's loopback, and serves the model tritonserver loads.
+    assert args.triton_url == f"127.0.0.1:{triton_options['grpc-port']}"
+    assert args.model == triton_options["load-model"]
+    assert (args.host, args.port) == ("0.0.0.0", OPENAI_PORT)
+    assert [item["containerPort"] for item in front["ports"]] == [OPENAI_PORT]
+    # The chat template comes from the checkpoint on the model repository's volume, mounted read-only.
+    (mount,) = [m for m in front["volumeMounts"] if str(args.tokenizer).startswith(m["mountPath"] + "/")]
+    assert mount["readOnly"] and mount["name"] in {m["name"] for m in triton["volumeMounts"]}
+    assert str(args.tokenizer) == f"{triton_options['model-repository']}/diffulex/demo-llada"
+    # Readiness is the model's, through the front; liveness only that the front answers, so a model reload
+    # never restarts it.
+    readiness, liveness = front["readinessProbe"], front["livenessProbe"]
+    assert readiness["httpGet"]["path"] == "/health"
+    assert container_port(front, readiness["httpGet"]["port"]) == OPENAI_PORT
+    assert container_port(front, liveness["tcpSocket"]["port"]) == OPENAI_PORT

@@ -20,7 +20,8 @@ HARNESS_OPTIONS = ("--model-repository", "--http-port", "--grpc-port", "--metric
 
 
 def deployment_container() -> dict:
-    (container,) = yaml.safe_load(DEPLOYMENT.read_text())["spec"]["template"]["spec"]["containers"]
+    (container,) = [item for item in yaml.safe_load(DEPLOYMENT.read_text())["spec"]["template"]["spec"]["containers"]
+                    if item["name"] == "tritonserver"]
     return container
 
 

@@ -1,0 +1,256 @@
+"""The OpenAI-compatible HTTP app: /v1/models, /v1/completions, /v1/chat/completions and /health.
+
+A request is checked (schema, refused fields, model name), admitted by the readiness watch, turned into one Triton
+request per choice, and answered from their responses: whole, or as server-sent events, one chunk per committed
+block. A streamed request waits for its first response before it answers, so an error that comes before any text
+still gets its own HTTP status; an error after that ends the stream with an error event.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from http import HTTPStatus
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from .adapter import TritonRequest, completion_prompts, triton_requests
+from .chat_template import ChatTemplate
+from .errors import OpenAIError, error_body
+from .generation import ChoiceResponse, generate
+from .readiness import OpenRequest, Readiness, ReadinessWatch
+from .refusals import refuse_unsupported
+from .request_guard import RequestGuard
+from .responses import SSE_DONE, Collected, UsageCount, chat_chunk, completion_chunk, sse_event
+from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from .settings import FrontSettings
+from .triton_stream import ErrorClass, TritonStreamError, open_channel
+
+log = logging.getLogger("diffulex_client.openai_front")
+
+DISCONNECT_POLL_S = 0.1
+MODEL_PARAMETER = re.compile(r"sampling parameter '(\w+)'")
+TRITON_ERROR_STATUS = {ErrorClass.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
+                       ErrorClass.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
+                       ErrorClass.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR}
+
+
+def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = None) -> RequestGuard:
+    """The ASGI app: the FastAPI app behind the request guard (API key, body size). `chat_template` defaults to the
+    one the settings name."""
+    template = chat_template or ChatTemplate.load(settings.tokenizer, settings.chat_template)
+    created = int(time.time())
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        client = open_channel(settings.triton_url)
+        watch = ReadinessWatch(client, settings.model, settings.triton_url)
+        await watch.poll()
+        watch.start()
+        app.state.client, app.state.watch = client, watch
+        try:
+            yield
+        finally:
+            await watch.stop()
+            await client.close()
+
+    app = FastAPI(title="diffulex OpenAI-compatible API", lifespan=lifespan, docs_url=None, redoc_url=None)
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health(request: Request):
+        watch: ReadinessWatch = request.app.state.watch
+        if watch.state is not Readiness.READY:
+            return watch.unavailable_error().response()
+        return {"status": "ready", "model": settings.model}
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        return ModelList(data=[ModelCard(id=settings.model, created=created)])
+
+    @app.get("/v1/models/{model_id}")
+    async def model(model_id: str) -> ModelCard:
+        _check_model(model_id, settings.model)
+        return ModelCard(id=settings.model, created=created)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        body = await _parsed(request, CompletionRequest)
+        _check_request(body, settings.model)
+        requests = triton_requests(body, completion_prompts(body))
+        return await _answer(request, body, requests, settings.model, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        body = await _parsed(request, ChatCompletionRequest)
+        _check_request(body, settings.model)
+        requests = triton_requests(body, [template.prompt_ids(body.messages)])
+        return await _answer(request, body, requests, settings.model, chat=True)
+
+    return RequestGuard(app, settings.max_body_bytes, settings.api_key)
+
+
+async def _parsed(request: Request, schema: type[BaseModel]):
+    """The body as `schema`, whatever Content-Type the client sent (curl's -d sends a form type); a body that is
+    not a JSON object of the schema's fields is a 400 that names the first field at fault."""
+    try:
+        return schema.model_validate_json(await request.body())
+    except ValidationError as err:
+        raise _validation_error(err.errors()) from None
+
+
+def _validation_error(problems) -> OpenAIError:
+    problem = problems[0] if problems else {"loc": (), "msg": "invalid request"}
+    location = [str(part) for part in problem.get("loc", ()) if part != "body"]
+    message = f"{'.'.join(location)}: {problem.get('msg')}" if location else str(problem.get("msg"))
+    if problem.get("type") in ("json_invalid", "model_type", "model_attributes_type"):
+        message = f"the request body must be a JSON object: {message}"
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=location[0] if location else None)
+
+
+def _check_model(name: str, served: str) -> None:
+    if name != served:
+        raise OpenAIError(HTTPStatus.NOT_FOUND, f"the model '{name}' does not exist; this server serves '{served}'",
+                          param="model", code="model_not_found")
+
+
+def _check_request(body: CompletionRequest | ChatCompletionRequest, served: str) -> None:
+    _check_model(body.model, served)
+    refuse_unsupported(body)
+
+
+async def _answer(request: Request, body, requests: list[TritonRequest], model: str, chat: bool):
+    watch: ReadinessWatch = request.app.state.watch
+    open_request = watch.admit()
+    arrivals = generate(request.app.state.client, model, requests, open_request, watch.ids_datatype)
+    response_id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    created = int(time.time())
+    # Until a streamed response has begun, nothing cancels this handler when its client leaves; this does.
+    watcher = asyncio.create_task(_end_on_disconnect(request, open_request))
+    try:
+        if not body.stream:
+            return await _whole(arrivals, response_id, created, model, chat)
+        first = await _first(arrivals)
+    except BaseException:
+        watch.release(open_request)
+        await arrivals.aclose()
+        raise
+    finally:
+        watcher.cancel()
+        if not body.stream:
+            watch.release(open_request)
+    include_usage = bool(body.stream_options and body.stream_options.include_usage)
+    events = _events(first, arrivals, response_id, created, model, chat, include_usage)
+    return StreamingResponse(_released(events, watch, open_request, arrivals), media_type="text/event-stream")
+
+
+def _from_triton(err: TritonStreamError) -> OpenAIError:
+    """The model names a refused sampling parameter in its message; that name is the field at fault."""
+    named = MODEL_PARAMETER.search(err.message)
+    return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message, param=named.group(1) if named else None)
+
+
+async def _first(arrivals: AsyncIterator[ChoiceResponse]) -> ChoiceResponse:
+    try:
+        return await anext(arrivals)
+    except TritonStreamError as err:
+        raise _from_triton(err) from None
+
+
+async def _whole(arrivals, response_id: str, created: int, model: str, chat: bool) -> JSONResponse:
+    collected = Collected()
+    try:
+        async for arrival in arrivals:
+            collected.add(arrival)
+    except TritonStreamError as err:
+        raise _from_triton(err) from None
+    build = collected.chat_completion if chat else collected.completion
+    return JSONResponse(build(response_id, created, model).model_dump())
+
+
+async def _end_on_disconnect(request: Request, open_request: OpenRequest) -> None:
+    """Ends the request's generation when its client has closed the connection."""
+    while not await request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_POLL_S)
+    open_request.end(OpenAIError(HTTPStatus.BAD_REQUEST, "the client closed the connection"))
+
+
+async def _events(first: ChoiceResponse, arrivals, response_id: str, created: int, model: str, chat: bool,
+                  include_usage: bool) -> AsyncIterator[bytes]:
+    usage = UsageCount()
+    started: set[int] = set()
+
+    def chunk(arrival: ChoiceResponse) -> bytes:
+        usage.add(arrival)
+        if chat:
+            body = chat_chunk(arrival, arrival.request.index not in started, response_id, created, model)
+            started.add(arrival.request.index)
+        else:
+            body = completion_chunk(arrival, response_id, created, model)
+        return sse_event(_with_usage_field(body.model_dump(), include_usage))
+
+    try:
+        yield chunk(first)
+        async for arrival in arrivals:
+            yield chunk(arrival)
+    except TritonStreamError as err:
+        yield sse_event(_from_triton(err).body())
+        yield SSE_DONE
+        return
+    except OpenAIError as err:
+        yield sse_event(err.body())
+        yield SSE_DONE
+        return
+    if include_usage:
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        yield sse_event({"id": response_id, "object": kind, "created": created, "model": model, "choices": [],
+                         "usage": usage.usage().model_dump()})
+    yield SSE_DONE
+
+
+def _with_usage_field(body: dict, include_usage: bool) -> dict:
+    """Chunks carry `usage: null` only when the client asked for usage, as OpenAI's do."""
+    if not include_usage:
+        body.pop("usage", None)
+    return body
+
+
+async def _released(events: AsyncIterator[bytes], watch: ReadinessWatch, open_request: OpenRequest,
+                    arrivals) -> AsyncIterator[bytes]:
+    """The events; whatever ends them (the last one, an error, a client that left), the Triton streams close."""
+    try:
+        async for event in events:
+            yield event
+    finally:
+        watch.release(open_request)
+        await arrivals.aclose()
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(OpenAIError)
+    async def openai_error(request: Request, err: OpenAIError):
+        return err.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, err: RequestValidationError):
+        return _validation_error(err.errors()).response()
+
+    @app.exception_handler(Exception)
+    async def unexpected_error(request: Request, err: Exception):
+        log.exception("unexpected error on %s", request.url.path)
+        status = HTTPStatus.INTERNAL_SERVER_ERROR
+        return JSONResponse(error_body(f"internal error: {type(err).__name__}", status), status_code=status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, err: StarletteHTTPException):
+        status = HTTPStatus(err.status_code)
+        return JSONResponse(error_body(str(err.detail), status), status_code=status, headers=err.headers)

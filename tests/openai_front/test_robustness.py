@@ -1,0 +1,160 @@
+"""The front holds the Triton path's bar: a key when one is set, 413 before parsing, a client that leaves cancels its
+Triton stream and frees its KV pages, and 64 streams at once all finish with every page back."""
+
+import asyncio
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import openai
+import pytest
+from front_requests import (
+    API_KEY, DEMO_CHECKPOINT, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
+
+from diffulex_backend import SamplingParams
+from diffulex_client.openai_front.cli import API_KEY_VARIABLE, build_parser
+
+# About a second of decoding for the test model: long enough to leave in the middle of it.
+LONG = {"model": "diffulex", "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
+
+
+def test_a_missing_or_wrong_key_is_a_401_and_health_stays_open(front):
+    for headers in ({}, {"Authorization": "Bearer nope"}, {"Authorization": f"Basic {API_KEY}"}):
+        response = httpx.get(f"{front.url}/v1/models", headers=headers)
+        assert response.status_code == 401
+        assert error_in(response.text)["code"] == "invalid_api_key"
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{front.url}/v1", api_key="nope", max_retries=0).models.list()
+    assert httpx.get(f"{front.url}/health").status_code == 200
+
+
+def test_the_key_may_come_from_the_environment(monkeypatch):
+    monkeypatch.setenv(API_KEY_VARIABLE, "from-env")
+    assert build_parser().parse_args([]).api_key == "from-env"
+    assert build_parser().parse_args(["--api-key", "given"]).api_key == "given"
+    monkeypatch.delenv(API_KEY_VARIABLE)
+    assert build_parser().parse_args([]).api_key is None
+
+
+def test_a_body_over_the_limit_is_a_413_before_it_is_read(front):
+    with pytest.raises(openai.APIStatusError) as caught:
+        openai.OpenAI(base_url=f"{front.url}/v1", api_key=API_KEY, max_retries=0).completions.create(
+            model="diffulex", prompt="x" * 300_000, max_tokens=1)
+    assert caught.value.status_code == 413
+    assert error_of(caught.value)["code"] == "request_too_large"
+
+
+def test_a_chunked_body_over_the_limit_is_a_413(front):
+    def chunks():
+        yield b'{"model": "diffulex", "prompt": "'
+        for _ in range(30):
+            yield b"x" * 10_000
+        yield b'"}'
+
+    response = httpx.post(f"{front.url}/v1/completions", content=chunks(),
+                          headers={"Authorization": f"Bearer {API_KEY}"})
+    assert response.status_code == 413
+
+
+def test_a_body_that_declares_a_huge_length_gets_413_without_sending_it(front):
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 5000000\r\n\r\n")
+        assert sock.recv(4096).startswith(b"HTTP/1.1 413")
+
+
+def test_errors_before_parsing_come_in_openais_shape(front):
+    for body, status in ((b"not json", 400), (b"[1, 2]", 400), (b'{"model": "diffulex"}', 400)):
+        response = post(front, "/v1/completions", body, API_KEY)
+        assert response.status_code == status
+        error_in(response.text)
+    assert error_in(post(front, "/v1/completions", b"{}", API_KEY).text)["param"] in ("model", "prompt")
+
+
+def test_a_client_that_leaves_a_stream_frees_its_kv_pages(front, server):
+    assert wait_for_kv_pages_used(server, 0) == 0
+    sent_before = generation_tokens(server)
+    with httpx.stream("POST", f"{front.url}/v1/completions", json={**LONG, "stream": True},
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        lines = response.iter_lines()
+        assert next(lines).startswith("data: ")
+    assert wait_for_kv_pages_used(server, 0) == 0
+    assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # cancelled, not run to its end
+
+
+def test_a_client_that_leaves_a_whole_completion_frees_its_kv_pages(front, server):
+    assert wait_for_kv_pages_used(server, 0) == 0
+    sent_before = generation_tokens(server)
+
+    async def leave_early():
+        async with httpx.AsyncClient(headers={"Authorization": f"Bearer {API_KEY}"}) as http:
+            task = asyncio.create_task(http.post(f"{front.url}/v1/completions", json=LONG, timeout=60))
+            deadline = time.monotonic() + 30
+            while kv_pages_used(server) == 0:
+                assert time.monotonic() < deadline, "the request never started"
+                await asyncio.sleep(0.05)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+    asyncio.run(leave_early())
+    assert wait_for_kv_pages_used(server, 0) == 0
+    assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # cancelled, not run to its end
+
+
+def test_64_concurrent_streams_all_finish_and_every_page_comes_back(front, server):
+    async def one(client: openai.AsyncOpenAI, i: int) -> tuple[str, str, int]:
+        stream = await client.completions.create(model="diffulex", prompt=f"prompt {i}", max_tokens=8, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True},
+                                                 extra_body={"ignore_eos": True})
+        text, reason, tokens = "", None, 0
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                reason = chunk.choices[0].finish_reason or reason
+            else:
+                tokens = chunk.usage.completion_tokens
+        return text, reason, tokens
+
+    async def all_of_them():
+        client = openai.AsyncOpenAI(base_url=f"{front.url}/v1", api_key=API_KEY, max_retries=0, timeout=300,
+                                    http_client=openai.DefaultAsyncHttpxClient(
+                                        limits=httpx.Limits(max_connections=64)))
+        return await asyncio.gather(*(one(client, i) for i in range(64)))
+
+    results = asyncio.run(all_of_them())
+    assert [(reason, tokens) for _, reason, tokens in results] == [("length", 8)] * 64
+    singles = {i: results[i][0] for i in (0, 63)}
+    for i, text in singles.items():  # a stream among 64 has the text it has alone
+        alone = post(front, "/v1/completions", {**LONG, "prompt": f"prompt {i}", "max_tokens": 8}, API_KEY).json()
+        assert alone["choices"][0]["text"] == text
+    assert wait_for_kv_pages_used(server, 0) == 0
+
+
+def test_a_tokenizer_or_template_that_cannot_be_read_stops_the_command_with_a_usage_error(tmp_path):
+    for args in (["--tokenizer", str(tmp_path / "none")],
+                 ["--tokenizer", str(DEMO_CHECKPOINT), "--chat-template", str(tmp_path / "none.jinja")]):
+        done = subprocess.run([sys.executable, "-m", "diffulex_client.openai_front", *args], capture_output=True,
+                              text=True, timeout=120)
+        assert done.returncode == 2
+        assert "cannot read the chat template" in done.stderr and "none" in done.stderr
+
+
+def test_a_client_that_leaves_after_one_choice_ended_frees_the_others_pages(front, server, engine):
+    """One choice stops early on a stop string, the other is still decoding when the client leaves: the open one is
+    cancelled and the ended one's call is closed by the server (the session's server must still unload cleanly)."""
+    params = SamplingParams(max_tokens=500, temperature=0, ignore_eos=True)
+    short, long = (engine.generate([p], params)[0].text for p in ("hello", "goodbye"))
+    stop = next(short[i:i + 3] for i in range(4, len(short)) if short[i:i + 3] not in long)
+    assert wait_for_kv_pages_used(server, 0) == 0
+    sent_before = generation_tokens(server)
+    body = {**LONG, "prompt": ["hello", "goodbye"], "stop": [stop], "stream": True}
+    with httpx.stream("POST", f"{front.url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+        for line in response.iter_lines():
+            if line.startswith("data: {") and '"finish_reason":"stop"' in line:
+                break  # the short choice ended; the long one decodes on
+    assert wait_for_kv_pages_used(server, 0) == 0
+    assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # the long one was cancelled
