@@ -1,13 +1,20 @@
-# Triton Inference Server 2.51 (NGC 24.10) serving the model repository in /models with the diffulex engine on a GPU,
+# Triton Inference Server 2.62 (NGC 25.10) serving the model repository in /models with the diffulex engine on a GPU,
 # and the OpenAI-compatible front beside it on port 9000.
 #   docker build -t diffulex-triton .
 #   docker run --init --gpus all --shm-size=1g -p 8000:8000 -p 8001:8001 -p 8002:8002 -p 9000:9000 diffulex-triton
 # Mount another repository over /models (`-v $PWD/my_repository:/models:ro`) to serve another checkpoint.
-FROM nvcr.io/nvidia/tritonserver:24.10-py3
+#
+# 25.10 is the first release whose HTTP front end refuses a request body past --http-max-input-size (server 2.59) and
+# no longer crashes on a large JSON body (2.62); 2.51, which `make serve` runs from the nvidia-pytriton wheel, crashes
+# at about 4.19 MB. Its CUDA is 13.0 and its Python 3.12 (Ubuntu 24.04).
+FROM nvcr.io/nvidia/tritonserver:25.10-py3
 
-# PyTorch built for CUDA 12.6, the CUDA of this image; triton (the GPU kernel compiler) comes with it.
-ARG TORCH_VERSION=2.9.1
-ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+# The PyTorch the GPU benchmarks and `make gpu-check` ran: 2.11 built for CUDA 13.0, with triton 3.6 (the GPU kernel
+# compiler) as its dependency.
+ARG TORCH_VERSION=2.11.0
+ARG TORCH_INDEX_URL=https://download.pytorch.org/whl/cu130
+# The image's Python is the system's (PEP 668): this image is its only user.
+ENV PIP_BREAK_SYSTEM_PACKAGES=1
 
 SHELL ["/bin/bash", "-o", "pipefail", "-c"]
 WORKDIR /opt/diffulex-triton
@@ -35,4 +42,4 @@ EXPOSE 8000 8001 8002 9000
 CMD ["python3", "/opt/diffulex-triton/tools/serve.py", "--model-repository", "/models", "--openai-port", "9000", \
      "--grpc-port", "8001", "--", \
      "tritonserver", "--model-repository", "/models", "--model-control-mode=explicit", "--load-model=diffulex", \
-     "--grpc-port", "8001"]
+     "--grpc-port", "8001", "--http-max-input-size", "4194304"]
