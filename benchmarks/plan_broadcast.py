@@ -2,7 +2,7 @@
 it over the control group (workers.Channel), and every other rank unpickles it.
 
 One engine on the CPU (a tiny random model: the plan's size depends on the batch and the contexts, not the weights)
-takes --batch requests of --context prompt tokens, and steps until every request decodes; the decode step's plan is
+takes --batch requests of the same --context prompt tokens, and steps until every request decodes; the decode step's plan is
 then pickled as Channel.broadcast pickles it. Reports its bytes, and the median of --repeats pickle and unpickle
 times. Writes plan_broadcast.csv and plan_broadcast.md to --out.
 
@@ -28,8 +28,11 @@ def decode_plan(checkpoint: Path, batch: int, context: int, block: int):
                       max_num_reqs=batch, max_num_batched_tokens=max(4096, batch * block), device="cpu",
                       warm_up=False)
     params = SamplingParams(max_tokens=2 * block, ignore_eos=True)
-    for i in range(batch):
-        engine.add_request([3 + (i + j) % 200 for j in range(context)], params)
+    # One prompt for all: after the first request's prefill the others find its pages in the prefix cache, so the
+    # run reaches the decode step in seconds. A plan carries each request's page table all the same.
+    prompt = [3 + j % 200 for j in range(context)]
+    for _ in range(batch):
+        engine.add_request(prompt, params)
     while True:
         engine.step()
         plans = engine.last_schedule.plans
