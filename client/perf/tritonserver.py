@@ -36,7 +36,32 @@ def free_ports(count: int) -> list[int]:
             sock.close()
 
 
-class TritonServer:
+class LoggedProcess:
+    """A child process whose output goes to a log file, stopped with SIGTERM."""
+
+    def __init__(self, argv: list[str], log_path: Path, env: dict[str, str] | None = None):
+        self.log_path = log_path
+        self._log = open(log_path, "wb")
+        self.process = subprocess.Popen(argv, stdout=self._log, stderr=subprocess.STDOUT,
+                                        env=os.environ.copy() if env is None else env)
+
+    def log_tail(self, num_chars: int = 6000) -> str:
+        return self.log_path.read_text(errors="replace")[-num_chars:]
+
+    def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
+        """The exit status; a process that does not exit within the timeout is killed and TimeoutExpired raised."""
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            return self.process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+            raise
+        finally:
+            self._log.close()
+
+
+class TritonServer(LoggedProcess):
     """One tritonserver process. `ports` is (http, grpc, metrics), free ones by default; `address` is the
     interface each endpoint binds, the loopback by default, or None for tritonserver's own default (all)."""
 
@@ -49,17 +74,11 @@ class TritonServer:
         self.http_url = f"http://{host}:{self.http_port}"
         self.grpc_url = f"{host}:{self.grpc_port}"
         self.metrics_url = f"http://{host}:{self.metrics_port}/metrics"
-        self.log_path = log_path
         endpoints = []
         for endpoint, port in (("http", self.http_port), ("grpc", self.grpc_port), ("metrics", self.metrics_port)):
             endpoints += ([f"--{endpoint}-address", address] if address else []) + [f"--{endpoint}-port", str(port)]
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            [str(LAUNCHER), "--model-repository", str(model_repository), *endpoints, *extra_args],
-            stdout=self._log, stderr=subprocess.STDOUT, env=os.environ.copy())
-
-    def log_tail(self, num_chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
+        super().__init__([str(LAUNCHER), "--model-repository", str(model_repository), *endpoints, *extra_args],
+                         log_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
         deadline = time.monotonic() + timeout_s
@@ -75,14 +94,3 @@ class TritonServer:
             time.sleep(0.5)
         raise RuntimeError(f"tritonserver was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
 
-    def stop(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> int:
-        """The exit status; a server that does not exit within the timeout is killed and TimeoutExpired raised."""
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
-        finally:
-            self._log.close()

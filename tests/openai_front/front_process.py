@@ -4,34 +4,27 @@ free loopback port in front of a tritonserver, stopped with SIGTERM."""
 from __future__ import annotations
 
 import os
-import signal
-import subprocess
 import sys
 import time
 import urllib.error
 import urllib.request
 from pathlib import Path
 
+from diffulex_client.perf.tritonserver import LoggedProcess
 from triton_server import LOOPBACK, free_ports
 
 STARTUP_TIMEOUT_S = 120  # the front imports torch and transformers
 
 
-class FrontProcess:
+class FrontProcess(LoggedProcess):
     def __init__(self, triton_url: str, model: str, log_path: Path, *args: str):
         (self.port,) = free_ports(1)
         self.url = f"http://{LOOPBACK}:{self.port}"
-        self.log_path = log_path
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
+        super().__init__(
             [sys.executable, "-m", "diffulex_client.openai_front", "--triton-url", triton_url, "--model", model,
-             "--host", LOOPBACK, "--port", str(self.port), *args],
-            stdout=self._log, stderr=subprocess.STDOUT,
+             "--host", LOOPBACK, "--port", str(self.port), *args], log_path,
             # The key is what the arguments say, whatever the environment running the tests holds.
             env={k: v for k, v in os.environ.items() if k != "DIFFULEX_OPENAI_API_KEY"})
-
-    def log_tail(self, num_chars: int = 6000) -> str:
-        return self.log_path.read_text(errors="replace")[-num_chars:]
 
     def health(self) -> int:
         """/health's status code, or 0 when nothing answers."""
@@ -54,14 +47,3 @@ class FrontProcess:
                 return
             time.sleep(0.2)
         raise RuntimeError(f"the front did not answer within {timeout_s:.0f} s:\n{self.log_tail()}")
-
-    def stop(self, timeout_s: float = 30) -> int:
-        self.process.send_signal(signal.SIGTERM)
-        try:
-            return self.process.wait(timeout_s)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
-            self.process.wait()
-            raise
-        finally:
-            self._log.close()
