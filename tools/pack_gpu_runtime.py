@@ -7,8 +7,8 @@ Python backend and its stub come from the nvidia-pytriton wheel, which `make set
         Here, with the development venv: writes OUT/tritonserver.tar.xz (bin/tritonserver, backends/python/ with
         the stub of the target's Python version, lib/ = the wheel's shared libraries without libpython3*, which
         the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, py-spy, and tritonclient's
-        gRPC client with what it needs beyond the image: python-rapidjson and protobuf 4), downloaded with pip
-        unless already there. tritonclient's wheel is repacked without its perf_analyzer binaries (40 MB). About
+        gRPC client with what it needs beyond the image: python-rapidjson and protobuf 4; the OpenAI front's
+        fastapi and uvicorn with their dependencies), downloaded with pip unless already there. tritonclient's wheel is repacked without its perf_analyzer binaries (40 MB). About
         50 MB in all, small enough to travel with a checkout.
 
     python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
@@ -47,6 +47,10 @@ ARCHIVE = "tritonserver.tar.xz"
 NUMPY_VERSION = "1.26.4"
 PY_SPY_VERSION = "0.4.3"
 TRITONCLIENT_VERSION = "2.51.0"
+# The OpenAI front's server, with everything it needs: `benchmarks/serving.py --front` runs it on the GPU machine.
+FRONT_REQUIREMENTS = ("fastapi==0.163.2", "uvicorn==0.54.0")
+PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_5_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_28_x86_64", "manylinux1_x86_64", "any")
 # The image's packages that are built against numpy 2 (or are numpy), and so stay out of the stub's path.
 LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
 # This checkout's packages, by import name.
@@ -103,17 +107,18 @@ def download_wheels(out: Path, python_version: str) -> list[Path]:
     wanted = {"numpy": f"numpy=={NUMPY_VERSION}", "py_spy": f"py-spy=={PY_SPY_VERSION}",
               "python_rapidjson": "python-rapidjson==1.25", "protobuf": "protobuf==4.25.9",
               "tritonclient": f"tritonclient=={TRITONCLIENT_VERSION}"}
+    platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
+    download = [sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--quiet", "--python-version",
+                python_version, *platforms, "-d", str(wheels)]
     for prefix, requirement in wanted.items():
         if any(wheels.glob(f"{prefix}-*.whl")):
             continue
-        subprocess.run([sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-                        "--python-version", python_version, "--platform", "manylinux2014_x86_64",
-                        "--platform", "manylinux_2_17_x86_64", "--platform", "manylinux_2_5_x86_64",
-                        "--platform", "manylinux_2_24_x86_64", "--platform", "manylinux_2_28_x86_64",
-                        "--platform", "manylinux1_x86_64", "-d", str(wheels), requirement], check=True)
+        subprocess.run([*download, "--no-deps", requirement], check=True)
         if prefix == "tritonclient":
             (wheel,) = wheels.glob("tritonclient-*.whl")
             without_binaries(wheel)
+    if not any(wheels.glob("fastapi-*.whl")):
+        subprocess.run([*download, *FRONT_REQUIREMENTS], check=True)
     return sorted(wheels.glob("*.whl"))
 
 
