@@ -137,10 +137,13 @@ class ModelRunner:
         self.token_merge = self.make_token_merge()
         if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
             self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
-        if self.use_kernels:
-            from diffulex_kernels.sampling import compile_launches
+        if self.use_kernels:  # else the first steps of each size compile them, while requests wait
+            from diffulex_kernels.attention import compile_launches as compile_attention
+            from diffulex_kernels.sampling import compile_launches as compile_sampler
 
-            compile_launches(model.arch.vocab_size, dtype, device)  # else the first steps of each size compile it
+            compile_sampler(model.arch.vocab_size, dtype, device)
+            attn = model.layers[0].attn
+            compile_attention(attn.num_heads, attn.num_kv_heads, model.arch.head_dim, config.page_size, dtype, device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

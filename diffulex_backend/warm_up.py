@@ -2,7 +2,10 @@
 CUDA graph, which made the first generation after a load take several times as long as a warm one.
 
 Short requests go through the real engine at each batch size the scheduler can form (1, 2, 4, ... up to
-max_num_reqs), so every decode bucket that serving will hit is compiled and captured now. On a CPU the kernels
+max_num_reqs), so every decode bucket that serving will hit is compiled and captured now. Prefill runs eagerly, and
+its kernels pick tiles by the number of tokens: one request per prompt length around each power of two (1, 2, 3,
+5, 9, 17, ...) prefills at every tile size once. The attention kernel's launches, which also depend on context
+lengths, are all compiled when the runner is built. On a CPU the kernels
 are not used and one request suffices: it proves the model decodes end to end before the engine is handed over.
 
 The warm-up leaves nothing behind that a later request could see: its requests have ids of their own and seeds of
@@ -36,6 +39,24 @@ def warm_up_batch_sizes(engine) -> tuple[int, ...]:
     return (*sizes, engine.config.max_num_reqs)
 
 
+def prefill_lengths(config, max_tokens: int) -> list[int]:
+    """Prompt lengths on both sides of each power of two, up to one prefill chunk."""
+    longest = min(config.max_num_batched_tokens, config.max_model_len - max_tokens)
+    lengths, power = {1}, 1
+    while power < longest:
+        lengths.update((power, power + 1))
+        power *= 2
+    return sorted(length for length in lengths if length <= longest)
+
+
+def run_to_completion(engine, tokens: int, size: int = 1) -> None:
+    while engine.has_unfinished_requests():
+        engine.step()
+        if not engine.last_schedule.plans:
+            raise RuntimeError(f"warm-up: {size} requests of {tokens} tokens could not be scheduled: the KV cache "
+                               "or token budget is too small")
+
+
 def warm_up(engine) -> WarmUpReport:
     """Run the warm-up requests; the engine is left with no request and every page free."""
     started = time.monotonic()
@@ -45,15 +66,18 @@ def warm_up(engine) -> WarmUpReport:
     token = (config.mask_token_id + 1) % engine.model.arch.vocab_size  # any token but the mask
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0)
     sizes = warm_up_batch_sizes(engine)
+    if engine.model.fused_kernels:
+        # A token of its own per prompt: a prefix shared with an earlier one would shorten this prefill.
+        vocab = engine.model.arch.vocab_size
+        tokens = (t % vocab for t in range(token, token + vocab) if t % vocab != config.mask_token_id)
+        for length, own in zip(prefill_lengths(config, max_tokens), tokens):
+            engine.add_request([own] * length, params, request_id=f"warm-up-prefill-{length}")
+            run_to_completion(engine, length + max_tokens)
     for size in sizes:
         size_started = time.monotonic()
         for i in range(size):
             engine.add_request([token] * prompt_len, params, request_id=f"warm-up-{size}-{i}")
-        while engine.has_unfinished_requests():
-            engine.step()
-            if not engine.last_schedule.plans:
-                raise RuntimeError(f"warm-up: {size} requests of {prompt_len + max_tokens} tokens could not be "
-                                   "scheduled: the KV cache or token budget is too small")
+        run_to_completion(engine, prompt_len + max_tokens, size)
         logger.info("warmed up batch size %d in %.1f s", size, time.monotonic() - size_started)
     report = WarmUpReport(seconds=time.monotonic() - started, batch_sizes=sizes)
     logger.info("warm-up took %.1f s over batch sizes %s", report.seconds, list(sizes))

@@ -16,7 +16,7 @@ chunks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import torch
@@ -49,7 +49,8 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2):
     return acc, m_new, l_i
 
 
-@triton.jit
+# Token and split counts change with every batch: specialized on them, each new length class would compile again.
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
@@ -138,7 +139,7 @@ def _paged_attention_kernel(
         )
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
     part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
     stride_ot, stride_oh, num_tokens, num_heads, num_splits,
@@ -222,6 +223,53 @@ def plan_launch(
         num_splits = choose_num_splits(base_programs, meta.max_context_len, num_sms, split_warps)
     num_warps = split_warps if num_splits > 1 else 4
     return AttentionLaunch(block_m=block_m, block_n=64, num_splits=num_splits, num_warps=num_warps, num_stages=2)
+
+
+def launch_variants() -> tuple[AttentionLaunch, ...]:
+    """Every launch `plan_launch` can return, with one split count standing for all (the attention kernel takes
+    the count as a runtime argument; only the merge compiles per power of two of it)."""
+    unsplit = [AttentionLaunch(block_m=m, block_n=64, num_splits=1, num_warps=4, num_stages=2) for m in (16, 32, 64, 128)]
+    split = [AttentionLaunch(block_m=m, block_n=64, num_splits=2, num_warps=8 if m >= 128 else 4, num_stages=2)
+             for m in (16, 32, 64, 128)]
+    wide = AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
+    return (*unsplit, *split, wide)
+
+
+@dataclass(frozen=True)
+class _EmptyBatch:
+    """One sequence of one token with no cached context on the device, whose host bounds still ask for the
+    longest context: the launch it sizes runs every split and reads nothing."""
+
+    cu_seqlens_q: torch.Tensor
+    context_lens: torch.Tensor
+    page_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    block_ids: torch.Tensor
+    max_seqlen_q: int = 1
+    max_context_len: int = MAX_SPLITS * 64
+
+
+def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
+                     device: torch.device) -> None:
+    """Runs every launch variant once, with and without a cache, and the merge at every power of two of splits,
+    so that no prompt length or context length compiles a kernel while requests wait."""
+    int32 = dict(dtype=torch.int32, device=device)
+    batch = _EmptyBatch(cu_seqlens_q=torch.tensor([0, 1], **int32), context_lens=torch.zeros(1, **int32),
+                        page_tables=torch.zeros(1, 1, **int32),
+                        slot_mapping=torch.full((1,), -1, dtype=torch.int64, device=device),
+                        block_ids=torch.zeros(1, **int32))
+    query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
+    key = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    for launch in launch_variants():
+        if launch.num_splits == 1:
+            paged_attention(query, key, key, None, None, batch, 1.0, launch=launch)
+            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch)
+            continue
+        splits = 2
+        while splits <= MAX_SPLITS:
+            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits))
+            splits *= 2
 
 
 def paged_attention(

@@ -34,7 +34,9 @@ BLOCK_K = 128
 MIN_PROGRAMS = 120
 
 
-@triton.jit
+# M (and the partials' stride, M x N) change with every batch: specialized on them, each new token count class
+# would compile again while requests wait.
+@triton.jit(do_not_specialize=["M", "stride_os"])
 def _linear_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_os, stride_om,

@@ -94,7 +94,9 @@ PLAN_CHUNKS = 16  # chunks per step of the planning kernel
 TILE_BLOCK = 64  # tiles per program of the scattering kernel
 
 
-@triton.jit
+# Pair, chunk and tile counts change with every batch: kernels specialized on them would compile again for each
+# new count class while requests wait.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _count_experts_kernel(ids_ptr, chunk_counts_ptr, num_pairs, E_POW2: tl.constexpr, CHUNK: tl.constexpr,
                           USE_PDL: tl.constexpr):
     """chunk_counts[c, e]: how many pairs of chunk c go to expert e."""
@@ -106,7 +108,7 @@ def _count_experts_kernel(ids_ptr, chunk_counts_ptr, num_pairs, E_POW2: tl.const
     tl.store(chunk_counts_ptr + chunk * E_POW2 + tl.arange(0, E_POW2), tl.histogram(experts, E_POW2, mask=valid))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_chunks"])
 def _plan_runs_kernel(chunk_counts_ptr, chunk_starts_ptr, runs_ptr, num_chunks,
                       E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: each expert's pair count and the tile after its run (runs [2, E_POW2]), and the row where each
@@ -133,7 +135,7 @@ def _plan_runs_kernel(chunk_counts_ptr, chunk_starts_ptr, runs_ptr, num_chunks,
         seen += tl.sum(block, 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "num_tiles"])
 def _scatter_pairs_kernel(ids_ptr, chunk_starts_ptr, runs_ptr, pair_ids_ptr, tile_experts_ptr,
                           num_pairs, num_experts, num_chunks, num_tiles,
                           E_POW2: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr, TILES: tl.constexpr,
@@ -197,7 +199,7 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
     return RoutedTiles(pair_ids, tile_experts, block_m)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
     x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr,
     num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am,
@@ -242,7 +244,7 @@ def _gate_up_kernel(
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr,
     num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op,

@@ -15,7 +15,8 @@ import triton.language as tl
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
-@triton.jit
+# The partials' stride is M x N, which changes with every batch.
+@triton.jit(do_not_specialize=["stride_partial"])
 def _rmsnorm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_partial, stride_x, stride_residual, stride_out, stride_residual_out,

@@ -10,7 +10,8 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_kernels.attention import AttentionLaunch, choose_num_splits, plan_launch
+from diffulex_kernels.attention import (AttentionLaunch, choose_num_splits, compile_launches, launch_variants,
+                                        plan_launch)
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
 
 # Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
@@ -235,3 +236,27 @@ def test_a_sequence_with_dropped_pages_reads_its_kept_pages_only():
                   k_cache=k_cache, v_cache=v_cache, meta=meta)
     assert_matches_reference(batch, num_splits=None)
     assert_matches_reference(batch, num_splits=2)
+
+
+def test_every_launch_plan_launch_picks_is_one_the_runner_compiles_ahead():
+    """The runner compiles `launch_variants()` when it is built; a launch outside them would compile while
+    requests wait. Split counts stand for one another: the kernel takes the count at run time."""
+    variants = set(launch_variants())
+    for heads, kv_heads in [(1, 1), (4, 1), (7, 1), (32, 8), (28, 4)]:
+        for tokens in [1, 2, 5, 16, 17, 31, 33, 64, 65, 129, 300]:
+            query, key = torch.empty(tokens, heads, 64), torch.empty(tokens, kv_heads, 64)
+            meta = AttentionMetadata(
+                cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+                context_lens=torch.tensor([4096], dtype=torch.int32), page_tables=torch.zeros(1, 256, dtype=torch.int32),
+                slot_mapping=torch.zeros(tokens, dtype=torch.int64), block_ids=torch.zeros(tokens, dtype=torch.int32),
+                max_seqlen_q=tokens, max_context_len=4096)
+            for num_splits in [None, 1, 2, 5, 64]:
+                launch = plan_launch(query, key, meta, num_splits=num_splits)
+                normalised = dataclasses.replace(launch, num_splits=min(launch.num_splits, 2))
+                assert normalised in variants, (heads, kv_heads, tokens, num_splits, launch)
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compiling_every_launch_ahead_runs_each_one(head_dim):
+    compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+                     device=torch.device(DEVICE))

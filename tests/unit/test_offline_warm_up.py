@@ -5,6 +5,7 @@ would, and every page is back in the pool."""
 import logging
 
 import pytest
+import torch
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
@@ -33,3 +34,30 @@ def test_a_warmed_engine_gives_a_cold_engines_outputs_and_ids(checkpoint, caplog
     assert [(o.request_id, o.token_ids, o.nfe) for o in warm_outputs] == [
         (o.request_id, o.token_ids, o.nfe) for o in cold_outputs]
 
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernels compile on a GPU only")
+def test_after_the_warm_up_no_prompt_compiles_a_kernel(checkpoint):
+    """A request whose prompt length the warm-up never saw still finds every kernel compiled: a compile in the
+    middle of serving stalls every request in the batch for seconds."""
+    import triton
+
+    engine = Diffulex(str(checkpoint), **{**SETTINGS, "max_model_len": 512})
+    vocab = engine.model.arch.vocab_size
+    compiled = []
+
+    def record(*, repr, **_):
+        compiled.append(repr)
+        return False  # compile as usual
+
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    triton.knobs.runtime.jit_cache_hook = record
+    try:
+        # Lengths on and off the multiples of 16 that Triton specializes integers on, short and long, alone and
+        # batched, and a prompt served twice, whose second prefill reads the first one's cached pages.
+        for lengths in ([1], [5], [17], [100], [255], [470], [64, 3, 130], [300, 300]):
+            prompts = [[(7 * i + n) % (vocab - 2) + 1 for i in range(n)] for n in lengths]
+            engine.generate(prompts, greedy)
+    finally:
+        triton.knobs.runtime.jit_cache_hook = None
+    assert compiled == [], "\n".join(compiled)
