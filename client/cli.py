@@ -59,11 +59,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sampling-parameters", type=json.loads, default={}, metavar="JSON",
                           help='any other sampling parameters as a JSON object, e.g. \'{"seed": 1, "stop": ["\\n"]}\'')
 
-    commands.add_parser(
+    health = commands.add_parser(
         "health", parents=[connection], formatter_class=formatter, epilog=EXIT_CODES_HELP,
-        help="report server and model readiness, and the engine settings as loaded",
+        help="report server and model readiness, and the engine settings as resolved",
         description="Report whether the server is live and ready, whether the model is ready, and the "
-                    "engine settings the model was loaded with (its config.pbtxt parameters).")
+                    "settings each instance's engine resolved (the device, dtype and KV pages it chose), read from "
+                    "Triton's metrics endpoint; where that cannot be reached, the config.pbtxt parameters as "
+                    "written.")
+    health.add_argument("--metrics-url", help="Triton's metrics endpoint (default: http://HOST:8002/metrics, HOST "
+                                              "from --url)")
     return parser
 
 
@@ -72,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     client = DiffulexClient(args.url, args.protocol, args.model, args.timeout)
     try:
         if args.command == "health":
-            return report_health(client, args.json)
+            return report_health(client, args.json, args.metrics_url)
         return generate(client, args)
     except DiffulexServerError as err:
         return fail(ExitCode.SERVER_ERROR, f"server error: {err.message}")
@@ -101,8 +105,8 @@ def generate(client: DiffulexClient, args: argparse.Namespace) -> int:
     return ExitCode.OK
 
 
-def report_health(client: DiffulexClient, as_json: bool) -> int:
-    health = client.health()
+def report_health(client: DiffulexClient, as_json: bool, metrics_url: str | None = None) -> int:
+    health = client.health(metrics_url)
     if as_json:
         print(json.dumps(health.to_dict()))
     else:
@@ -112,11 +116,17 @@ def report_health(client: DiffulexClient, as_json: bool) -> int:
         print(f"server {client.url} ({client.protocol.value}): live {yes_no(health.server_live)}, "
               f"ready {yes_no(health.server_ready)}")
         print(f"model {client.model}: ready {yes_no(health.model_ready)}")
-        if health.engine_settings:
-            print("engine settings:")
-            width = max(map(len, health.engine_settings))
-            for name, value in sorted(health.engine_settings.items()):
+        def print_settings(settings: dict[str, str]) -> None:
+            width = max(map(len, settings))
+            for name, value in sorted(settings.items()):
                 print(f"  {name:<{width}}  {value if value else '(unset)'}")
+
+        for instance, settings in sorted(health.resolved_settings.items()):
+            print(f"engine settings, resolved by {instance}:")
+            print_settings(settings)
+        if health.engine_settings and not health.resolved_settings:
+            print("engine settings (config.pbtxt; the metrics endpoint was not reachable):")
+            print_settings(health.engine_settings)
     return ExitCode.OK if health.ok else ExitCode.NOT_READY
 
 

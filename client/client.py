@@ -38,8 +38,10 @@ class DiffulexClient:
         """Text deltas as the model commits blocks. Closing the stream early cancels the request."""
         return self._open(GenerateRequest(prompt, sampling, stream=True))
 
-    def health(self) -> ServerHealth:
-        return check_health(self.url, self.protocol, self.model, self.timeout)
+    def health(self, metrics_url: str | None = None) -> ServerHealth:
+        """Readiness, the config.pbtxt settings, and each instance's resolved settings from Triton's metrics
+        endpoint (`metrics_url`, default port 8002 of the server's host)."""
+        return check_health(self.url, self.protocol, self.model, self.timeout, metrics_url)
 
     def _open(self, request: GenerateRequest) -> CompletionStream:
         transport = GrpcResponses if self.protocol is Protocol.GRPC else HttpResponses

@@ -114,6 +114,16 @@ class DiffulexEngine:
         self.num_forward_tokens = 0
         self.model_flops = 0.0
 
+    def resolved_settings(self) -> dict[str, str]:
+        """Every setting as the engine resolved it, as text: Config's fields with nothing left "auto" or unset that
+        the engine decides (device, dtype, strategy, max_model_len, mask token), and what it sized from them."""
+        config = self.config
+        settings = {name: "" if getattr(config, name) is None else str(getattr(config, name))
+                    for name in Config.field_names()}
+        settings.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
+                        num_kv_pages=str(self.kv_cache.num_pages), attention_backend="triton" if self.model.fused_kernels else "torch")
+        return settings
+
     def _load_model(self, tp: TensorParallel):
         return load_model_with_adapters(self.config, self.device, self.dtype, tp)
 

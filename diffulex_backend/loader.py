@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 
 import torch
@@ -111,7 +112,8 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
     with torch.no_grad():
-        for file, names in sorted(by_file.items()):
+        for number, (file, names) in enumerate(sorted(by_file.items()), start=1):
+            started = time.monotonic()
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in names:
@@ -130,6 +132,9 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
                             param[rows].copy_(f.get_tensor(name) if source == () else tensor[source])
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+            # A large model reads for a minute or more: say how far it got.
+            logger.info("read weights file %d of %d, %s (%.2f GiB), in %.1f s", number, len(by_file), file.name,
+                        file.stat().st_size / 2**30, time.monotonic() - started)
 
 
 def load_model(

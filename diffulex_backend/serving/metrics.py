@@ -29,9 +29,12 @@ ERROR_CAUSES = ("refused", "cancelled", "engine_failure", "thread_death", "unava
 
 
 class ServingMetrics:
-    def __init__(self, metric_family, labels: dict[str, str], refusal_fields: tuple[str, ...] = ()):
+    def __init__(self, metric_family, labels: dict[str, str], refusal_fields: tuple[str, ...] = (),
+                 settings: dict[str, str] | None = None):
         """`refusal_fields`: the fields a refusal may name; any other name is counted as "other", so that a client
-        cannot grow the label set."""
+        cannot grow the label set. `settings`: the engine's resolved settings, published as an info metric (one
+        series of value 1 per setting, labelled with its name and value), since Triton's model configuration
+        endpoint can only show config.pbtxt as written."""
         def metric(name, description, kind, buckets=None):
             family = metric_family(name=name, description=description, kind=kind)
             self._families.append(family)  # a family unregisters when it is garbage collected
@@ -64,7 +67,13 @@ class ServingMetrics:
                                description="Requests that ended with an error, by cause", kind=counter)
         refusals = metric_family(name="diffulex_request_refusals_total",
                                  description="Requests refused as sent, by the field the refusal names", kind=counter)
-        self._families += [errors, refusals]
+        info = metric_family(name="diffulex_engine_setting_info",
+                             description="The engine's settings as resolved at load, one series per setting", kind=gauge)
+        self._families += [errors, refusals, info]
+        self._settings = [info.Metric(labels={**labels, "setting": name, "value": value})
+                          for name, value in (settings or {}).items()]
+        for series in self._settings:
+            series.set(1)
         self._errors = {cause: errors.Metric(labels={**labels, "cause": cause}) for cause in ERROR_CAUSES}
         self._refusals = {field: refusals.Metric(labels={**labels, "field": field})
                           for field in (*refusal_fields, "other")}

@@ -112,7 +112,8 @@ class TritonAdapter:
         self._metrics = metrics = ServingMetrics(pb_utils.MetricFamily, {
             "model": self._model_name, "version": args["model_version"],
             "model_instance": args["model_instance_name"], "device": str(self._engine.device)},
-            refusal_fields=(*INPUT_NAMES, *SamplingParams.field_names(), "prompt", "unknown"))
+            refusal_fields=(*INPUT_NAMES, *SamplingParams.field_names(), "prompt", "unknown"),
+            settings=self._engine.resolved_settings())
         self._passes_at_ready = self._engine.num_forward_passes
         server_args = parent_server_args(os.getppid())
         endpoint = http_endpoint(server_args)

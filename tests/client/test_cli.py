@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from served_model import kv_pages_used, url_for, wait_for_kv_pages_used
 from triton_server import free_ports
 
@@ -97,13 +98,22 @@ def test_ctrl_c_cancels_the_request_on_the_server(server):
 
 
 def test_health_prints_readiness_and_engine_settings(server, checkpoint):
-    result = run_cli("health", "--url", server.grpc_url)
+    result = run_cli("health", "--url", server.grpc_url, "--metrics-url", server.metrics_url)
     assert result.returncode == ExitCode.OK, result.stderr
     lines = result.stdout.splitlines()
-    assert lines[:3] == [f"server {server.grpc_url} (grpc): live yes, ready yes", "model diffulex: ready yes",
-                         "engine settings:"]
+    assert lines[:2] == [f"server {server.grpc_url} (grpc): live yes, ready yes", "model diffulex: ready yes"]
+    assert lines[2].startswith("engine settings, resolved by ")
     assert ["block_size", "4"] in [line.split() for line in lines[3:]]
     assert ["model", str(checkpoint)] in [line.split() for line in lines[3:]]
+    assert ["device", "cuda:0" if torch.cuda.is_available() else "cpu"] in [line.split() for line in lines[3:]]
+
+    # Without a reachable metrics endpoint it shows config.pbtxt as written, and says so.
+    unreachable = f"http://127.0.0.1:{free_ports(1)[0]}/metrics"
+    result = run_cli("health", "--url", server.grpc_url, "--metrics-url", unreachable)
+    lines = result.stdout.splitlines()
+    assert result.returncode == ExitCode.OK, result.stderr
+    assert lines[2] == "engine settings (config.pbtxt; the metrics endpoint was not reachable):"
+    assert ["device", "auto"] in [line.split() for line in lines[3:]]
 
     result = run_cli("health", "--json", "--url", url_for(server, "http"), "--protocol", "http")
     record = json.loads(result.stdout)

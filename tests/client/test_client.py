@@ -3,6 +3,7 @@
 import asyncio
 
 import pytest
+import torch
 from served_model import kv_pages_used, url_for, wait_for_kv_pages_used
 from triton_server import free_ports
 
@@ -120,6 +121,21 @@ def test_health_reports_readiness_and_the_engine_settings_as_loaded(client, chec
     assert {name: health.engine_settings[name] for name in ("model", "block_size", "page_size", "buffer_size")} \
         == {"model": str(checkpoint), "block_size": "4", "page_size": "4", "buffer_size": "2"}
     assert health.engine_settings["decoding_strategy"] == "multi_bd"
+
+
+def test_health_reports_the_settings_the_engine_resolved(client, server, checkpoint):
+    """config.pbtxt says `auto` or nothing; each instance's engine says what it chose."""
+    assert client.health(server.metrics_url).engine_settings["device"] == "auto"
+    (instance, settings), = client.health(server.metrics_url).resolved_settings.items()
+    device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    assert instance.endswith(f"({device})")
+    assert {name: settings[name] for name in ("device", "dtype", "block_size", "model", "decoding_strategy",
+                                               "attention_backend")} == {
+        "device": device, "dtype": "bfloat16" if device != "cpu" else "float32", "block_size": "4",
+        "model": str(checkpoint), "decoding_strategy": "multi_bd",
+        "attention_backend": "triton" if device != "cpu" else "torch"}
+    assert int(settings["num_kv_pages"]) > 0 and settings["max_model_len"] == "512"
+    assert int(settings["mask_token_id"]) >= 0  # unset in config.pbtxt: resolved from the checkpoint
 
 
 def test_health_of_an_unknown_model_is_not_ready(server, protocol):

@@ -1,4 +1,5 @@
 """Loading checkpoint directories: sharded or not, in a dtype, and every way a checkpoint can be broken."""
+import logging
 import json
 import re
 import shutil
@@ -55,6 +56,16 @@ def test_sharded_checkpoint_loads_the_same_weights_as_unsharded(tmp_path):
     assert single_state.keys() == sharded_state.keys()
     for name, tensor in single_state.items():
         assert torch.equal(tensor, sharded_state[name]), name
+
+
+def test_loading_logs_each_weights_file_it_reads(tmp_path, caplog):
+    directory = write_random_checkpoint(tmp_path / "three", "dream", seed=11, num_shards=3)
+    with caplog.at_level(logging.INFO, logger="diffulex_backend.loader"):
+        load_model(directory)
+    read = [record.getMessage() for record in caplog.records if record.getMessage().startswith("read weights")]
+    assert [line.split(",")[0] for line in read] == [f"read weights file {i} of 3" for i in (1, 2, 3)]
+    assert [line.split(", ")[1].split(" ")[0] for line in read] == [
+        f"model-0000{i}-of-00003.safetensors" for i in (1, 2, 3)]
 
 
 def test_loads_in_the_requested_dtype(llada_dir):
