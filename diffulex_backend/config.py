@@ -95,6 +95,7 @@ class Config:
             object.__setattr__(self, "sampling_mode", strategy.default_sampling_mode.value)
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", strategy.supports_prefix_caching)
+        self._refuse_other_strategies_options(strategy)
         strategy.validate(self)
 
     @classmethod
@@ -187,6 +188,19 @@ class Config:
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
         self._validate_lora()
+
+    def _refuse_other_strategies_options(self, strategy) -> None:
+        """A setting that only other strategies read keeps its default here, or is refused by name."""
+        readers: dict[str, list[str]] = {}
+        for other in STRATEGIES.values():
+            for name in other.options:
+                readers.setdefault(name, []).append(other.name)
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in sorted(set(readers) - strategy.options):
+            if getattr(self, name) != defaults[name]:
+                names = " and ".join(f"'{reader}'" for reader in sorted(readers[name]))
+                raise ValueError(f"config field '{name}' applies to decoding_strategy {names} only, not "
+                                 f"'{strategy.name}'; leave it at its default ({defaults[name]!r})")
 
     def _validate_lora(self):
         for name in ("max_loras", "max_lora_rank"):

@@ -57,6 +57,9 @@ class Registry(Generic[T]):
     def keys(self) -> list[str]:
         return sorted(self._entries)
 
+    def values(self) -> list[T]:
+        return [self._entries[key] for key in self.keys()]
+
     def __contains__(self, key: str) -> bool:
         return self._aliases.get(key, key) in self._entries
 
@@ -104,6 +107,9 @@ class Strategy:
     supports_prefix_caching: bool  # the prompt's K/V depend on the prompt only: its pages can be shared
     validate: Callable[["Config"], None] = no_checks  # the strategy's own checks of a config; raises ValueError
     aliases: tuple[str, ...] = ()
+    # The Config fields only some strategies read, that this one reads. Under any other strategy such a field must
+    # keep its default: a value that would change nothing is refused by name (Config.__post_init__).
+    options: frozenset[str] = frozenset()
 
 
 STRATEGIES: Registry[Strategy] = Registry("strategies", "decoding_strategy")

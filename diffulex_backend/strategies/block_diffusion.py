@@ -20,7 +20,7 @@ from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
-from .checks import check_batched_tokens, check_buffer_size, refuse_cache_options, refuse_prefix_caching
+from .checks import check_batched_tokens, check_buffer_size, refuse_prefix_caching
 
 
 class BlockDiffusionRequest(Request):
@@ -106,9 +106,13 @@ class D2FRequest(BlockDiffusionRequest):
                              f"one forward, so it must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
 
 
+# The settings that decide when the next block joins (add_block_threshold) and when a block is complete enough
+# for the one after it to decode (semi_complete_threshold): read by every strategy built on BlockDiffusionRequest.
+BLOCK_THRESHOLDS = frozenset({"add_block_threshold", "semi_complete_threshold"})
+
+
 def validate_multi_bd(config: Config) -> None:
     check_buffer_size(config, 64)
-    refuse_cache_options(config)
     check_batched_tokens(config, (config.buffer_size + 1) * config.block_size,
                          "the blocks in flight plus the block being committed")
 
@@ -122,9 +126,10 @@ register_strategy(Strategy(
     name="multi_bd", request_cls=BlockDiffusionRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
     runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
     supports_prefix_caching=True, validate=validate_multi_bd, aliases=("block_diffusion", "bd"),
+    options=BLOCK_THRESHOLDS,
 ), default=True)
 register_strategy(Strategy(
     name="d2f", request_cls=D2FRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
     runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
-    supports_prefix_caching=False, validate=validate_d2f, aliases=("diffusion_forcing",),
+    supports_prefix_caching=False, validate=validate_d2f, aliases=("diffusion_forcing",), options=BLOCK_THRESHOLDS,
 ))

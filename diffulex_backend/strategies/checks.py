@@ -18,12 +18,6 @@ def check_buffer_size(config: Config, most: int) -> None:
                          f"'{config.decoding_strategy}', got {config.buffer_size}")
 
 
-def refuse_cache_options(config: Config) -> None:
-    if config.dual_cache or config.cache_refresh_interval:
-        raise ValueError("config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy "
-                         f"'fast_dllm' only, not '{config.decoding_strategy}'")
-
-
 def check_batched_tokens(config: Config, need: int | None, what: str) -> None:
     """`need` tokens (`what` they are) must fit one forward; None: not known until the checkpoint is read."""
     if need is not None and config.max_num_batched_tokens < need:

@@ -38,7 +38,7 @@ from ..registry import Strategy, register_strategy
 from ..runner import ModelRunner, Predictions
 from ..sampling import Confidence
 from ..scheduler import Scheduler
-from .block_diffusion import BlockDiffusionRequest, validate_multi_bd
+from .block_diffusion import BLOCK_THRESHOLDS, BlockDiffusionRequest, validate_multi_bd
 
 
 class DMaxRequest(BlockDiffusionRequest):
@@ -149,4 +149,6 @@ register_strategy(Strategy(
     name="dmax", request_cls=DMaxRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
     runner_cls=DMaxRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
     supports_prefix_caching=True, validate=validate_multi_bd, aliases=("soft_parallel",),
+    options=BLOCK_THRESHOLDS | {"token_merge_mode", "token_merge_top_k", "token_merge_renormalize", "token_merge_weight",
+                                "edit_threshold"},
 ))

@@ -71,4 +71,5 @@ register_strategy(Strategy(
     name="fast_dllm", request_cls=FastDLLMRequest, scheduler_cls=Scheduler, kv_cache_cls=KVCacheManager,
     runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
     supports_prefix_caching=False, validate=validate_fast_dllm, aliases=("fastdllm", "fast-dllm"),
+    options=frozenset({"dual_cache", "cache_refresh_interval"}),
 ))

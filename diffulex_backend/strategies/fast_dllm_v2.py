@@ -36,7 +36,7 @@ from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
 from ..sampling import SamplingParams
 from ..scheduler import Scheduler
-from .checks import check_batched_tokens, check_buffer_size, refuse_cache_options
+from .checks import check_batched_tokens, check_buffer_size
 
 
 def sub_block_size_error(sub_block_size: int, block_size: int, where: str) -> str | None:
@@ -149,7 +149,6 @@ def validate_fast_dllm_v2(config: Config) -> None:
     if error:
         raise ValueError(error)
     check_buffer_size(config, 1)
-    refuse_cache_options(config)
     if config.mode != SamplingMode.THRESHOLD:
         raise ValueError("config field 'sampling_mode' must be 'threshold' for decoding_strategy 'fast_dllm_v2' "
                          f"(it decodes each sub-block by threshold), got '{config.sampling_mode}'")
@@ -163,4 +162,5 @@ register_strategy(Strategy(
     name="fast_dllm_v2", request_cls=FastDLLMv2Request, scheduler_cls=Scheduler, kv_cache_cls=BlockAlignedPrefixCache,
     runner_cls=ModelRunner, acceptance_cls=AcceptanceRule, default_sampling_mode=SamplingMode.THRESHOLD,
     supports_prefix_caching=True, validate=validate_fast_dllm_v2, aliases=("fast-dllm-v2", "fastdllm_v2"),
+    options=frozenset({"sub_block_size"}),
 ))

@@ -13,7 +13,7 @@ from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan
 from ..runner import ModelRunner
 from ..scheduler import Scheduler
-from .checks import check_buffer_size, check_whole_sequence_fits, refuse_cache_options, refuse_prefix_caching
+from .checks import check_buffer_size, check_whole_sequence_fits, refuse_prefix_caching
 
 
 class FullAttentionRequest(Request):
@@ -54,7 +54,6 @@ class NoKVCacheManager(KVCacheManager):
 def validate_vanilla(config: Config) -> None:
     refuse_prefix_caching(config)
     check_buffer_size(config, 1)
-    refuse_cache_options(config)
     check_whole_sequence_fits(config)
 
 

@@ -85,10 +85,20 @@ def test_every_config_field_has_an_invalid_value_case():
     (dict(decoding_strategy="fast_dllm", buffer_size=2),
      "config field 'buffer_size' must be <= 1 for decoding_strategy 'fast_dllm', got 2"),
     (dict(decoding_strategy="multi_bd", dual_cache=True),
-     "config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy 'fast_dllm' only, not "
-     "'multi_bd'"),
+     "config field 'dual_cache' applies to decoding_strategy 'fast_dllm' only, not 'multi_bd'; leave it at its "
+     "default (False)"),
     (dict(decoding_strategy="d2f", cache_refresh_interval=2),
-     "config fields 'dual_cache' and 'cache_refresh_interval' apply to decoding_strategy 'fast_dllm' only, not 'd2f'"),
+     "config field 'cache_refresh_interval' applies to decoding_strategy 'fast_dllm' only, not 'd2f'; leave it at "
+     "its default (0)"),
+    (dict(decoding_strategy="multi_bd", token_merge_top_k=2),
+     "config field 'token_merge_top_k' applies to decoding_strategy 'dmax' only, not 'multi_bd'; leave it at its "
+     "default (1)"),
+    (dict(decoding_strategy="fast_dllm", add_block_threshold=0.5),
+     "config field 'add_block_threshold' applies to decoding_strategy 'd2f' and 'dmax' and 'multi_bd' only, not "
+     "'fast_dllm'; leave it at its default (0.1)"),
+    (dict(decoding_strategy="vanilla", sub_block_size=4),
+     "config field 'sub_block_size' applies to decoding_strategy 'fast_dllm_v2' only, not 'vanilla'; leave it at "
+     "its default (8)"),
     (dict(block_size=32, buffer_size=2, max_num_batched_tokens=64),
      "config field 'max_num_batched_tokens' must be >= 96 for decoding_strategy 'multi_bd' (the blocks in flight "
      "plus the block being committed), got 64"),

@@ -139,7 +139,7 @@ def test_prefix_pages_of_a_partial_prompt_block_are_never_reused(checkpoint):
     (dict(sampling_mode="topk"), "'sampling_mode' must be 'threshold'"),
     (dict(remask_threshold=0.5), "'remask_threshold' must be 0"),
     (dict(buffer_size=2), "'buffer_size' must be <= 1"),
-    (dict(dual_cache=True), "apply to decoding_strategy 'fast_dllm' only"),
+    (dict(dual_cache=True), "applies to decoding_strategy 'fast_dllm' only"),
     (dict(max_num_batched_tokens=8), "'max_num_batched_tokens' must be >= 9"),
 ])
 def test_config_errors_name_the_field(checkpoint, overrides, message):

@@ -18,8 +18,10 @@ SETTINGS = {
 
 
 def config_for(name: str) -> Config:
-    # The smallest settings every strategy accepts: one block in flight, blocks of 8 in sub-blocks of 4.
-    return Config(model="unused", decoding_strategy=name, buffer_size=1, block_size=8, sub_block_size=4)
+    # The smallest settings every strategy accepts: one block in flight, blocks of 8 (in sub-blocks of 4 where the
+    # strategy has sub-blocks; elsewhere the setting keeps its default or is refused).
+    sub_blocks = {"sub_block_size": 4} if "sub_block_size" in STRATEGIES.get(name).options else {}
+    return Config(model="unused", decoding_strategy=name, buffer_size=1, block_size=8, **sub_blocks)
 
 
 CASES = [(name, setting) for name in STRATEGIES.keys() for setting in SETTINGS]
