@@ -34,7 +34,7 @@ map_kernels_package()
 import diffulex_kernels  # noqa: E402
 from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402
-from diffulex_backend.config import SamplingMode  # noqa: E402
+from diffulex_backend.sampling import SamplingMode  # noqa: E402
 from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E402
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402

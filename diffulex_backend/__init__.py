@@ -1,5 +1,6 @@
 """diffulex_backend: a serving engine for diffusion language models (LLaDA, Dream, SDAR)."""
-from .config import Config, SamplingMode
+from .config import Config
+from .sampling import SamplingMode
 from .engine import DiffulexEngine, EngineMetrics
 from .output import RequestOutput, StepOutput
 from .request import FinishReason, RequestStatus

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .config import SamplingMode
+from .sampling import SamplingMode
 
 
 @dataclass

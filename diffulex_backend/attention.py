@@ -20,13 +20,16 @@ with the same metadata; `attention_backend` picks one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
-if TYPE_CHECKING:
-    from .retention import RetentionStats
+
+class AttentionObserver(Protocol):
+    """What a forward's attention reports its queries to, layer by layer (retention.RetentionStats)."""
+
+    def add(self, query: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", scale: float) -> None: ...
 
 
 @dataclass
@@ -42,7 +45,7 @@ class AttentionMetadata:
     cu_seqlens_q_host: tuple[int, ...] = ()
     context_lens_host: tuple[int, ...] = ()
     # Set on the one eager forward that measures attention for page retention (retention.py); None otherwise.
-    retention_stats: "RetentionStats | None" = None
+    retention_stats: AttentionObserver | None = None
 
     @property
     def num_seqs(self) -> int:

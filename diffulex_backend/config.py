@@ -9,17 +9,12 @@
 from __future__ import annotations
 
 import dataclasses
-import enum
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .registry import STRATEGIES, default_strategy
-
-
-class SamplingMode(enum.Enum):
-    THRESHOLD = "threshold"  # accept every masked position whose confidence clears accept_threshold
-    TOPK = "topk"  # LLaDA's schedule: a fixed number of the most confident positions per step
+from .sampling import SamplingMode
 
 
 MAX_TENSOR_PARALLEL = 64

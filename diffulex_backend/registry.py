@@ -1,18 +1,17 @@
 """Registries: the strategy table, keyed by decoding strategy, and the model families, keyed by model name.
 
 Importing a strategy or model module fills them; the engine only ever looks things up. This module imports
-nothing of the engine, so config.py can check a strategy name without importing the strategies.
+nothing of the engine but the sampling mode a strategy defaults to, so config.py can check a strategy name
+without importing the strategies.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Generic, TypeVar
+from typing import Callable, Generic, TypeVar
 
-if TYPE_CHECKING:
-    from .config import Config, SamplingMode
+from .sampling import SamplingMode
 
 T = TypeVar("T")
-P = TypeVar("P")
 
 
 class Registry(Generic[T]):
@@ -64,32 +63,7 @@ class Registry(Generic[T]):
         return self._aliases.get(key, key) in self._entries
 
 
-class RegistryView(Generic[P]):
-    """One part of every entry of a registry, read-only, under a name of its own (its errors say that name)."""
-
-    def __init__(self, kind: str, registry: Registry, part: Callable[[object], P]):
-        self.kind = kind
-        self._registry = registry
-        self._part = part
-
-    @property
-    def key_name(self) -> str:
-        return self._registry.key_name
-
-    def canonical(self, key: str | None) -> str:
-        return self._registry._canonical(key, self.kind)
-
-    def get(self, key: str | None) -> P:
-        return self._part(self._registry._entries[self.canonical(key)])
-
-    def keys(self) -> list[str]:
-        return self._registry.keys()
-
-    def __contains__(self, key: str) -> bool:
-        return key in self._registry
-
-
-def no_checks(config: "Config") -> None:
+def no_checks(config) -> None:
     """A strategy that accepts every valid config."""
 
 
@@ -103,9 +77,10 @@ class Strategy:
     kv_cache_cls: type
     runner_cls: type
     acceptance_cls: type
-    default_sampling_mode: "SamplingMode"  # when the config leaves sampling_mode unset
+    default_sampling_mode: SamplingMode  # when the config leaves sampling_mode unset
     supports_prefix_caching: bool  # the prompt's K/V depend on the prompt only: its pages can be shared
-    validate: Callable[["Config"], None] = no_checks  # the strategy's own checks of a config; raises ValueError
+    # The strategy's own checks of the Config being built (config.py calls it); raises ValueError.
+    validate: Callable[..., None] = no_checks
     aliases: tuple[str, ...] = ()
     # The Config fields only some strategies read, that this one reads. Under any other strategy such a field must
     # keep its default: a value that would change nothing is refused by name (Config.__post_init__).
@@ -118,13 +93,6 @@ STRATEGIES: Registry[Strategy] = Registry("strategies", "decoding_strategy")
 def register_strategy(strategy: Strategy, default: bool = False) -> Strategy:
     return STRATEGIES.register(strategy.name, aliases=strategy.aliases, default=default)(strategy)
 
-
-# Diffulex's registry names, as read-only views of the strategy table.
-AutoReq: RegistryView[type] = RegistryView("AutoReq", STRATEGIES, lambda s: s.request_cls)
-AutoScheduler: RegistryView[type] = RegistryView("AutoScheduler", STRATEGIES, lambda s: s.scheduler_cls)
-AutoKVCacheManager: RegistryView[type] = RegistryView("AutoKVCacheManager", STRATEGIES, lambda s: s.kv_cache_cls)
-AutoModelRunner: RegistryView[type] = RegistryView("AutoModelRunner", STRATEGIES, lambda s: s.runner_cls)
-AutoSampler: RegistryView[type] = RegistryView("AutoSampler", STRATEGIES, lambda s: s.acceptance_cls)
 
 # Keyed by model name ("llada", "dream", "sdar").
 AutoModelForDiffusionLM: Registry = Registry("AutoModelForDiffusionLM", "model_name")

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from .config import SamplingMode
+from .sampling import SamplingMode
 from .plan import LogitBlock, RequestSampling, SeqPlan
 from .refusal import Refusal
 from .retention import Retention

@@ -1,4 +1,4 @@
-"""Per-request sampling parameters, and the batched token sampler with its confidence measures.
+"""Per-request sampling parameters, the sampling modes, and the batched token sampler with its confidence measures.
 
 `sample_reference` is the CPU path and the reference of the fused GPU kernel. Randomness comes from a
 counter-based hash of (request seed, position, step), not from a stateful generator, so a seeded request
@@ -14,6 +14,11 @@ from dataclasses import dataclass, field
 import torch
 
 from .refusal import Refusal
+
+
+class SamplingMode(enum.Enum):
+    THRESHOLD = "threshold"  # accept every masked position whose confidence clears accept_threshold
+    TOPK = "topk"  # LLaDA's schedule: a fixed number of the most confident positions per step
 
 
 class Confidence(enum.IntEnum):

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .models.arch import ModelArch
+from .arch import ModelArch
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ from pathlib import Path
 from transformers import AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase, PreTrainedTokenizerFast
 
 from diffulex_backend.loader import CheckpointError
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 
 # Any one of these makes a directory hold a tokenizer.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")

@@ -12,7 +12,7 @@ from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.self_attention import AttentionFn, SelfAttention
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.tensor_parallel import TensorParallel
 
 

@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from diffulex_backend.layers.mlp import GatedMLP
-from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.arch import ModelArch, RouterScore
 from diffulex_backend.tensor_parallel import TensorParallel
 
 

@@ -12,7 +12,7 @@ from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.lora import LoraBatch, LoraStack, add_lora
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import apply_rotary
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.tensor_parallel import TensorParallel
 
 # (query [T,H,D], key [T,KVH,D], value [T,KVH,D], k_cache | None, v_cache | None, meta, scale) -> [T,H,D]

@@ -23,7 +23,7 @@ from diffulex_backend.layers.lora import LoraBatch
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import AttentionFn
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.tensor_parallel import TensorParallel
 
 

@@ -4,7 +4,7 @@ Shifted: the logits at position i predict the token at position i + 1, as in the
 """
 from __future__ import annotations
 
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.qwen import QwenModel
 from diffulex_backend.registry import AutoModelForDiffusionLM
 

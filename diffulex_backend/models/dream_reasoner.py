@@ -7,7 +7,7 @@ family (detection would take Dream, whose weights have no q/k norm and do have q
 """
 from __future__ import annotations
 
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.qwen import QWEN_CONFIG_KEYS, QwenModel
 from diffulex_backend.registry import AutoModelForDiffusionLM
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.models.qwen import QWEN_CONFIG_KEYS, QwenModel
 from diffulex_backend.registry import AutoModelForDiffusionLM

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.arch import ModelArch, RouterScore
 from diffulex_backend.models.decoder_lm import DecoderLM, FusedPart
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.registry import AutoModelForDiffusionLM

@@ -4,7 +4,7 @@ Not shifted: position i predicts the token at position i. config.json carries th
 """
 from __future__ import annotations
 
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.qwen import QWEN_CONFIG_KEYS, QwenModel
 from diffulex_backend.registry import AutoModelForDiffusionLM
 

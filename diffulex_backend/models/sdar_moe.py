@@ -6,7 +6,7 @@ expert. Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step` str
 """
 from __future__ import annotations
 
-from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.arch import ModelArch, RouterScore
 from diffulex_backend.models.decoder_lm import FusedPart
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.models.qwen import QwenModel

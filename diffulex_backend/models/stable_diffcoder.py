@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.models.qwen import QwenModel
 from diffulex_backend.registry import AutoModelForDiffusionLM

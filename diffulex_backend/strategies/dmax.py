@@ -30,7 +30,7 @@ import numpy as np
 import torch
 
 from ..acceptance import AcceptanceBatch, AcceptanceRule
-from ..config import SamplingMode
+from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.decoder_lm import TokenMerge
 from ..plan import LogitBlock, SeqPlan

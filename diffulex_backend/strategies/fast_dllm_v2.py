@@ -28,7 +28,8 @@ import math
 import numpy as np
 
 from ..acceptance import AcceptanceRule
-from ..config import Config, SamplingMode
+from ..config import Config
+from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..refusal import Refusal
 from ..registry import Strategy, register_strategy

@@ -7,7 +7,8 @@ from __future__ import annotations
 import numpy as np
 
 from ..acceptance import AcceptanceRule
-from ..config import Config, SamplingMode
+from ..config import Config
+from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..registry import Strategy, register_strategy
 from ..request import LogitBlock, Request, SeqPlan

@@ -25,7 +25,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 import diffulex_backend.models  # noqa: F401  (registers the families)
 from diffulex_backend.attention import paged_attention_reference
 from diffulex_backend.loader import detect_model_name
-from diffulex_backend.models.arch import ModelArch
+from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.decoder_lm import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule
-from diffulex_backend.config import SamplingMode
+from diffulex_backend.sampling import SamplingMode
 from kernel_cases import DEVICE, FULL_SHAPES, generator
 
 MASK = 7

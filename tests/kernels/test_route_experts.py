@@ -10,7 +10,7 @@ from diffulex_kernels.moe_routing import SIGMOID, SOFTMAX
 from kernel_cases import DEVICE, FULL_SHAPES, generator
 
 from diffulex_backend.layers.moe import select_experts
-from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.arch import ModelArch, RouterScore
 
 # (experts, groups, groups kept, top k): no groups; 16 experts in 4 groups keeping 2; 64 in 8 keeping 4; and at full
 # shapes LLaDA2-mini's 256 in 8 keeping 4 and Qwen3-30B-A3B's 128 without groups.

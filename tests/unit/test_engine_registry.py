@@ -10,24 +10,20 @@ import pytest
 from diffulex_backend import Config, SamplingParams
 from diffulex_backend.loader import CheckpointError
 from diffulex_backend.registry import STRATEGIES as STRATEGY_TABLE
-from diffulex_backend.registry import (AutoKVCacheManager, AutoModelForDiffusionLM, AutoModelRunner, AutoReq,
-                                       AutoSampler, AutoScheduler, Registry, register_strategy)
+from diffulex_backend.registry import AutoModelForDiffusionLM, Registry, register_strategy
 from engine_driver import run_requests, tiny_engine
 
-STRATEGY_REGISTRIES = [AutoReq, AutoScheduler, AutoKVCacheManager, AutoModelRunner, AutoSampler]
 STRATEGIES = ["d2f", "dmax", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
 
 
-@pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)
-def test_every_strategy_registers_each_component(registry):
-    assert registry.keys() == STRATEGIES
+def test_every_strategy_is_registered():
+    assert STRATEGY_TABLE.keys() == STRATEGIES
 
 
-@pytest.mark.parametrize("registry", STRATEGY_REGISTRIES, ids=lambda r: r.kind)
-def test_unknown_strategy_error_lists_the_registered_keys(registry):
-    message = f"{registry.kind}: unknown decoding_strategy 'nope'; registered: {STRATEGIES}"
+def test_unknown_strategy_error_lists_the_registered_keys():
+    message = f"strategies: unknown decoding_strategy 'nope'; registered: {STRATEGIES}"
     with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
-        registry.get("nope")
+        STRATEGY_TABLE.get("nope")
 
 
 def test_unknown_strategy_in_the_config_lists_the_registered_keys(llada_checkpoint):
@@ -55,8 +51,7 @@ def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint
 ])
 def test_an_alias_resolves_to_its_strategy(llada_checkpoint, alias, name):
     assert Config(model=llada_checkpoint, decoding_strategy=alias).decoding_strategy == name
-    for registry in STRATEGY_REGISTRIES:
-        assert registry.get(alias) is registry.get(name)
+    assert STRATEGY_TABLE.get(alias) is STRATEGY_TABLE.get(name)
 
 
 def test_an_alias_decodes_like_its_strategy(llada_checkpoint):
@@ -67,23 +62,11 @@ def test_an_alias_decodes_like_its_strategy(llada_checkpoint):
 
 
 def test_the_default_strategy_is_multi_bd_and_decodes(llada_checkpoint):
-    for registry in STRATEGY_REGISTRIES:
-        assert registry.canonical(None) == "multi_bd"
+    assert STRATEGY_TABLE.canonical(None) == "multi_bd"
     llm = tiny_engine(llada_checkpoint)  # no decoding_strategy given
     assert llm.config.decoding_strategy == "multi_bd"
     out = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0]
     assert len(out.token_ids) == 8
-
-
-def test_one_strategy_record_backs_every_registry_view():
-    for name in STRATEGIES:
-        record = STRATEGY_TABLE.get(name)
-        assert record.name == name
-        parts = (record.request_cls, record.scheduler_cls, record.kv_cache_cls, record.runner_cls,
-                 record.acceptance_cls)
-        assert tuple(registry.get(name) for registry in STRATEGY_REGISTRIES) == parts
-    for registry in STRATEGY_REGISTRIES:
-        assert not hasattr(registry, "register"), "the views are read-only: strategies register one record"
 
 
 def test_a_strategy_and_its_alias_cannot_be_registered_twice():

@@ -1,5 +1,7 @@
 """The engine's modules import each other without cycles, counting imports inside functions too (a deferred
-import hides a cycle; it does not remove it). Imports only for type checkers are left out: they never run."""
+import hides a cycle; it does not remove it), and counting the packages an import runs: importing `a.b.c` first
+imports `a.b` and `a`, whose `__init__` may import more. Imports only for type checkers never run, but a circle
+through them is still two modules that need each other: they are counted too."""
 from __future__ import annotations
 
 import ast
@@ -18,22 +20,34 @@ def module_files() -> dict[str, tuple[Path, bool]]:
     return modules
 
 
-def runtime_nodes(tree: ast.AST):
-    """Every node, except what sits under `if TYPE_CHECKING:`."""
+def runtime_nodes(tree: ast.AST, type_only: bool = False):
+    """Every node, except what sits under `if TYPE_CHECKING:` unless `type_only` asks for that too."""
     for node in ast.iter_child_nodes(tree):
-        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+        if (not type_only and isinstance(node, ast.If) and isinstance(node.test, ast.Name)
+                and node.test.id == "TYPE_CHECKING"):
             continue
         yield node
-        yield from runtime_nodes(node)
+        yield from runtime_nodes(node, type_only)
 
 
-def import_graph() -> dict[str, set[str]]:
+def with_packages(targets: set[str], importer: str, modules) -> set[str]:
+    """The modules importing `targets` runs: each target and the packages above it, except the packages the
+    importer itself is inside (Python has begun importing those before the importer runs)."""
+    inside = {".".join(importer.split(".")[:i]) for i in range(1, importer.count(".") + 1)}
+    ran = set()
+    for target in targets:
+        parts = target.split(".")
+        ran.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return {m for m in ran - inside if m in modules}
+
+
+def import_graph(packages: bool = True, type_only: bool = False) -> dict[str, set[str]]:
     modules = module_files()
     graph = {}
     for name, (path, is_package) in modules.items():
         package = name.split(".") if is_package else name.split(".")[:-1]
         targets = set()
-        for node in runtime_nodes(ast.parse(path.read_text())):
+        for node in runtime_nodes(ast.parse(path.read_text()), type_only):
             if isinstance(node, ast.ImportFrom):
                 base = node.module
                 if node.level:  # relative: from the package, or `level - 1` packages above it
@@ -43,7 +57,8 @@ def import_graph() -> dict[str, set[str]]:
                     targets.add(f"{base}.{alias.name}" if f"{base}.{alias.name}" in modules else base)
             elif isinstance(node, ast.Import):
                 targets.update(alias.name for alias in node.names)
-        graph[name] = {t for t in targets if t in modules and t != name}
+        targets = {t for t in targets if t in modules}
+        graph[name] = (with_packages(targets, name, modules) if packages else targets) - {name}
     return graph
 
 
@@ -82,10 +97,30 @@ def test_engine_modules_import_each_other_without_cycles():
     assert cycles(import_graph()) == []
 
 
+def test_no_two_modules_need_each_other_even_for_type_checkers():
+    assert cycles(import_graph(type_only=True)) == []
+
+
+def test_layers_and_the_tensor_parallel_plan_never_import_the_model_families():
+    graph = import_graph()
+    lower = [name for name in graph if name.startswith("diffulex_backend.layers") or name in (
+        "diffulex_backend.tensor_parallel", "diffulex_backend.arch", "diffulex_backend.tokenizer")]
+    assert {name: sorted(t for t in graph[name] if t.startswith("diffulex_backend.models"))
+            for name in lower} == {name: [] for name in lower}
+
+
 def test_config_imports_no_strategy_and_no_engine_part():
-    assert import_graph()["diffulex_backend.config"] <= {"diffulex_backend.registry"}
-    assert import_graph()["diffulex_backend.registry"] == set()
+    graph = import_graph()
+    assert graph["diffulex_backend.config"] <= {"diffulex_backend.registry", "diffulex_backend.sampling"}
+    assert graph["diffulex_backend.registry"] <= {"diffulex_backend.sampling"}
+    assert graph["diffulex_backend.sampling"] <= {"diffulex_backend.refusal"}
 
 
 def test_the_cycle_finder_finds_a_deferred_import_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_an_import_runs_the_packages_above_its_target_but_not_the_importers_own():
+    modules = {"p", "p.q", "p.q.r", "p.s", "t"}
+    assert with_packages({"p.q.r"}, "p.s", modules) == {"p.q", "p.q.r"}
+    assert with_packages({"p.q.r", "t"}, "u", modules) == {"p", "p.q", "p.q.r", "t"}

@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from diffulex_backend.layers.moe import experts_reference, select_experts
-from diffulex_backend.models.arch import ModelArch, RouterScore
+from diffulex_backend.arch import ModelArch, RouterScore
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES
 
 TINY = ModelArch(

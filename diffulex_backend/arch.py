@@ -1,4 +1,5 @@
-"""The normalized architecture that every model family parses its config.json into."""
+"""The normalized architecture that every model family parses its config.json into. A leaf: the layers, the
+tensor-parallel plan and the tokenizer read it without importing the families."""
 from __future__ import annotations
 
 import enum
