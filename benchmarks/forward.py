@@ -59,6 +59,7 @@ from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
+from diffulex_backend.model_setup import select_attention  # noqa: E402
 from diffulex_backend.layers import moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
@@ -191,6 +192,7 @@ class RandomWeightEngine(DiffulexEngine):
         super().__init__(model_dir, **kwargs)
 
     def _load_model(self, tp):
+        select_attention(self.prebuilt, self.config.attention_backend, self.device)
         return self.prebuilt, {}
 
 

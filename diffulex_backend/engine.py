@@ -12,7 +12,7 @@ import numpy as np
 from . import strategies  # noqa: F401  (registers every strategy)
 from .config import Config
 from .kv_cache import KVCacheManager
-from .model_setup import load_model_with_adapters, num_kv_pages, resolve_device, resolve_dtype, select_attention
+from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
 from .output import Detokenizer, RequestOutput, StepOutput
 from .plan import SchedulerOutput
 from .refusal import Refusal
@@ -71,7 +71,6 @@ class DiffulexEngine:
     def _build(self, config: Config) -> None:
         tp = TensorParallel() if self.workers is None else self.workers.tp
         self.model, self.lora_slots = self._on_ranks(self._load_model, tp)
-        select_attention(self.model, config.attention_backend, self.device)
         arch = self.model.arch
         max_model_len = arch.max_position_embeddings if config.max_model_len is None else config.max_model_len
         if max_model_len > arch.max_position_embeddings:
@@ -91,15 +90,11 @@ class DiffulexEngine:
 
         strategy = STRATEGIES.get(config.decoding_strategy)
         self.req_cls: type[Request] = strategy.request_cls
-        if self.workers is not None:
-            self._on_ranks(self.workers.channel.broadcast, config)
-        pages = self._on_ranks(num_kv_pages, config, self.model, self.device, self.dtype)
-        if self.workers is not None:  # every rank's cache holds the same pages: the fewest any rank has room for
-            pages = self._on_ranks(self.workers.channel.minimum, pages)
+        channel = None if self.workers is None else self.workers.channel
+        if channel is not None:
+            self._on_ranks(channel.broadcast, config)
+        self.runner, pages = self._on_ranks(build_runner, config, self.model, self.device, self.dtype, channel)
         self.kv_cache: KVCacheManager = strategy.kv_cache_cls(pages, config.page_size, config.enable_prefix_caching)
-        acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
-        self.runner = self._on_ranks(strategy.runner_cls, config, self.model, self.kv_cache, acceptance, self.device,
-                                     self.dtype)
         if self.workers is not None:
             self.runner = BroadcastRunner(self.runner, self.workers)
             self.workers.in_step = True  # every rank built its runner and waits for the first plan
@@ -125,7 +120,7 @@ class DiffulexEngine:
         return settings
 
     def _load_model(self, tp: TensorParallel):
-        return load_model_with_adapters(self.config, self.device, self.dtype, tp)
+        return load_rank_model(self.config, self.device, self.dtype, tp)
 
     def _on_ranks(self, fn, *args):
         """fn(*args), a step every rank takes together: a failure there may be another rank's, and is reported

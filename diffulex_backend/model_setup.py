@@ -1,6 +1,7 @@
 """How a rank builds what it holds: the device and dtype a setting names, the model (its share of it) with its
-adapters and attention backend, and the number of KV pages it has room for. The engine (rank 0) and the
-tensor-parallel workers build theirs through these same functions, so every rank agrees on them."""
+adapters and attention backend, the number of KV pages it has room for, and its runner. The engine (rank 0) and
+the tensor-parallel workers build theirs through these same functions (`load_rank_model`, then `build_runner`),
+so every rank agrees on them."""
 from __future__ import annotations
 
 import torch
@@ -9,6 +10,7 @@ from .attention import paged_attention_reference
 from .config import Config
 from .loader import load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
+from .registry import STRATEGIES
 from .runner import kv_cache_shape, profile_peak_memory
 from .tensor_parallel import TensorParallel
 
@@ -97,3 +99,21 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
         raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
                          f"for one max_model_len sequence of KV cache after the weights")
     return int(budget // page_bytes)
+
+
+def load_rank_model(config: Config, device: torch.device, dtype: torch.dtype, tp: TensorParallel):
+    """This rank's share of the model, with its adapters and attention backend. Returns (model, lora_slots)."""
+    model, lora_slots = load_model_with_adapters(config, device, dtype, tp)
+    select_attention(model, config.attention_backend, device)
+    return model, lora_slots
+
+
+def build_runner(config: Config, model, device: torch.device, dtype: torch.dtype, channel=None):
+    """This rank's runner for the resolved `config`, over the KV pages every rank has room for (the fewest any
+    rank reports over `channel`, under tensor parallelism). Returns (runner, num_pages)."""
+    strategy = STRATEGIES.get(config.decoding_strategy)
+    pages = num_kv_pages(config, model, device, dtype)
+    if channel is not None:  # every rank's cache holds the same pages
+        pages = channel.minimum(pages)
+    acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
+    return strategy.runner_cls(config, model, pages, acceptance, device, dtype), pages

@@ -27,7 +27,6 @@ from .attention import AttentionMetadata
 from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
-from .kv_cache import KVCacheManager
 from .layers.lora import LoraBatch
 from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
@@ -116,11 +115,10 @@ def profile_peak_memory(model, config: Config, device: torch.device) -> int:
 
 
 class ModelRunner:
-    def __init__(self, config: Config, model, kv_cache: KVCacheManager, acceptance: AcceptanceRule,
-                 device: torch.device, dtype: torch.dtype):
+    def __init__(self, config: Config, model, num_pages: int, acceptance: AcceptanceRule, device: torch.device,
+                 dtype: torch.dtype):
         self.config = config
         self.model = model
-        self.kv_manager = kv_cache
         self.acceptance = acceptance
         self.device = device
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
@@ -128,8 +126,8 @@ class ModelRunner:
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; release() drops an entry.
         self.carry_hidden: dict[str, torch.Tensor] = {}
-        shape = kv_cache_shape(model, kv_cache.num_pages, config.page_size)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if kv_cache.num_pages else None
+        shape = kv_cache_shape(model, num_pages, config.page_size)
+        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if num_pages else None
         self.flops_per_token = 2.0 * model.arch.num_params()
         self.attn_flops_per_pair = 4.0 * model.arch.num_layers * model.arch.num_heads * model.arch.head_dim
         self.use_kernels = model.fused_kernels

@@ -34,8 +34,7 @@ import torch
 import torch.distributed as dist
 
 from .config import Config
-from .model_setup import load_model_with_adapters, num_kv_pages, resolve_dtype, select_attention
-from .registry import STRATEGIES
+from .model_setup import build_runner, load_rank_model, resolve_dtype
 from .tensor_parallel import TensorParallel
 
 # The longest a collective may wait for another rank: a step, or a rank still loading its share at start.
@@ -260,14 +259,9 @@ def serve(setup: WorkerSetup, store) -> None:
     channel = Channel(control, setup.rank)
     tp = TensorParallel(setup.rank, setup.size, setup.config.expert_parallel, data)
     dtype = resolve_dtype(setup.config.dtype, device)
-    model, _ = load_model_with_adapters(setup.config, device, dtype, tp)
-    select_attention(model, setup.config.attention_backend, device)
+    model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
-    strategy = STRATEGIES.get(config.decoding_strategy)
-    pages = channel.minimum(num_kv_pages(config, model, device, dtype))
-    kv_cache = strategy.kv_cache_cls(pages, config.page_size, config.enable_prefix_caching)
-    acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)
-    runner = strategy.runner_cls(config, model, kv_cache, acceptance, device, dtype)
+    runner, _ = build_runner(config, model, device, dtype, channel)
     while (message := channel.broadcast()) is not None:
         releases, sched = message
         for request_id in releases:
