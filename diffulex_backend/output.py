@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .request import FinishReason
+
+if TYPE_CHECKING:
+    from .runner import TokenLogprobs
 
 
 @dataclass
@@ -18,6 +24,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     nfe: int  # forward passes so far
+    # Only for a request that asks (SamplingParams.logprobs), aligned with token_ids: each token's log-probability
+    # and, when it asks for k > 0, the k most likely tokens at its position with theirs (LogprobRecord).
+    logprobs: np.ndarray | None = None  # [n] float32
+    top_ids: np.ndarray | None = None  # [n, k] int64, most likely first
+    top_logprobs: np.ndarray | None = None  # [n, k] float32
 
 
 @dataclass
@@ -31,6 +42,17 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[float] | None = None  # per token of token_ids, when the request asked for them
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the k most likely tokens, most likely first
+
+    def add(self, delta: StepOutput) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs.tolist()
+        if delta.top_ids is not None:
+            self.top_logprobs = (self.top_logprobs or []) + [
+                dict(zip(ids, lps)) for ids, lps in zip(delta.top_ids.tolist(), delta.top_logprobs.tolist())]
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -39,6 +61,37 @@ class RequestOutput:
     @property
     def latency(self) -> float | None:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
+
+
+class LogprobRecord:
+    """One request's log-probabilities, per position of its generation area: of the token each position holds, as
+    the forward that put it there gave it (for a diffusion model, the step that unmasked it, or that last changed
+    it where a strategy edits or remasks tokens), and that forward's top_n most likely tokens."""
+
+    def __init__(self, max_tokens: int, top_n: int):
+        self.top_n = top_n
+        self.chosen = np.zeros(max_tokens, dtype=np.float32)
+        self.top_ids = np.zeros((max_tokens, top_n), dtype=np.int64)
+        self.top_logprobs = np.zeros((max_tokens, top_n), dtype=np.float32)
+
+    def update(self, offset: int, before: np.ndarray, after: np.ndarray, mask_token_id: int,
+               step: "TokenLogprobs", at: int) -> None:
+        """A step turned positions [offset, offset + len(after)) of the generation area from `before` into `after`,
+        from rows [at, ...) of the step's log-probabilities: each position whose token changed to another than
+        the mask takes its new values."""
+        changed = np.flatnonzero((after != before) & (after != mask_token_id))
+        if changed.size:
+            rows, positions = at + changed, offset + changed
+            self.chosen[positions] = step.chosen[rows]
+            self.top_ids[positions] = step.top_ids[rows, : self.top_n]
+            self.top_logprobs[positions] = step.top_logprobs[rows, : self.top_n]
+
+    def output(self, start: int, end: int) -> dict:
+        """StepOutput's log-probability fields for output positions [start, end)."""
+        values = {"logprobs": self.chosen[start:end].copy()}
+        if self.top_n:
+            values.update(top_ids=self.top_ids[start:end].copy(), top_logprobs=self.top_logprobs[start:end].copy())
+        return values
 
 
 class Detokenizer:
