@@ -166,15 +166,16 @@ def token_logprobs(logits: torch.Tensor, result: SampleResult, rows: torch.Tenso
     if top_n == 0:
         return [chosen, torch.zeros((len(rows), 0), dtype=torch.int64, device=logits.device),
                 torch.zeros((len(rows), 0), dtype=torch.float32, device=logits.device)]
-    values, ids = logits.index_select(0, rows).topk(top_n, dim=-1)
+    asking = logits if len(rows) == len(logits) else logits.index_select(0, rows)  # no copy when every row asks
+    values, ids = asking.topk(top_n, dim=-1)
     return [chosen, ids, (values.to(work) - lse[:, None]).to(torch.float32)]
 
 
 def read_back(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors on the host, in one device-to-host copy: int64 tensors as they are and float tensors as their
     float32 bits, in one int64 buffer. Float tensors come back as float32."""
-    flat = [t.reshape(-1) if t.dtype == torch.int64 else t.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64)
-            for t in tensors]
+    flat = [t.reshape(-1) if t.dtype == torch.int64
+            else t.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) for t in tensors]
     host = torch.cat(flat).cpu()
     out = []
     for tensor, piece in zip(tensors, host.split([f.numel() for f in flat])):
@@ -327,16 +328,13 @@ class ModelRunner:
         seg_offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=seg_offsets[1:])
         filtered = any(p.sampling.top_k > 0 or p.sampling.top_p < 1 for p, _ in blocks)
+        # Built and uploaded only for requests that use them: a step without min_tokens or logprobs does none of it.
         first_rows = seg_offsets.tolist()
         banned = banned_logits(blocks, first_rows)  # (rows, token ids) or None
-        logprob_rows, top_n = rows_asking_logprobs(blocks, first_rows)
-        host_logprob_rows = logprob_rows
-        extra = [t for t in (*(banned or ()), logprob_rows) if t is not None]
-        extra = upload(extra, self.device) if extra else []
+        host_logprob_rows, top_n = rows_asking_logprobs(blocks, first_rows)
         if banned is not None:
-            banned, extra = (extra[0], extra[1]), extra[2:]
-        if logprob_rows is not None:
-            logprob_rows = extra[0]
+            banned = tuple(upload(list(banned), self.device))
+        logprob_rows = None if host_logprob_rows is None else upload([host_logprob_rows], self.device)[0]
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, seg_offsets, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,

@@ -99,3 +99,26 @@ def test_logprobs_out_of_range_are_refused_by_name():
     for value in (-1, 21, 1.5, True):
         with pytest.raises(ValueError, match="sampling parameter 'logprobs' must be an integer in \\[0, 20\\] or null"):
             SamplingParams(logprobs=value)
+
+
+def test_two_ranks_give_the_logprobs_and_min_tokens_of_one(tmp_path):
+    """Under tensor parallelism a greedy step samples from each rank's share of the logits, unless a request needs the
+    whole rows: one that asks for logprobs, or bans tokens for min_tokens. Two ranks give one rank's numbers."""
+    from diffulex_backend import Diffulex
+    from diffulex_backend.testing.checkpoint import write_random_checkpoint
+
+    checkpoint = str(write_random_checkpoint(tmp_path / "llada", "llada", vocab_size=259))  # the last rank pads
+    params = [SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2),
+              SamplingParams(max_tokens=12, min_tokens=9, stop_token_ids=[5, 6])]
+    out = {}
+    for size in (1, 2):
+        engine = Diffulex(checkpoint, dtype="float64", max_num_reqs=4, max_model_len=64, tensor_parallel_size=size)
+        try:
+            out[size] = engine.generate([[5, 6, 7, 8, 9], [11, 12, 13]], params)
+        finally:
+            engine.close()
+    assert [o.token_ids for o in out[2]] == [o.token_ids for o in out[1]]
+    assert out[2][0].logprobs == pytest.approx(out[1][0].logprobs, abs=1e-6)
+    assert out[2][0].top_logprobs == [{k: pytest.approx(v, abs=1e-6) for k, v in t.items()}
+                                      for t in out[1][0].top_logprobs]
+    assert len(out[2][1].token_ids) >= 9 and not {5, 6} & set(out[2][1].token_ids[:9])
