@@ -196,7 +196,7 @@ class DiffulexEngine:
         if prepared.params.logprobs is not None:
             self.logprob_records[request_id] = LogprobRecord(prepared.params.max_tokens, prepared.params.logprobs)
         self.requests[request_id] = req
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop, prepared.params.min_tokens)
         self.scheduler.add(req)
         return request_id
 

@@ -98,13 +98,16 @@ class Detokenizer:
     """Turns committed tokens into append-only text. A multi-byte character split across blocks decodes to
     U+FFFD until its last byte arrives, so trailing replacement characters are held back until then. Stop
     strings end the text at their first match, and the tokens at the one that completes it: a block commits
-    whole, and the tokens after the match are not output."""
+    whole, and the tokens after the match are not output. As in vLLM, a match that ends inside the text of the first
+    `min_tokens` tokens does not count."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.sent = 0  # characters already handed out
+        self.floor: int | None = None if min_tokens else 0  # characters of the first min_tokens tokens, once known
 
     def add(self, ids: list[int], final: bool) -> tuple[str, int | None]:
         """Returns the text delta, and when a stop string matched, how many of `ids` are output (None: all)."""
@@ -112,11 +115,14 @@ class Detokenizer:
         self.ids.extend(ids)
         text = self._decode(len(self.ids))
         keep = None
-        if self.stop:
-            # A match may straddle the previous delta; it cannot start before what was already sent.
+        if self.floor is None and len(self.ids) >= self.min_tokens:
+            self.floor = len(self._decode(self.min_tokens))
+        if self.stop and self.floor is not None:
+            # A match may straddle the previous delta; it cannot start before what was already sent, nor end
+            # inside the first min_tokens tokens' text.
             hits = []  # (start, end) of each stop string's first match
             for stop in self.stop:
-                start = text.find(stop, max(0, self.sent - len(stop) + 1))
+                start = text.find(stop, max(0, self.sent - len(stop) + 1, self.floor - len(stop) + 1))
                 if start >= 0:
                     hits.append((start, start + len(stop)))
             if hits:

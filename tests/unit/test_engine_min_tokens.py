@@ -59,3 +59,17 @@ def test_eos_right_after_min_tokens_ends_the_request(eos_checkpoint):
         ended = run_requests(llm, ["hello"], SamplingParams(max_tokens=16, min_tokens=min_tokens))[0]
         assert ended.finish_reason == FinishReason.STOP
         assert min_tokens <= len(ended.token_ids) < 16
+
+
+def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_request(llada_checkpoint):
+    """As vLLM's detokenizer has it: a stop string counts only where its match ends past the first min_tokens
+    tokens' text."""
+    llm = tiny_engine(llada_checkpoint, max_model_len=64)
+    free = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, ignore_eos=True))[0]
+    texts = [llm.tokenizer.decode([t]) for t in free.token_ids]
+    stop = texts[1]
+    assert stop.isprintable() and stop not in "".join(texts[2:]) and stop not in texts[0], "pick another token"
+    early = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop]))[0]
+    assert early.token_ids == free.token_ids[:2] and early.finish_reason == FinishReason.STOP
+    held = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=4))[0]
+    assert held.token_ids == free.token_ids and held.text == free.text and held.finish_reason == FinishReason.LENGTH
