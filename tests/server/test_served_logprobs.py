@@ -10,6 +10,8 @@ from served import generate, generate_stream, grpc_inputs, grpc_stream, ids, met
 from diffulex_backend import SamplingParams
 
 PROMPT = "the quick brown fox"
+# The server's engine and the reference run float32 in two processes, whose reductions may round differently.
+CLOSE = {"rel": 1e-5, "abs": 1e-5}
 GREEDY = {"max_tokens": 12, "temperature": 0, "ignore_eos": True}
 
 
@@ -27,9 +29,9 @@ def test_generate_returns_the_engines_logprobs_under_both_names(server, expected
     output = generate(server, {"text_input": PROMPT, "sampling_parameters": json.dumps(GREEDY),
                                "return_log_probs": True, "exclude_input_in_output": True})
     assert ids(output["output_ids"]) == expected.token_ids
-    assert flat(output["log_probs"]) == pytest.approx(expected.logprobs, abs=1e-6)
-    assert flat(output["output_log_probs"]) == pytest.approx(expected.logprobs, abs=1e-6)
-    assert flat(output["cum_log_probs"]) == pytest.approx([sum(expected.logprobs)], abs=1e-5)
+    assert flat(output["log_probs"]) == pytest.approx(expected.logprobs, **CLOSE)
+    assert flat(output["output_log_probs"]) == pytest.approx(expected.logprobs, **CLOSE)
+    assert flat(output["cum_log_probs"]) == pytest.approx([sum(expected.logprobs)], abs=1e-4)
     assert "top_log_probs" not in output  # logprobs 0: the tokens' own only
 
 
@@ -40,11 +42,11 @@ def test_a_grpc_stream_carries_each_blocks_logprobs_and_the_top_tokens(server, e
     top_ids = np.concatenate([r.as_numpy("top_log_prob_ids")[0] for r in results])
     top_lps = np.concatenate([r.as_numpy("top_log_probs")[0] for r in results])
     assert tokens == expected.token_ids
-    assert logprobs == pytest.approx(expected.logprobs, abs=1e-6)
+    assert logprobs == pytest.approx(expected.logprobs, **CLOSE)
     assert top_ids.tolist() == [list(t) for t in expected.top_logprobs]
     assert top_lps.reshape(-1).tolist() == pytest.approx([v for t in expected.top_logprobs for v in t.values()],
-                                                         abs=1e-6)
-    assert flat(results[-1].as_numpy("cum_log_probs")) == pytest.approx([sum(expected.logprobs)], abs=1e-5)
+                                                         **CLOSE)
+    assert flat(results[-1].as_numpy("cum_log_probs")) == pytest.approx([sum(expected.logprobs)], abs=1e-4)
 
 
 def test_a_request_that_does_not_ask_gets_no_logprobs(server):
@@ -63,7 +65,7 @@ def test_min_tokens_gives_at_least_that_many_tokens(server, engine):
 
 
 def test_the_prefix_cache_counters_count_hit_and_queried_tokens(server, engine):
-    prompt = "a prompt of its own, long enough to fill several pages of four tokens, sent twice"
+    prompt = "#counters# long enough to fill several pages of four tokens, sent twice"  # shares no page with others
     names = ("diffulex_prefix_cache_hit_tokens_total", "diffulex_prefix_cache_queried_tokens_total")
     before = [metrics(server).get(name, 0) for name in names]
     generate(server, {"text_input": prompt, "parameters": {"max_tokens": 4}})
