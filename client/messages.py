@@ -25,7 +25,8 @@ FIXED_FLAGS = {
     "return_num_output_tokens": True,
     "return_nfe": True,
 }
-OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "nfe")
+OUTPUT_NAMES = ("text_output", "finish_reason", "num_input_tokens", "num_output_tokens", "nfe", "output_ids",
+                "log_probs", "top_log_probs", "top_log_prob_ids")
 TOTAL_NAMES = ("num_input_tokens", "num_output_tokens", "nfe")
 
 
@@ -62,6 +63,11 @@ class ModelResponse:
     num_input_tokens: int | None = None
     num_output_tokens: int | None = None
     nfe: int | None = None
+    # The response's tokens, and where the request asked for them their log-probabilities (see the model's
+    # config.pbtxt): each token's, and the most likely tokens at its position as (id, log-probability) pairs.
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[float, ...] | None = None
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None
 
     @property
     def is_final(self) -> bool:
@@ -74,12 +80,23 @@ class ModelResponse:
             array = result.as_numpy(name)
             return None if array is None else array.reshape(-1)[0]
 
+        def flat(name):
+            array = result.as_numpy(name)
+            return None if array is None else array.reshape(-1).tolist()
+
         reason = scalar("finish_reason")
         totals = {name: scalar(name) for name in TOTAL_NAMES}
+        logprobs, top_ids, top_logprobs = flat("log_probs"), result.as_numpy("top_log_prob_ids"), \
+            result.as_numpy("top_log_probs")
+        top = None
+        if top_ids is not None and top_logprobs is not None:  # [1, tokens, k]
+            top = tuple(tuple(zip(ids, values)) for ids, values in zip(top_ids[0].tolist(), top_logprobs[0].tolist()))
         return cls(
             text=(scalar("text_output") or b"").decode("utf-8"),
             finish_reason=None if reason is None else reason.decode("utf-8"),
             **{name: None if value is None else int(value) for name, value in totals.items()},
+            token_ids=tuple(flat("output_ids") or ()), logprobs=None if logprobs is None else tuple(logprobs),
+            top_logprobs=top,
         )
 
     @classmethod

@@ -13,7 +13,7 @@ from . import strategies  # noqa: F401  (registers every strategy)
 from .config import Config
 from .kv_cache import KVCacheManager
 from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
-from .output import Detokenizer, RequestOutput, StepOutput
+from .output import Detokenizer, LogprobRecord, RequestOutput, StepOutput
 from .plan import SchedulerOutput
 from .refusal import Refusal
 from .registry import STRATEGIES
@@ -102,6 +102,7 @@ class DiffulexEngine:
 
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
+        self.logprob_records: dict[str, LogprobRecord] = {}  # of the requests that ask for log-probabilities
         self.last_schedule = SchedulerOutput()
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -196,10 +197,28 @@ class DiffulexEngine:
                            prepared.seed, self.model.arch.shifted)
         if prepared.params.lora_name is not None:  # the adapter's slot travels to the runner in each plan
             req.sampling = dataclasses.replace(req.sampling, lora_index=self.lora_slots[prepared.params.lora_name])
+        req.sampling = dataclasses.replace(req.sampling, **self._output_rules(req))
+        if prepared.params.logprobs is not None:
+            self.logprob_records[request_id] = LogprobRecord(prepared.params.max_tokens, prepared.params.logprobs)
         self.requests[request_id] = req
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop, prepared.params.min_tokens)
         self.scheduler.add(req)
         return request_id
+
+    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
+        return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
+
+    def _output_rules(self, req: Request) -> dict:
+        """What the sampler needs of the request's output rules: the log-probabilities it asks for, and the tokens
+        min_tokens bans from its first positions (as vLLM does, EOS and stop tokens cannot be sampled there, so
+        the output is at least min_tokens long)."""
+        params, rules = req.params, {}
+        if params.logprobs is not None:
+            rules["logprobs"] = params.logprobs
+        banned = sorted(set(self._stop_token_ids(params))) if params.min_tokens else []
+        if banned:
+            rules.update(banned_until=req.gen_start + params.min_tokens, banned_ids=tuple(banned))
+        return rules
 
     def abort(self, request_id: str) -> None:
         """Drop the request and free its pages now. Unknown or finished ids are ignored."""
@@ -209,6 +228,7 @@ class DiffulexEngine:
         self.scheduler.finish(req)
         self.runner.release(request_id)
         self.detokenizers.pop(request_id)
+        self.logprob_records.pop(request_id, None)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, FinishReason.ABORT, time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
@@ -232,8 +252,14 @@ class DiffulexEngine:
         for request_id, (kept, num_context_pages) in result.retained_pages.items():
             self.kv_cache.keep_pages(reqs[request_id], kept, num_context_pages)
         tokens = result.tokens.numpy()
+        mask = self.config.mask_token_id
         for plan, block, at in result.blocks:
-            reqs[plan.request_id].tokens[block.start:block.end] = tokens[at:at + block.end - block.start]
+            req, new = reqs[plan.request_id], tokens[at:at + block.end - block.start]
+            record = self.logprob_records.get(plan.request_id)
+            if record is not None:
+                record.update(block.start - req.gen_start, req.tokens[block.start:block.end], new, mask,
+                              result.logprobs, at)
+            req.tokens[block.start:block.end] = new
             if result.predictions is not None:  # fed back as soft inputs (dmax)
                 reqs[plan.request_id].record_predictions(block.start, block.end, result.predictions, at)
         outputs = []
@@ -248,7 +274,7 @@ class DiffulexEngine:
 
     def _emit(self, req: Request, old_end: int) -> StepOutput:
         new = req.tokens[old_end:req.committed_end]
-        stop_ids = req.params.stop_token_ids + ([] if req.params.ignore_eos else self.eos_token_ids)
+        stop_ids = self._stop_token_ids(req.params)
         reason = None
         if stop_ids:
             hits = np.flatnonzero(np.isin(new, stop_ids))
@@ -261,6 +287,9 @@ class DiffulexEngine:
         text, keep = self.detokenizers[req.request_id].add(ids, final=reason is not None)
         if keep is not None:
             ids, reason = ids[:keep], FinishReason.STOP
+        record = self.logprob_records.get(req.request_id)
+        start = req.num_output_tokens
+        logprobs = {} if record is None else record.output(start, start + len(ids))
         req.num_output_tokens += len(ids)
         now = time.monotonic()
         if req.first_token_time is None:
@@ -270,9 +299,10 @@ class DiffulexEngine:
             self.scheduler.finish(req)
             self.runner.release(req.request_id)
             del self.requests[req.request_id], self.detokenizers[req.request_id]
+            self.logprob_records.pop(req.request_id, None)
         return StepOutput(request_id=req.request_id, token_ids=ids, text=text, finished=reason is not None,
                           finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-                          num_output_tokens=req.num_output_tokens, nfe=req.nfe)
+                          num_output_tokens=req.num_output_tokens, nfe=req.nfe, **logprobs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -294,9 +324,7 @@ class DiffulexEngine:
             if not self.last_schedule.plans:
                 raise RuntimeError("no request could be scheduled: the KV cache or token budget is too small")
             for delta in deltas:
-                out = outs[delta.request_id]
-                out.token_ids += delta.token_ids
-                out.text += delta.text
+                outs[delta.request_id].add(delta)
                 if delta.finished and bar is not None:
                     bar.update(1)
         for r in reqs:

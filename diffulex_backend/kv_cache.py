@@ -3,6 +3,12 @@
 Prefix caching keys each full page of prompt tokens by a chained hash (the page's tokens and the hash of the
 page before it), so equal hashes mean equal prefixes. Pages carry reference counts; a page nobody uses stays
 cached and is evicted least-recently-freed first.
+
+A page becomes findable only once a forward has written its K/V. Until then its hash is pending, claimed by the
+request that will write it, and a request whose prompt needs a pending page waits (`waits_for_prefix`) rather than
+compute the same K/V again: the n copies of one prompt, sent together, share its pages from their first step. They
+do not map the pending pages at admission instead, because nothing guarantees the K/V are there when a copy reads
+them: the writer's prefill may span several steps, or the writer may be preempted or aborted before its forward.
 """
 from __future__ import annotations
 
@@ -23,6 +29,7 @@ class KVCacheManager:
         self.cached_pages: dict[int, int] = {}  # hash -> page
         self.free_uncached: deque[int] = deque(range(num_pages))  # reused first
         self.free_cached: OrderedDict[int, None] = OrderedDict()  # least recently freed first
+        self.pending: dict[int, str] = {}  # hash -> id of the admitted request that will write that page
         self.prefix_queried_tokens = 0
         self.prefix_hit_tokens = 0
 
@@ -47,6 +54,7 @@ class KVCacheManager:
             req.page_table.append(self._take_free_page())
 
     def free(self, req: "Request") -> None:
+        self._drop_claims(req)
         # Freed back to front, so that a prefix's first pages are evicted last.
         for page in reversed(req.page_table):
             if page >= 0:
@@ -114,11 +122,28 @@ class KVCacheManager:
             req.page_table.append(page)
         return len(req.page_table) * self.page_size
 
+    def waits_for_prefix(self, req: "Request") -> bool:
+        """Whether a prompt page the request would compute is being written by a running request: it is then
+        better admitted after that request's next forward, when the page is findable."""
+        if not self.enable_prefix_caching or not self.pending:
+            return False
+        return any(h in self.pending and h not in self.cached_pages for h in self._prefix_hashes(req))
+
     def record_prefix_lookup(self, req: "Request") -> None:
-        """Count an admission's lookup in the hit ratio (only admissions that went ahead)."""
+        """At an admission that went ahead: count its lookup in the hit ratio, and claim the prompt pages it will
+        write and no one has."""
         if self.enable_prefix_caching:
-            self.prefix_queried_tokens += len(self._prefix_hashes(req)) * self.page_size
+            hashes = self._prefix_hashes(req)
+            self.prefix_queried_tokens += len(hashes) * self.page_size
             self.prefix_hit_tokens += req.num_prefix_hit
+            for h in hashes[req.num_prefix_hit // self.page_size:]:
+                if h not in self.cached_pages:
+                    self.pending.setdefault(h, req.request_id)
+
+    def _drop_claims(self, req: "Request") -> None:
+        for h in req.prefix_hashes or ():
+            if self.pending.get(h) == req.request_id:
+                del self.pending[h]
 
     def register_prefix(self, req: "Request") -> None:
         """After a forward stored prompt pages: make their full pages findable by later requests."""
@@ -133,4 +158,6 @@ class KVCacheManager:
             if page >= 0 and self.page_hash[page] is None and h not in self.cached_pages:
                 self.page_hash[page] = h
                 self.cached_pages[h] = page
+            if self.pending.get(h) == req.request_id:
+                del self.pending[h]
         req.num_registered_pages = written

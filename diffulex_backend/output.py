@@ -2,8 +2,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
 
 from .request import FinishReason
+
+if TYPE_CHECKING:
+    from .runner import TokenLogprobs
 
 
 @dataclass
@@ -18,6 +24,11 @@ class StepOutput:
     num_prompt_tokens: int
     num_output_tokens: int  # total so far
     nfe: int  # forward passes so far
+    # Only for a request that asks (SamplingParams.logprobs), aligned with token_ids: each token's log-probability
+    # and, when it asks for k > 0, the k most likely tokens at its position with theirs (LogprobRecord).
+    logprobs: np.ndarray | None = None  # [n] float32
+    top_ids: np.ndarray | None = None  # [n, k] int64, most likely first
+    top_logprobs: np.ndarray | None = None  # [n, k] float32
 
 
 @dataclass
@@ -31,6 +42,17 @@ class RequestOutput:
     arrival_time: float = 0.0
     first_token_time: float | None = None
     finish_time: float | None = None
+    logprobs: list[float] | None = None  # per token of token_ids, when the request asked for them
+    top_logprobs: list[dict[int, float]] | None = None  # per token: the k most likely tokens, most likely first
+
+    def add(self, delta: StepOutput) -> None:
+        self.token_ids += delta.token_ids
+        self.text += delta.text
+        if delta.logprobs is not None:
+            self.logprobs = (self.logprobs or []) + delta.logprobs.tolist()
+        if delta.top_ids is not None:
+            self.top_logprobs = (self.top_logprobs or []) + [
+                dict(zip(ids, lps)) for ids, lps in zip(delta.top_ids.tolist(), delta.top_logprobs.tolist())]
 
     @property
     def time_to_first_token(self) -> float | None:
@@ -41,17 +63,51 @@ class RequestOutput:
         return None if self.finish_time is None else self.finish_time - self.arrival_time
 
 
+class LogprobRecord:
+    """One request's log-probabilities, per position of its generation area: of the token each position holds, as
+    the forward that put it there gave it (for a diffusion model, the step that unmasked it, or that last changed
+    it where a strategy edits or remasks tokens), and that forward's top_n most likely tokens."""
+
+    def __init__(self, max_tokens: int, top_n: int):
+        self.top_n = top_n
+        self.chosen = np.zeros(max_tokens, dtype=np.float32)
+        self.top_ids = np.zeros((max_tokens, top_n), dtype=np.int64)
+        self.top_logprobs = np.zeros((max_tokens, top_n), dtype=np.float32)
+
+    def update(self, offset: int, before: np.ndarray, after: np.ndarray, mask_token_id: int,
+               step: "TokenLogprobs", at: int) -> None:
+        """A step turned positions [offset, offset + len(after)) of the generation area from `before` into `after`,
+        from rows [at, ...) of the step's log-probabilities: each position whose token changed to another than
+        the mask takes its new values."""
+        changed = np.flatnonzero((after != before) & (after != mask_token_id))
+        if changed.size:
+            rows, positions = at + changed, offset + changed
+            self.chosen[positions] = step.chosen[rows]
+            self.top_ids[positions] = step.top_ids[rows, : self.top_n]
+            self.top_logprobs[positions] = step.top_logprobs[rows, : self.top_n]
+
+    def output(self, start: int, end: int) -> dict:
+        """StepOutput's log-probability fields for output positions [start, end)."""
+        values = {"logprobs": self.chosen[start:end].copy()}
+        if self.top_n:
+            values.update(top_ids=self.top_ids[start:end].copy(), top_logprobs=self.top_logprobs[start:end].copy())
+        return values
+
+
 class Detokenizer:
     """Turns committed tokens into append-only text. A multi-byte character split across blocks decodes to
     U+FFFD until its last byte arrives, so trailing replacement characters are held back until then. Stop
     strings end the text at their first match, and the tokens at the one that completes it: a block commits
-    whole, and the tokens after the match are not output."""
+    whole, and the tokens after the match are not output. As in vLLM, a match that ends inside the text of the first
+    `min_tokens` tokens does not count."""
 
-    def __init__(self, tokenizer, stop: list[str]):
+    def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
         self.stop = stop
+        self.min_tokens = min_tokens
         self.ids: list[int] = []
         self.sent = 0  # characters already handed out
+        self.floor: int | None = None if min_tokens else 0  # characters of the first min_tokens tokens, once known
 
     def add(self, ids: list[int], final: bool) -> tuple[str, int | None]:
         """Returns the text delta, and when a stop string matched, how many of `ids` are output (None: all)."""
@@ -59,11 +115,14 @@ class Detokenizer:
         self.ids.extend(ids)
         text = self._decode(len(self.ids))
         keep = None
-        if self.stop:
-            # A match may straddle the previous delta; it cannot start before what was already sent.
+        if self.floor is None and len(self.ids) >= self.min_tokens:
+            self.floor = len(self._decode(self.min_tokens))
+        if self.stop and self.floor is not None:
+            # A match may straddle the previous delta; it cannot start before what was already sent, nor end
+            # inside the first min_tokens tokens' text.
             hits = []  # (start, end) of each stop string's first match
             for stop in self.stop:
-                start = text.find(stop, max(0, self.sent - len(stop) + 1))
+                start = text.find(stop, max(0, self.sent - len(stop) + 1, self.floor - len(stop) + 1))
                 if start >= 0:
                     hits.append((start, start + len(stop)))
             if hits:

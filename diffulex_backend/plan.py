@@ -28,6 +28,10 @@ class RequestSampling:
     remask_threshold: float
     lora_index: int = -1  # the request's adapter: its slot in the model's LoRA stacks; -1 = none
     edit_threshold: float = 0.0  # dmax: above 0, decoded tokens of blocks in flight follow the new predictions
+    logprobs: int = -1  # -1: none; k >= 0: each accepted token's log-probability and the step's k most likely tokens
+    # min_tokens: positions before banned_until (absolute) never predict banned_ids (EOS and stop tokens)
+    banned_until: int = 0
+    banned_ids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

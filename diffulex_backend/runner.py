@@ -45,12 +45,24 @@ class Predictions:
 
 
 @dataclass
+class TokenLogprobs:
+    """Log-probabilities of a step's predictions, for the requests that ask (RequestSampling.logprobs), aligned
+    with StepResult.tokens; rows of other requests hold zeros. They are of the distribution the sampler draws from
+    before temperature, top-k and top-p, so they do not depend on those settings."""
+
+    chosen: np.ndarray  # [A] float32: of each row's predicted token
+    top_ids: np.ndarray  # [A, K] int64: the K most likely tokens, most likely first (K: the most any request asks)
+    top_logprobs: np.ndarray  # [A, K] float32
+
+
+@dataclass
 class StepResult:
     tokens: torch.Tensor  # [A] int64 on the host: every predicted position after acceptance
     blocks: list[tuple[SeqPlan, LogitBlock, int]]  # each predicted block and its offset into `tokens`
     num_tokens: int  # tokens fed
     flops: float  # model FLOPs of the forward
     predictions: Predictions | None = None  # aligned with `tokens`; None unless the runner's strategy wants them
+    logprobs: TokenLogprobs | None = None  # None unless a request of the step asks for them
     # Page retention: request id -> (indices of its prompt pages to keep, how many prompt pages it has).
     retained_pages: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
@@ -114,6 +126,64 @@ def profile_peak_memory(model, config: Config, device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - before
 
 
+def banned_logits(blocks: list[tuple[SeqPlan, LogitBlock]], seg_offsets: list[int]
+                  ) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """(rows, token ids) of the logits that min_tokens bans this step: a predicted position whose index in the
+    output is below its request's min_tokens may not be EOS or a stop token, whichever block it is decoded in; None
+    when no position is that early."""
+    rows, ids = [], []
+    for (plan, block), first_row in zip(blocks, seg_offsets):
+        sampling = plan.sampling
+        if sampling.banned_ids and block.start < sampling.banned_until:
+            early = np.arange(first_row, first_row + min(block.end, sampling.banned_until) - block.start)
+            rows.append(np.repeat(early, len(sampling.banned_ids)))
+            ids.append(np.tile(np.array(sampling.banned_ids, dtype=np.int64), len(early)))
+    if not rows:
+        return None
+    return torch.from_numpy(np.concatenate(rows)), torch.from_numpy(np.concatenate(ids))
+
+
+def rows_asking_logprobs(blocks: list[tuple[SeqPlan, LogitBlock]], seg_offsets: list[int]
+                         ) -> tuple[torch.Tensor | None, int]:
+    """The predicted rows whose requests ask for log-probabilities, and the most top tokens any of them asks for;
+    (None, 0) when none asks, and the step computes nothing for them."""
+    spans = [(first_row, first_row + block.end - block.start, plan.sampling.logprobs)
+             for (plan, block), first_row in zip(blocks, seg_offsets) if plan.sampling.logprobs >= 0]
+    if not spans:
+        return None, 0
+    return ranges([s for s, _, _ in spans], [e for _, e, _ in spans]), max(k for _, _, k in spans)
+
+
+def token_logprobs(logits: torch.Tensor, result: SampleResult, rows: torch.Tensor, top_n: int) -> list[torch.Tensor]:
+    """On the device, for `rows` ([R]) of the step's logits ([A, V], as the sampler saw them): the log-probability
+    of each row's sampled token ([R]), and the top_n most likely tokens ([R, top_n] ids, [R, top_n] float32). The
+    logsumexp is the sampler's, of the untempered logits."""
+    # The difference in the wider of the two dtypes, then float32: a logit of 10 cast first would lose 1e-6.
+    lse = result.logsumexp[rows]
+    work = torch.promote_types(logits.dtype, lse.dtype)
+    chosen = (logits[rows, result.tokens[rows]].to(work) - lse).to(torch.float32)
+    if top_n == 0:
+        return [chosen, torch.zeros((len(rows), 0), dtype=torch.int64, device=logits.device),
+                torch.zeros((len(rows), 0), dtype=torch.float32, device=logits.device)]
+    asking = logits if len(rows) == len(logits) else logits.index_select(0, rows)  # no copy when every row asks
+    values, ids = asking.topk(top_n, dim=-1)
+    return [chosen, ids, (values.to(work) - lse[:, None]).to(torch.float32)]
+
+
+def read_back(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """The tensors on the host, in one device-to-host copy: int64 tensors as they are and float tensors as their
+    float32 bits, in one int64 buffer. Float tensors come back as float32."""
+    flat = [t.reshape(-1) if t.dtype == torch.int64
+            else t.reshape(-1).to(torch.float32).view(torch.int32).to(torch.int64) for t in tensors]
+    host = torch.cat(flat).cpu()
+    out = []
+    for tensor, piece in zip(tensors, host.split([f.numel() for f in flat])):
+        if tensor.dtype != torch.int64:
+            piece = piece.to(torch.int32).view(torch.float32)
+        out.append(piece.view(tensor.shape))
+    return out
+
+
 class ModelRunner:
     def __init__(self, config: Config, model, num_pages: int, acceptance: AcceptanceRule, device: torch.device,
                  dtype: torch.dtype):
@@ -150,8 +220,8 @@ class ModelRunner:
         hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
-        no_tokens = (torch.zeros(0, dtype=torch.int64), None)
-        tokens, predictions = self._predict(plans, blocks, hidden) if blocks else no_tokens
+        no_tokens = (torch.zeros(0, dtype=torch.int64), None, None)
+        tokens, predictions, logprobs = self._predict(plans, blocks, hidden) if blocks else no_tokens
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
@@ -160,7 +230,7 @@ class ModelRunner:
         retained = self.choose_retained_pages(measuring) if measuring else {}
         flops = self.forward_flops(plans) + self.forward_flops(measuring)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
-                          predictions=predictions, retained_pages=retained)
+                          predictions=predictions, logprobs=logprobs, retained_pages=retained)
 
     def forward_flops(self, plans: list[SeqPlan]) -> float:
         """Model FLOPs of a forward over the plans: the weights' per token, and attention's per (query, key) pair
@@ -242,9 +312,9 @@ class ModelRunner:
             row += p.num_tokens
 
     def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, Predictions | None]:
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, Predictions | None, TokenLogprobs | None]:
         """Sample every predicted position, then apply the acceptance rule; returns host tokens (and predictions
-        where the strategy asks for them)."""
+        where the strategy asks for them, and log-probabilities where a request does)."""
         # Host side first: none of it waits for the forward. Values are gathered per block (segment), then
         # repeated per predicted position in one call per dtype.
         logit_rows, carry = self.logit_rows(plans)
@@ -259,6 +329,13 @@ class ModelRunner:
         seg_offsets = torch.zeros(len(blocks) + 1, dtype=torch.int64)
         torch.cumsum(lengths, 0, out=seg_offsets[1:])
         filtered = any(p.sampling.top_k > 0 or p.sampling.top_p < 1 for p, _ in blocks)
+        # Built and uploaded only for requests that use them: a step without min_tokens or logprobs does none of it.
+        first_rows = seg_offsets.tolist()
+        banned = banned_logits(blocks, first_rows)  # (rows, token ids) or None
+        host_logprob_rows, top_n = rows_asking_logprobs(blocks, first_rows)
+        if banned is not None:
+            banned = tuple(upload(list(banned), self.device))
+        logprob_rows = None if host_logprob_rows is None else upload([host_logprob_rows], self.device)[0]
         (logit_rows, current, keys, temperature, confidence_kind, top_k, top_p, seg_offsets, seg_first, seg_enabled,
          seg_accept, seg_remask, seg_num_transfer) = upload([
             logit_rows,
@@ -279,7 +356,7 @@ class ModelRunner:
         if carry:
             hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
         model, mask = self.model, self.acceptance.mask_token_id
-        if self.samples_over_shards(blocks):
+        if self.samples_over_shards(blocks, exact_rows=banned is not None or logprob_rows is not None):
             logits = model.compute_logits(hidden[logit_rows], gather=False)  # [A, this rank's vocabulary]
             if 0 <= mask - model.vocab_start < logits.shape[1]:
                 logits[:, mask - model.vocab_start] = float("-inf")
@@ -289,6 +366,8 @@ class ModelRunner:
             logits = model.compute_logits(hidden[logit_rows])  # [A, vocab]
             # Predicting the mask token would leave a position masked after "accepting" it, forever.
             logits[:, mask] = float("-inf")
+            if banned is not None:  # min_tokens: EOS and stop tokens cannot be output yet at these positions
+                logits[banned] = float("-inf")
             result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
                             use_kernel=self.use_kernels, filtered=filtered)
             current_logit = logits.gather(1, current[:, None]).squeeze(1)
@@ -307,20 +386,29 @@ class ModelRunner:
             seg_num_transfer=seg_num_transfer,
         )
         tokens, top = self.accept(batch, logits, blocks)
-        if top is None:
-            return tokens.cpu(), None  # the step's one device-to-host sync
-        # One sync for all three: the probabilities travel as their float32 bits.
-        bits = top[1].to(torch.float32).view(torch.int32).to(torch.int64)
-        host = torch.cat([tokens[:, None], top[0], bits], 1).cpu()
-        k = top[0].shape[1]
-        return host[:, 0], Predictions(host[:, 1:k + 1], host[:, k + 1:].to(torch.int32).view(torch.float32))
+        wanted = [tokens]
+        if top is not None:
+            wanted += [top[0], top[1]]
+        if logprob_rows is not None:
+            wanted += token_logprobs(logits, result, logprob_rows, top_n)
+        host = read_back(wanted)  # the step's one device-to-host sync
+        predictions = Predictions(host[1], host[2]) if top is not None else None
+        logprobs = None
+        if logprob_rows is not None:
+            rows = host_logprob_rows.numpy()
+            chosen, top_ids, top_logprobs = (t.numpy() for t in host[-3:])
+            logprobs = TokenLogprobs(np.zeros(len(tokens), np.float32), np.zeros((len(tokens), top_n), np.int64),
+                                     np.zeros((len(tokens), top_n), np.float32))
+            logprobs.chosen[rows], logprobs.top_ids[rows], logprobs.top_logprobs[rows] = chosen, top_ids, top_logprobs
+        return host[0], predictions, logprobs
 
-    def samples_over_shards(self, blocks: list[tuple[SeqPlan, LogitBlock]]) -> bool:
+    def samples_over_shards(self, blocks: list[tuple[SeqPlan, LogitBlock]], exact_rows: bool = False) -> bool:
         """Under tensor parallelism, a step whose rows are all greedy with a confidence that per-rank maxima and
         logsumexps give (prob, margin) samples from each rank's share of the logits: gathering the whole rows
         would move rows x vocabulary values a step, 0.5 GB in float32 at 1024 rows of LLaDA's 126464. Strategies
-        that feed predictions back (dmax) read the whole rows."""
-        if self.model.tp.size == 1 or self.token_merge is not None:
+        that feed predictions back (dmax) read the whole rows, and so does a step with `exact_rows`: one that bans
+        tokens (min_tokens) or returns log-probabilities."""
+        if self.model.tp.size == 1 or self.token_merge is not None or exact_rows:
             return False
         return all(p.sampling.temperature == 0 and p.sampling.confidence_kind != Confidence.NEG_ENTROPY
                    for p, _ in blocks)

@@ -32,6 +32,7 @@ UINT64_MAX = 2**64 - 1
 FLOAT32_MAX = 3.4028234663852886e38
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each output position (vLLM's default bound)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class SamplingParams:
     edit_threshold: float | None = None  # dmax; None takes the engine's setting
     retention_ratio: float | None = None  # the share of prompt KV pages kept (sparse attention); None: the engine's
     head_select: bool | None = None  # how the kept pages are ranked; None: the engine's setting
+    # None returns no log-probabilities; k returns each output token's and the k most likely tokens' at its position
+    logprobs: int | None = None
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -95,6 +98,8 @@ class SamplingParams:
         if self.retention_ratio is not None and (not _is_finite(self.retention_ratio)
                                                  or not 0 < self.retention_ratio <= 1):
             fail("retention_ratio", "a number in (0, 1] or null")
+        if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or null")
         if self.head_select is not None and not isinstance(self.head_select, bool):
             fail("head_select", "true, false or null")
         for name in ("accept_threshold", "remask_threshold", "edit_threshold"):

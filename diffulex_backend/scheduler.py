@@ -43,8 +43,12 @@ class Scheduler:
             i += 1
         if out.preempted:
             return out  # pages are short: admitting now would only preempt again
+        held = []  # waiting for prompt pages a running request writes in this step (kv_cache.py)
         while self.waiting and len(self.running) < self.config.max_num_reqs and budget > 0:
             req = self.waiting[0]
+            if self.kv_cache.waits_for_prefix(req):
+                held.append(self.waiting.popleft())
+                continue
             hit = self.kv_cache.allocate_prefix(req)
             req.num_cached = req.num_prefix_hit = hit
             plan = req.plan(budget)
@@ -58,6 +62,7 @@ class Scheduler:
             self.running.append(req)
             out.plans.append(self._allocate(req, plan))
             budget -= plan.num_tokens
+        self.waiting.extendleft(reversed(held))  # first in line again, in their order
         return out
 
     def _allocate(self, req: Request, plan: SeqPlan) -> SeqPlan:

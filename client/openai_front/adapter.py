@@ -88,9 +88,19 @@ def sampling_parameters(request: CompletionRequest | ChatCompletionRequest) -> d
             values[name] = getattr(request, name)
     if request.stop is not None:
         values["stop"] = [request.stop] if isinstance(request.stop, str) else request.stop
+    if logprobs_asked(request) is not None:
+        values["logprobs"] = logprobs_asked(request)
     extra = request.extra_fields()
     values.update({name: extra[name] for name in EXTRA_SAMPLING_FIELDS if name in extra})
     return values
+
+
+def logprobs_asked(request: CompletionRequest | ChatCompletionRequest) -> int | None:
+    """How many most likely tokens each output token comes with, or None when the request asks for no
+    log-probabilities: a completion's `logprobs`, a chat's `top_logprobs` (0 when absent) once `logprobs` is true."""
+    if isinstance(request, ChatCompletionRequest):
+        return (request.top_logprobs or 0) if request.logprobs else None
+    return request.logprobs
 
 
 def choice_count(request: CompletionRequest | ChatCompletionRequest) -> int:

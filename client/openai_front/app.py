@@ -30,7 +30,8 @@ from .generation import ChoiceResponse, generate
 from .readiness import OpenRequest, Readiness, ReadinessWatch
 from .refusals import refuse_unsupported
 from .request_guard import RequestGuard
-from .responses import SSE_DONE, Collected, UsageCount, chat_chunk, completion_chunk, sse_event
+from .responses import (SSE_DONE, Collected, LogprobsFormat, TokenNames, UsageCount, chat_chunk, completion_chunk,
+                        sse_event)
 from .schemas import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
 from .settings import FrontSettings
 from .triton_stream import ErrorClass, TritonStreamError, open_channel
@@ -48,6 +49,7 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
     """The ASGI app: the FastAPI app behind the request guard (API key, body size). `chat_template` defaults to the
     one the settings name."""
     template = chat_template or ChatTemplate.load(settings.tokenizer, settings.chat_template)
+    names = TokenNames(template.tokenizer)
     created = int(time.time())
 
     @contextlib.asynccontextmanager
@@ -87,14 +89,14 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
         body = await _parsed(request, CompletionRequest)
         _check_request(body, settings.model)
         requests = triton_requests(body, completion_prompts(body))
-        return await _answer(request, body, requests, settings.model, chat=False)
+        return await _answer(request, body, requests, settings.model, names, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
         body = await _parsed(request, ChatCompletionRequest)
         _check_request(body, settings.model)
         requests = triton_requests(body, [template.prompt_ids(body.messages)])
-        return await _answer(request, body, requests, settings.model, chat=True)
+        return await _answer(request, body, requests, settings.model, names, chat=True)
 
     return RequestGuard(app, settings.max_body_bytes, settings.api_key)
 
@@ -128,7 +130,8 @@ def _check_request(body: CompletionRequest | ChatCompletionRequest, served: str)
     refuse_unsupported(body)
 
 
-async def _answer(request: Request, body, requests: list[TritonRequest], model: str, chat: bool):
+async def _answer(request: Request, body, requests: list[TritonRequest], model: str, names: TokenNames,
+                  chat: bool):
     watch: ReadinessWatch = request.app.state.watch
     open_request = watch.admit()
     arrivals = generate(request.app.state.client, model, requests, open_request, watch.ids_datatype)
@@ -138,7 +141,7 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
     watcher = asyncio.create_task(_end_on_disconnect(request, open_request))
     try:
         if not body.stream:
-            return await _whole(arrivals, response_id, created, model, chat)
+            return await _whole(arrivals, LogprobsFormat(names), response_id, created, model, chat)
         first = await _first(arrivals)
     except BaseException:
         watch.release(open_request)
@@ -149,7 +152,7 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
         if not body.stream:
             watch.release(open_request)
     include_usage = bool(body.stream_options and body.stream_options.include_usage)
-    events = _events(first, arrivals, response_id, created, model, chat, include_usage)
+    events = _events(first, arrivals, LogprobsFormat(names), response_id, created, model, chat, include_usage)
     return StreamingResponse(_released(events, watch, open_request, arrivals), media_type="text/event-stream")
 
 
@@ -166,8 +169,9 @@ async def _first(arrivals: AsyncIterator[ChoiceResponse]) -> ChoiceResponse:
         raise _from_triton(err) from None
 
 
-async def _whole(arrivals, response_id: str, created: int, model: str, chat: bool) -> JSONResponse:
-    collected = Collected()
+async def _whole(arrivals, logprobs: LogprobsFormat, response_id: str, created: int, model: str,
+                 chat: bool) -> JSONResponse:
+    collected = Collected(logprobs)
     try:
         async for arrival in arrivals:
             collected.add(arrival)
@@ -184,18 +188,18 @@ async def _end_on_disconnect(request: Request, open_request: OpenRequest) -> Non
     open_request.end(OpenAIError(HTTPStatus.BAD_REQUEST, "the client closed the connection"))
 
 
-async def _events(first: ChoiceResponse, arrivals, response_id: str, created: int, model: str, chat: bool,
-                  include_usage: bool) -> AsyncIterator[bytes]:
+async def _events(first: ChoiceResponse, arrivals, logprobs: LogprobsFormat, response_id: str, created: int,
+                  model: str, chat: bool, include_usage: bool) -> AsyncIterator[bytes]:
     usage = UsageCount()
     started: set[int] = set()
 
     def chunk(arrival: ChoiceResponse) -> bytes:
         usage.add(arrival)
         if chat:
-            body = chat_chunk(arrival, arrival.request.index not in started, response_id, created, model)
+            body = chat_chunk(arrival, arrival.request.index not in started, logprobs, response_id, created, model)
             started.add(arrival.request.index)
         else:
-            body = completion_chunk(arrival, response_id, created, model)
+            body = completion_chunk(arrival, logprobs, response_id, created, model)
         return sse_event(_with_usage_field(body.model_dump(), include_usage))
 
     try:

@@ -44,6 +44,10 @@ class ChatTemplate:
         return cls(tokenizer, template)
 
     @property
+    def tokenizer(self) -> PreTrainedTokenizerBase | None:
+        return self._tokenizer
+
+    @property
     def available(self) -> bool:
         return self._template is not None
 

@@ -17,16 +17,15 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from diffulex_backend.sampling import SamplingParams
+from diffulex_backend.sampling import MAX_LOGPROBS, SamplingParams
 
 from .errors import bad_request
 from .schemas import ChatCompletionRequest
 
-# Model sampling parameters that OpenAI fields set (max_tokens, temperature, top_p, seed, stop).
-OPENAI_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop")
+# Model sampling parameters that OpenAI fields set (max_tokens, temperature, top_p, seed, stop, logprobs).
+OPENAI_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", "logprobs")
 EXTRA_SAMPLING_FIELDS = tuple(name for name in SamplingParams.field_names() if name not in OPENAI_SAMPLING_FIELDS)
 
-NO_LOGPROBS = "log-probabilities are not returned by this server"
 NO_TOOLS = "tools and function calling are not supported by this server"
 
 
@@ -47,15 +46,12 @@ SHARED_RULES: dict[str, tuple[Callable[[Any], bool], str]] = {
 COMPLETION_RULES = SHARED_RULES | {
     "best_of": (_absent_or(1), "best_of above 1 is not supported: use n"),
     "echo": (_absent_or(False), "echo is not supported"),
-    "logprobs": (_absent, NO_LOGPROBS),
     "suffix": (_absent_or(""), "suffix (insertion) is not supported"),
 }
 CHAT_RULES = SHARED_RULES | {
     "audio": (_absent, "audio output is not supported"),
     "function_call": (_absent_or("none"), NO_TOOLS),
     "functions": (_absent_or([]), NO_TOOLS),
-    "logprobs": (_absent_or(False), NO_LOGPROBS),
-    "top_logprobs": (_absent, NO_LOGPROBS),
     "metadata": (_absent, "stored completions are not supported, so metadata has nothing to label"),
     "modalities": (lambda value: value is None or value == ["text"], "only text output is supported"),
     "moderation": (_absent, "moderation is not supported"),
@@ -83,6 +79,7 @@ def refuse_unsupported(request: BaseModel) -> None:
     for name, (honoured, reason) in rules.items():
         if not honoured(getattr(request, name)):
             raise bad_request(f"'{name}' is not supported: {reason}", param=name, code="unsupported_parameter")
+    _check_logprobs(request)
     if request.stream_options is not None:
         if not request.stream:
             raise bad_request("'stream_options' is only allowed when 'stream' is true", param="stream_options")
@@ -94,6 +91,17 @@ def refuse_unsupported(request: BaseModel) -> None:
             raise bad_request(f"unknown field '{name}'; besides the OpenAI fields this server takes the model's "
                               f"sampling parameters {list(EXTRA_SAMPLING_FIELDS)}", param=name,
                               code="unknown_parameter")
+
+
+def _check_logprobs(request: BaseModel) -> None:
+    """Completions take `logprobs`, the number of most likely tokens; chat takes `logprobs` (true or false) and
+    `top_logprobs`, which needs it. Both numbers lie in [0, MAX_LOGPROBS]."""
+    name = "top_logprobs" if isinstance(request, ChatCompletionRequest) else "logprobs"
+    count = getattr(request, name)
+    if count is not None and not 0 <= count <= MAX_LOGPROBS:
+        raise bad_request(f"'{name}' must be an integer in [0, {MAX_LOGPROBS}], got {count}", param=name)
+    if name == "top_logprobs" and count is not None and not request.logprobs:
+        raise bad_request("'top_logprobs' needs 'logprobs' to be true", param="top_logprobs")
 
 
 def supported_fields(request_type: type[BaseModel]) -> set[str]:

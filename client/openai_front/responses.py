@@ -2,10 +2,15 @@
 
 The model's final response of each choice carries its finish reason and token counts. Usage counts each prompt's
 tokens once, however many choices it has, and adds up the tokens of every choice.
+
+Log-probabilities come with the model's responses, aligned with their tokens, when the request asked for them. A
+token is named by its text as the tokenizer decodes it alone, or `token_id:N` (as vLLM's
+--return-tokens-as-token-ids writes it) when the front runs without --tokenizer.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -13,8 +18,8 @@ from http import HTTPStatus
 from .errors import OpenAIError
 from .generation import ChoiceResponse
 from .schemas import (
-    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, Completion,
-    CompletionChoice, Usage)
+    AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
+    Completion, CompletionChoice, CompletionLogprobs, TokenLogprob, TopLogprob, Usage)
 
 FINISH_REASONS = ("stop", "length")
 
@@ -25,6 +30,76 @@ def finish_reason_of(arrival: ChoiceResponse) -> str | None:
         raise OpenAIError(HTTPStatus.SERVICE_UNAVAILABLE, f"the model ended choice {arrival.request.index} with "
                           f"finish reason '{reason}'", code="model_not_ready")
     return reason
+
+
+class TokenNames:
+    """The text of a token id in log-probabilities."""
+
+    def __init__(self, tokenizer=None):
+        self._tokenizer = tokenizer
+        self._names: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        if self._tokenizer is None:
+            return f"token_id:{token_id}"
+        name = self._names.get(token_id)
+        if name is None:
+            name = self._names[token_id] = self._tokenizer.decode([token_id])
+        return name
+
+
+@dataclass
+class TokenRun:
+    """Tokens of one choice with their log-probabilities, as one or more model responses carried them."""
+
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top: list[tuple[tuple[int, float], ...]] | None = None
+
+    @classmethod
+    def of(cls, arrival: ChoiceResponse) -> TokenRun | None:
+        response = arrival.response
+        if response.logprobs is None:
+            return None
+        top = None if response.top_logprobs is None else list(response.top_logprobs)
+        return cls(list(response.token_ids), list(response.logprobs), top)
+
+    def extend(self, other: TokenRun) -> None:
+        self.token_ids += other.token_ids
+        self.logprobs += other.logprobs
+        if other.top is not None:
+            self.top = (self.top or []) + other.top
+
+
+@dataclass
+class LogprobsFormat:
+    """OpenAI's log-probability objects; a completion's text offsets run on across the chunks of a choice."""
+
+    names: TokenNames
+    offsets: dict[int, int] = field(default_factory=dict)  # choice index -> characters of its tokens so far
+
+    def completion(self, index: int, run: TokenRun | None) -> CompletionLogprobs | None:
+        if run is None:
+            return None
+        tokens = [self.names(t) for t in run.token_ids]
+        start = self.offsets.get(index, 0)
+        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=start))
+        self.offsets[index] = offsets[-1]
+        top = None if run.top is None else [{self.names(t): lp for t, lp in row} for row in run.top]
+        return CompletionLogprobs(text_offset=offsets[:-1], token_logprobs=run.logprobs, tokens=tokens,
+                                  top_logprobs=top)
+
+    def chat(self, run: TokenRun | None) -> ChatLogprobs | None:
+        if run is None:
+            return None
+        top = run.top or [()] * len(run.token_ids)
+        return ChatLogprobs(content=[
+            TokenLogprob(**self._top(token, logprob), top_logprobs=[TopLogprob(**self._top(t, lp)) for t, lp in row])
+            for token, logprob, row in zip(run.token_ids, run.logprobs, top)])
+
+    def _top(self, token_id: int, logprob: float) -> dict:
+        name = self.names(token_id)
+        return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
 
 
 @dataclass
@@ -48,39 +123,48 @@ class UsageCount:
 class Collected:
     """The whole text and finish reason of every choice, and the usage."""
 
+    logprobs: LogprobsFormat
     texts: dict[int, list[str]] = field(default_factory=dict)
     reasons: dict[int, str] = field(default_factory=dict)
+    runs: dict[int, TokenRun] = field(default_factory=dict)  # of the choices whose request asked for logprobs
     usage: UsageCount = field(default_factory=UsageCount)
 
     def add(self, arrival: ChoiceResponse) -> None:
         index = arrival.request.index
         self.texts.setdefault(index, []).append(arrival.response.text)
+        if (run := TokenRun.of(arrival)) is not None:
+            self.runs.setdefault(index, TokenRun()).extend(run)
         if (reason := finish_reason_of(arrival)) is not None:
             self.reasons[index] = reason
         self.usage.add(arrival)
 
     def completion(self, response_id: str, created: int, model: str) -> Completion:
         return Completion(id=response_id, created=created, model=model, usage=self.usage.usage(), choices=[
-            CompletionChoice(index=i, text="".join(self.texts[i]), finish_reason=self.reasons[i])
+            CompletionChoice(index=i, text="".join(self.texts[i]), finish_reason=self.reasons[i],
+                             logprobs=self.logprobs.completion(i, self.runs.get(i)))
             for i in sorted(self.texts)])
 
     def chat_completion(self, response_id: str, created: int, model: str) -> ChatCompletion:
         return ChatCompletion(id=response_id, created=created, model=model, usage=self.usage.usage(), choices=[
             ChatChoice(index=i, message=AssistantMessage(content="".join(self.texts[i])),
-                       finish_reason=self.reasons[i])
+                       finish_reason=self.reasons[i], logprobs=self.logprobs.chat(self.runs.get(i)))
             for i in sorted(self.texts)])
 
 
-def completion_chunk(arrival: ChoiceResponse, response_id: str, created: int, model: str) -> Completion:
+def completion_chunk(arrival: ChoiceResponse, logprobs: LogprobsFormat, response_id: str, created: int,
+                     model: str) -> Completion:
+    index = arrival.request.index
     return Completion(id=response_id, created=created, model=model, choices=[CompletionChoice(
-        index=arrival.request.index, text=arrival.response.text, finish_reason=finish_reason_of(arrival))])
+        index=index, text=arrival.response.text, finish_reason=finish_reason_of(arrival),
+        logprobs=logprobs.completion(index, TokenRun.of(arrival)))])
 
 
-def chat_chunk(arrival: ChoiceResponse, first: bool, response_id: str, created: int,
+def chat_chunk(arrival: ChoiceResponse, first: bool, logprobs: LogprobsFormat, response_id: str, created: int,
                model: str) -> ChatCompletionChunk:
     delta = ChatDelta(role="assistant" if first else None, content=arrival.response.text)
     return ChatCompletionChunk(id=response_id, created=created, model=model, choices=[ChatChunkChoice(
-        index=arrival.request.index, delta=delta, finish_reason=finish_reason_of(arrival))])
+        index=arrival.request.index, delta=delta, finish_reason=finish_reason_of(arrival),
+        logprobs=logprobs.chat(TokenRun.of(arrival)))])
 
 
 def sse_event(body: dict) -> bytes:

@@ -62,6 +62,11 @@ class ServingMetrics:
         self.prefix_cache_hit_ratio = metric(
             "diffulex_prefix_cache_hit_ratio", "Prompt tokens found in the prefix cache / prompt tokens looked up",
             gauge)
+        self.prefix_cache_hits = metric("diffulex_prefix_cache_hit_tokens_total",
+                                        "Prompt tokens found in the prefix cache", counter)
+        self.prefix_cache_queries = metric("diffulex_prefix_cache_queried_tokens_total",
+                                           "Prompt tokens looked up in the prefix cache", counter)
+        self._prefix_counted = (0, 0)  # the engine's (hit, queried) tokens already added to the counters
 
         errors = metric_family(name="diffulex_request_errors_total",
                                description="Requests that ended with an error, by cause", kind=counter)
@@ -102,3 +107,9 @@ class ServingMetrics:
             if self._gauge_values.get(id(gauge)) != value:
                 gauge.set(value)
                 self._gauge_values[id(gauge)] = value
+        hits, counted_hits = snapshot.prefix_cache_hit_tokens, self._prefix_counted[0]
+        if queried > self._prefix_counted[1]:
+            self.prefix_cache_queries.increment(queried - self._prefix_counted[1])
+            if hits > counted_hits:
+                self.prefix_cache_hits.increment(hits - counted_hits)
+            self._prefix_counted = (hits, queried)

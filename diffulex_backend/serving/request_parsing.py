@@ -16,6 +16,7 @@ A string where a number or a boolean is expected is converted (the vLLM backend 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -34,6 +35,7 @@ FLAG_INPUTS = (
     "return_num_input_tokens",
     "return_num_output_tokens",
     "return_nfe",
+    "return_log_probs",  # TensorRT-LLM's: the output tokens' log-probabilities (SamplingParams.logprobs, 0 unless set)
 )
 # TensorRT-LLM's scalar tensor inputs and the sampling parameter each one sets.
 TENSOR_PARAMETERS = {
@@ -67,13 +69,17 @@ class ParsedRequest:
     return_num_input_tokens: bool = False
     return_num_output_tokens: bool = False
     return_nfe: bool = False
+    return_log_probs: bool = False
 
 
 def parse_request(inputs: Mapping[str, np.ndarray], request_parameters: str = "") -> ParsedRequest:
     """`inputs` maps input names to the arrays that were sent; `request_parameters` is the request's
     parameters as JSON (the generate extension's "parameters")."""
     flags = {name: _read_bool(inputs, name) for name in FLAG_INPUTS}
-    return ParsedRequest(prompt=_read_prompt(inputs), params=_read_sampling_params(inputs, request_parameters), **flags)
+    params = _read_sampling_params(inputs, request_parameters)
+    if flags["return_log_probs"] and params.logprobs is None:
+        params = dataclasses.replace(params, logprobs=0)
+    return ParsedRequest(prompt=_read_prompt(inputs), params=params, **flags)
 
 
 def _read_prompt(inputs: Mapping[str, np.ndarray]) -> str | list[int]:

@@ -44,6 +44,12 @@ def _metric(server, pattern: re.Pattern) -> int:
     return int(float(match.group(1)))
 
 
+def prefix_cache_tokens(server) -> tuple[int, int]:
+    """The model's prefix-cache counters: prompt tokens found in the cache, and prompt tokens looked up."""
+    return tuple(_metric(server, re.compile(rf'^diffulex_prefix_cache_{kind}_tokens_total\{{[^}}]*\bmodel="diffulex"'
+                                            r'[^}]*\} (\S+)$', re.M)) for kind in ("hit", "queried"))
+
+
 def kv_pages_used(server) -> int:
     return _metric(server, KV_PAGES_USED)
 

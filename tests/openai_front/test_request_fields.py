@@ -19,22 +19,23 @@ CHAT = {**BASE, "messages": [{"role": "user", "content": "hello"}]}
 # field -> a value that asks for something (not the field's neutral value).
 HONOURED_COMPLETION = {
     "model": "diffulex", "prompt": "hi", "max_tokens": 3, "n": 2, "seed": 5, "stop": ["x"], "stream": True,
-    "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9, "user": "someone",
+    "stream_options": {"include_usage": True}, "temperature": 0.5, "top_p": 0.9, "user": "someone", "logprobs": 1,
 }
 REFUSED_COMPLETION = {
     "best_of": 2, "echo": True, "frequency_penalty": 0.5, "presence_penalty": 0.5, "logit_bias": {"50": 5},
-    "logprobs": 1, "suffix": "end",
+    "suffix": "end",
 }
 # The chat endpoint of the random test model has no template: honoured chat fields are checked on the demo front.
 HONOURED_CHAT = {
     "model": None, "messages": [{"role": "user", "content": "1+2="}], "max_tokens": 3, "max_completion_tokens": 3,
     "n": 2, "seed": 5, "stop": "x", "stream": True, "stream_options": {"include_usage": True}, "temperature": 0.5,
-    "top_p": 0.9, "user": "someone", "safety_identifier": "someone", "prompt_cache_key": "k",
+    "top_p": 0.9, "user": "someone", "safety_identifier": "someone", "prompt_cache_key": "k", "logprobs": True,
+    "top_logprobs": 2,
 }
 REFUSED_CHAT = {
     "audio": {"voice": "alloy", "format": "mp3"}, "frequency_penalty": 1.0, "presence_penalty": -1.0,
-    "function_call": "auto", "functions": [{"name": "f"}], "logit_bias": {"50": 5}, "logprobs": True,
-    "top_logprobs": 2, "metadata": {"k": "v"}, "modalities": ["text", "audio"], "moderation": {"mode": "on"},
+    "function_call": "auto", "functions": [{"name": "f"}], "logit_bias": {"50": 5}, "metadata": {"k": "v"},
+    "modalities": ["text", "audio"], "moderation": {"mode": "on"},
     "parallel_tool_calls": True, "prediction": {"type": "content", "content": "x"},
     "prompt_cache_options": {"x": 1}, "prompt_cache_retention": "24h", "reasoning_effort": "low",
     "response_format": {"type": "json_object"}, "service_tier": "flex", "store": True, "tool_choice": "auto",
@@ -80,6 +81,8 @@ def test_an_honoured_chat_field_is_answered(demo_front, name):
         body[name] = HONOURED_CHAT[name]
     if name == "stream_options":
         body["stream"] = True
+    if name == "top_logprobs":
+        body["logprobs"] = True
     response = post(demo_front, "/v1/chat/completions", body)
     assert response.status_code == 200, response.text
 
@@ -101,7 +104,7 @@ def test_neutral_values_of_unsupported_fields_are_accepted(front):
 
 def test_the_extra_fields_are_the_models_sampling_parameters_less_the_openai_ones():
     assert set(EXTRA_SAMPLING_FIELDS) == set(SamplingParams.field_names()) - {
-        "max_tokens", "temperature", "top_p", "seed", "stop"}
+        "max_tokens", "temperature", "top_p", "seed", "stop", "logprobs"}
 
 
 def test_an_unknown_extra_field_is_a_400_naming_it(front):

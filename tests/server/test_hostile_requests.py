@@ -119,6 +119,18 @@ def test_parameters_and_sampling_parameters_merge_with_sampling_parameters_winni
     assert ids(output["output_ids"]) == expected.token_ids
 
 
+def test_string_numbers_under_parameters_convert_where_the_model_reads_them(server, engine):
+    """As README.md says: a string under the generate endpoint's "parameters" is converted when the key names a
+    sampling parameter only (the model reads it), and answered by Triton itself when it names a tensor input."""
+    (expected,) = reference(engine, ["hello"], max_tokens=8, min_tokens=8, temperature=1.0, seed=3)
+    output = generate(server, {"text_input": "hello", "exclude_input_in_output": True,
+                               "parameters": {"max_tokens": 8, "min_tokens": "8", "temperature": 1.0, "seed": "3"}})
+    assert ids(output["output_ids"]) == expected.token_ids
+    status, payload = post(generate_url(server), {"text_input": "hello", "parameters": {"max_tokens": "16"}})
+    assert status == 500 and b"non-signed-integer" in payload, payload
+    assert_still_serving(server, engine)
+
+
 def test_genai_perf_clients_of_both_backends_are_served(server, engine):
     """genai-perf --backend vllm sends string values; --backend tensorrtllm sends TensorRT-LLM's tensor inputs."""
     (expected,) = reference(engine, ["hello"], max_tokens=8, temperature=0)

@@ -256,3 +256,45 @@ def test_the_shipped_config_lists_every_engine_setting():
     text = (Path(__file__).resolve().parents[2] / "model_repository/diffulex/config.pbtxt").read_text()
     keys = re.findall(r'\{ key: "(\w+)", value: \{ string_value: "[^"]*" \} \}', text)
     assert sorted(keys) == sorted(Config.field_names())
+
+
+# ---- log-probabilities ------------------------------------------------------------------------------------
+def with_logprobs(output: StepOutput, logprobs: list[float], top: list[list[tuple[int, float]]] | None = None):
+    output.logprobs = np.array(logprobs, dtype=np.float32)
+    if top is not None:
+        output.top_ids = np.array([[i for i, _ in row] for row in top], dtype=np.int64).reshape(len(top), -1)
+        output.top_logprobs = np.array([[v for _, v in row] for row in top], dtype=np.float32).reshape(len(top), -1)
+    return output
+
+
+def test_return_log_probs_asks_the_engine_for_the_tokens_logprobs_and_logprobs_k_for_top_k():
+    assert parse_request({"text_input": text("hi"), "return_log_probs": flag(True)}).params.logprobs == 0
+    assert parse_request({"text_input": text("hi")}).params.logprobs is None
+    parsed = parse_request({"text_input": text("hi"), "return_log_probs": flag(True),
+                            "sampling_parameters": text('{"logprobs": "3"}')})
+    assert parsed.params.logprobs == 3 and parsed.return_log_probs
+    with pytest.raises(BadRequest, match="sampling parameter 'logprobs' must be an integer in \\[0, 20\\] or null"):
+        parse_request({"text_input": text("hi"), "sampling_parameters": text('{"logprobs": 21}')})
+
+
+def test_streamed_logprobs_come_with_their_tokens_in_tensorrt_llm_shapes():
+    request = parse_request({"text_input": text("hi"), "stream": flag(True), "return_log_probs": flag(True)})
+    assembler = ResponseAssembler(request, prompt_text=lambda: "hi")
+    first = assembler.add(with_logprobs(step("ab", [97, 98], total=2), [-0.5, -0.25], [[(97, -0.5)], [(98, -0.25)]]))
+    last = assembler.add(with_logprobs(step("c", [99], finished=True, total=3), [-1.0], [[(99, -1.0)]]))
+    assert first["log_probs"].tolist() == [[-0.5, -0.25]] and first["log_probs"].dtype == np.float32
+    assert first["output_log_probs"].tolist() == [[[-0.5, -0.25]]]
+    assert first["cum_log_probs"].tolist() == [[-0.75]] and last["cum_log_probs"].tolist() == [[-1.75]]
+    assert first["top_log_prob_ids"].tolist() == [[[97], [98]]] and first["top_log_prob_ids"].dtype == np.int32
+    assert last["top_log_probs"].tolist() == [[[-1.0]]]
+
+
+def test_a_whole_response_gathers_the_logprobs_and_a_request_that_did_not_ask_gets_none():
+    request = parse_request({"text_input": text("hi"), "sampling_parameters": text('{"logprobs": 0}')})
+    assembler = ResponseAssembler(request, prompt_text=lambda: "hi")
+    assert assembler.add(with_logprobs(step("ab", [97, 98], total=2), [-0.5, -0.25])) is None
+    arrays = assembler.add(with_logprobs(step("c", [99], finished=True, total=3), [-1.0]))
+    assert arrays["log_probs"].tolist() == [[-0.5, -0.25, -1.0]] and arrays["cum_log_probs"].tolist() == [[-1.75]]
+    assert "top_log_probs" not in arrays
+    plain = ResponseAssembler(parse_request({"text_input": text("hi")}), prompt_text=lambda: "hi")
+    assert not {"log_probs", "cum_log_probs"} & set(plain.add(step("c", [99], finished=True, total=1)))

@@ -70,7 +70,7 @@ def test_evicted_prefix_pages_are_recomputed_not_reused(llada_checkpoint):
     llm = tiny_engine(llada_checkpoint, num_kv_pages=40)
     other = "a different prompt that fills the rest of the pool, page by page: "
     run_requests(llm, [SYSTEM + "one"], PARAMS)
-    run_requests(llm, [other + "a", other + "b"], PARAMS)
+    run_requests(llm, ["a: " + other, "b: " + other], PARAMS)  # no page in common: neither waits for the other
     before = llm.metrics().prefix_cache_hit_tokens
     again = run_requests(llm, [SYSTEM + "one"], PARAMS)[0]
     assert llm.metrics().prefix_cache_hit_tokens - before < 48
@@ -104,3 +104,36 @@ def test_abort_in_the_middle_of_decoding_frees_everything_at_once(llada_checkpoi
     assert llm.metrics().kv_pages_used == 0
     assert not llm.has_unfinished_requests()
     assert llm.step() == []
+
+
+@pytest.mark.parametrize("strategy", [dict(decoding_strategy="multi_bd"), dict(decoding_strategy="dmax"),
+                                      dict(decoding_strategy="fast_dllm_v2", block_size=8, sub_block_size=4)],
+                         ids=["multi_bd", "dmax", "fast_dllm_v2"])
+def test_copies_of_one_prompt_sent_together_share_its_pages(llada_checkpoint, strategy):
+    """n copies added at once: the first writes the prompt's pages and the others wait one step for them, so the
+    hit counter rises by the prompt's pages times n - 1, and every copy decodes as it would alone."""
+    n, prompt = 4, SYSTEM + "one, and more"
+    llm = tiny_engine(llada_checkpoint, **strategy)
+    alone = run_requests(llm, [prompt], PARAMS)[0].token_ids
+    run_requests(llm, [prompt], PARAMS)
+    prompt_pages_tokens = llm.metrics().prefix_cache_hit_tokens  # a whole hit: the prompt's cacheable pages
+
+    llm = tiny_engine(llada_checkpoint, **strategy)  # a cold cache
+    before = llm.metrics().prefix_cache_hit_tokens
+    copies = run_requests(llm, [prompt] * n, PARAMS)
+    assert [c.token_ids for c in copies] == [alone] * n
+    assert prompt_pages_tokens >= 48
+    assert llm.metrics().prefix_cache_hit_tokens - before == prompt_pages_tokens * (n - 1)
+    assert llm.metrics().kv_pages_used == 0 and not llm.kv_cache.pending
+
+
+def test_copies_run_on_their_own_without_a_prefix_cache(llada_checkpoint):
+    llm = tiny_engine(llada_checkpoint, enable_prefix_caching=False, max_num_batched_tokens=256)
+    streams = {rid: Stream(rid) for rid in (llm.add_request(SYSTEM + "one", PARAMS) for _ in range(3))}
+    for delta in step_checked(llm):
+        streams[delta.request_id].deltas.append(delta)
+    assert len(llm.last_schedule.plans) == 3  # no copy waits for another
+    drain(llm, streams)
+    first, *others = streams.values()
+    assert all(s.token_ids == first.token_ids for s in others)
+    assert llm.metrics().prefix_cache_hit_tokens == 0

@@ -60,13 +60,13 @@ def test_extreme_values_decode_like_their_meaning(llm):
 
 
 def test_min_tokens_holds_back_eos_and_stop_tokens(llm):
-    """The first min_tokens outputs may not end the request; later ones do."""
+    """Stop tokens cannot be sampled among the first min_tokens outputs; later ones end the request."""
     free = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, ignore_eos=True))[0].token_ids
     stop_at = free[1]
     early = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, stop_token_ids=[stop_at], ignore_eos=True))[0]
     assert early.token_ids == free[: free.index(stop_at)]
     held = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, min_tokens=12, stop_token_ids=[stop_at],
                                                     ignore_eos=True))[0]
-    later = [i for i, t in enumerate(free) if t == stop_at and i >= 12]
-    assert held.token_ids == (free[: later[0]] if later else free)
+    assert len(held.token_ids) >= 12
+    assert stop_at not in held.token_ids
     assert EOS_TOKEN_ID != MASK_TOKEN_ID
