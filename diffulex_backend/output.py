@@ -99,7 +99,13 @@ class Detokenizer:
     U+FFFD until its last byte arrives, so trailing replacement characters are held back until then. Stop
     strings end the text at their first match, and the tokens at the one that completes it: a block commits
     whole, and the tokens after the match are not output. As in vLLM, a match that ends inside the text of the first
-    `min_tokens` tokens does not count."""
+    `min_tokens` tokens does not count.
+
+    Decoding is incremental: each block decodes only the tokens since the last complete character, from the
+    last block before them that gave text. A tokenizer may decode a token differently at the start of a text
+    (SentencePiece strips the leading space), so the new text is the difference of two decodes that start at the
+    same token, one that gives text for both to strip alike. Decoding the whole sequence again at every block
+    would cost time in the square of the output length."""
 
     def __init__(self, tokenizer, stop: list[str], min_tokens: int = 0):
         self.tokenizer = tokenizer
@@ -108,12 +114,15 @@ class Detokenizer:
         self.ids: list[int] = []
         self.sent = 0  # characters already handed out
         self.floor: int | None = None if min_tokens else 0  # characters of the first min_tokens tokens, once known
+        self.confirmed = ""  # the text of ids[:read], which ends with a complete character
+        self.prefix = 0  # the decodes of new tokens start here: the last confirmed tokens that gave text
+        self.read = 0
 
     def add(self, ids: list[int], final: bool) -> tuple[str, int | None]:
         """Returns the text delta, and when a stop string matched, how many of `ids` are output (None: all)."""
         num_before = len(self.ids)
         self.ids.extend(ids)
-        text = self._decode(len(self.ids))
+        text = self._text()
         keep = None
         if self.floor is None and len(self.ids) >= self.min_tokens:
             self.floor = len(self._decode(self.min_tokens))
@@ -127,8 +136,8 @@ class Detokenizer:
                     hits.append((start, start + len(stop)))
             if hits:
                 start, end = min(hits)
+                keep = self._tokens_through(text[:end], num_before) - num_before
                 text = text[:start]
-                keep = self._tokens_through(end, num_before) - num_before
                 del self.ids[num_before + keep:]
         if not (final or keep is not None):
             text = text.rstrip("\ufffd")
@@ -137,16 +146,31 @@ class Detokenizer:
         self.sent = max(self.sent, len(text))
         return delta, keep
 
+    def _text(self) -> str:
+        """The text of every token so far (equal to decoding them all), decoding only the new ones."""
+        head = self.tokenizer.decode(self.ids[self.prefix:self.read], skip_special_tokens=True)
+        window = self.tokenizer.decode(self.ids[self.prefix:], skip_special_tokens=True)
+        new = window[len(head):]
+        if new.endswith("\ufffd"):  # a character still incomplete: decode from the same place next time
+            return self.confirmed + new
+        self.confirmed += new
+        if new:  # the next decode starts at these tokens; tokens with no text (skipped specials) give no anchor
+            self.prefix = self.read
+        self.read = len(self.ids)
+        return self.confirmed
+
     def _decode(self, num_ids: int) -> str:
+        """The first `num_ids` tokens' text, decoded whole: for the rare questions of where a character falls."""
         return self.tokenizer.decode(self.ids[:num_ids], skip_special_tokens=True)
 
-    def _tokens_through(self, num_chars: int, low: int) -> int:
-        """The fewest tokens (more than `low`) whose text reaches `num_chars` characters. Bisection: a stop is rare
-        and a block is at most a few dozen tokens."""
+    def _tokens_through(self, target: str, low: int) -> int:
+        """The fewest tokens (more than `low`) whose text begins with `target`, its last character whole (a
+        partial one decodes to U+FFFD, which would count as a character). Bisection: a stop is rare and a block is
+        at most a few dozen tokens."""
         high = len(self.ids)
         while high - low > 1:
             mid = (low + high) // 2
-            if len(self._decode(mid)) >= num_chars:
+            if self._decode(mid).startswith(target):
                 high = mid
             else:
                 low = mid
