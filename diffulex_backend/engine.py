@@ -90,6 +90,10 @@ class DiffulexEngine:
         self.max_token_chars = longest_token_chars(self.tokenizer)
 
         strategy = STRATEGIES.get(config.decoding_strategy)
+        only = getattr(self.model, "DECODING_STRATEGIES", None)  # a family that decodes with its own strategy
+        if only is not None and strategy.name not in only:
+            raise ValueError(f"model {arch.model_name!r} decodes with decoding_strategy {' or '.join(map(repr, only))}"
+                             f" only, got {strategy.name!r}")
         self.req_cls: type[Request] = strategy.request_cls
         if self.workers is not None:
             self._on_ranks(self.workers.channel.broadcast, config)
