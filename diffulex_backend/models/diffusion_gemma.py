@@ -137,6 +137,9 @@ def _rope(reader: ConfigReader, layer_type: str, path) -> tuple[float, float]:
     if kind != allowed:
         raise ValueError(f"{path}: config key 'rope_parameters' gives {layer_type} rope_type {kind!r}; only "
                          f"{allowed!r} is supported there")
+    if entry.get("factor", 1.0) != 1.0:
+        raise ValueError(f"{path}: config key 'rope_parameters' gives {layer_type} a scaling factor "
+                         f"{entry['factor']!r}; only 1.0 (no RoPE scaling) is supported")
     factor = float(entry.get("partial_rotary_factor", 1.0))
     return float(entry.get("rope_theta", default["rope_theta"])), factor
 
