@@ -2,9 +2,12 @@
 generation_config.json with the sampler's settings, safetensors under `model.decoder.` names, and the byte-level
 tokenizer of checkpoint.py. The released model's shape is far too large for tests; the default here is a few
 layers of both attention kinds, with a window short enough that prompts cross it, and a MoE block.
+
+CLI: python -m diffulex_backend.testing.diffusion_gemma_checkpoint OUT_DIR [--seed N] [--set KEY=JSON ...]
 """
 from __future__ import annotations
 
+import argparse
 import json
 import math
 from pathlib import Path
@@ -23,8 +26,18 @@ TINY_SCHEDULE = DenoiseSchedule(max_denoising_steps=6, t_min=0.4, t_max=0.8, ent
                                 confidence_threshold=1.0)
 
 
+# checkpoint.py's shape arguments -> the text_config keys they set.
+SHAPE_ARGUMENTS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
+                   "num_kv_heads": "num_key_value_heads"}
+
+
 def tiny_config(**overrides) -> dict:
-    """config.json of the tiny shape; overrides name text_config keys (or canvas_length)."""
+    """config.json of the tiny shape; overrides name text_config keys (or canvas_length, or checkpoint.py's shape
+    arguments). A layer count without layer_types alternates sliding and full layers, ending with a full one."""
+    overrides = {SHAPE_ARGUMENTS.get(k, k): v for k, v in overrides.items()}
+    layers = overrides.get("num_hidden_layers")
+    if layers is not None and "layer_types" not in overrides:
+        overrides["layer_types"] = [FULL if (layers - 1 - i) % 2 == 0 else SLIDING for i in range(layers)]
     shape = {**TINY, **overrides}
     canvas = shape.pop("canvas_length")
     text = {
@@ -88,3 +101,23 @@ def write_random_diffusion_gemma_checkpoint(path: str | Path, *, seed: int = 0, 
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
     write_byte_tokenizer(directory, arch.max_position_embeddings)
     return directory
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description="Write a random-weight DiffusionGemma checkpoint (tiny shape).")
+    parser.add_argument("out_dir", type=Path)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
+                        help="set a text_config key (or canvas_length), e.g. --set sliding_window=16")
+    args = parser.parse_args(argv)
+    overrides = {}
+    for item in args.set:
+        key, sep, value = item.partition("=")
+        if not sep:
+            parser.error(f"--set expects KEY=JSON, got {item!r}")
+        overrides[key] = json.loads(value)
+    print(write_random_diffusion_gemma_checkpoint(args.out_dir, seed=args.seed, **overrides))
+
+
+if __name__ == "__main__":
+    main()
