@@ -268,6 +268,15 @@ class DiffusionGemmaRunner(ModelRunner):
 
 def validate_diffusion_gemma(config: Config) -> None:
     refuse_cache_options(config)
+    # Settings that would reach no code of this strategy, or parts not built for its model.
+    if config.mode != SamplingMode.THRESHOLD:
+        raise ValueError("config field 'sampling_mode' does not apply to decoding_strategy 'diffusion_gemma', whose "
+                         f"acceptance is the entropy bound of generation_config.json; got {config.sampling_mode!r}")
+    for name, unset in (("retention_ratio", 1.0), ("tensor_parallel_size", 1), ("lora_path", None),
+                        ("lora_modules", None)):
+        if getattr(config, name) != unset:
+            raise ValueError(f"config field '{name}' is not built for decoding_strategy 'diffusion_gemma' "
+                             f"(model 'diffusion_gemma'); got {getattr(config, name)!r}")
     if config.buffer_size != 1:
         raise ValueError(f"config field 'buffer_size' must be 1 for decoding_strategy 'diffusion_gemma' (one "
                          f"canvas in flight per request), got {config.buffer_size}")

@@ -312,6 +312,9 @@ def test_engine_settings_that_cannot_decode_it_are_refused(checkpoint):
         engine(checkpoint, decoding_strategy="multi_bd")
     with pytest.raises(ValueError, match="buffer_size' must be 1"):
         engine(checkpoint, buffer_size=2)
+    for field, value in (("retention_ratio", 0.5), ("lora_modules", "a=/nowhere"), ("sampling_mode", "topk")):
+        with pytest.raises(ValueError, match=f"config field '{field}'.*'diffusion_gemma'"):
+            engine(checkpoint, **{field: value})
     with pytest.raises(ValueError, match="model 'diffusion_gemma' decodes"):
         Diffulex(checkpoint, **{**SETTINGS, "model_name": None, "decoding_strategy": "d2f",
                                 "enable_prefix_caching": False})
