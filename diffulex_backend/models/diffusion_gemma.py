@@ -49,6 +49,7 @@ from diffulex_backend.tensor_parallel import TensorParallel
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 PREFIX = "model.decoder."
+ENCODER_PREFIX = "model.encoder.language_model."
 
 # text_config keys read or checked here, and those that change no forward pass.
 TEXT_CONFIG_KEYS = frozenset({
@@ -58,7 +59,7 @@ TEXT_CONFIG_KEYS = frozenset({
     "tie_word_embeddings", "rope_parameters", "attention_bias", "sliding_window", "layer_types",
     "final_logit_softcapping", "use_bidirectional_attention", "num_experts", "top_k_experts",
     "moe_intermediate_size", "attention_k_eq_v", "num_kv_shared_layers", "use_double_wide_mlp",
-    "enable_moe_block", "hidden_size_per_layer_input", "vocab_size_per_layer_input",
+    "enable_moe_block", "hidden_size_per_layer_input", "vocab_size_per_layer_input", "per_layer_config",
     # Training only.
     "attention_dropout", "initializer_range",
 })
@@ -142,6 +143,31 @@ def _rope(reader: ConfigReader, layer_type: str, path) -> tuple[float, float]:
                          f"{entry['factor']!r}; only 1.0 (no RoPE scaling) is supported")
     factor = float(entry.get("partial_rotary_factor", 1.0))
     return float(entry.get("rope_theta", default["rope_theta"])), factor
+
+
+def _full_layer_shape(r: ConfigReader, types: list[str], path) -> tuple[int, int]:
+    """(head size, KV heads) of the full layers. Released files say `global_head_dim` and
+    `num_global_key_value_heads`; transformers 5 writes them per layer, as `per_layer_config` {index: {"head_dim",
+    "num_key_value_heads"}}, and drops the two keys."""
+    head_dim = r.int("global_head_dim", default=512)
+    kv_heads = r.int("num_global_key_value_heads", default=None, allow_none=True) or r.int("num_key_value_heads")
+    per_layer = r.config.get("per_layer_config")
+    if per_layer is None:
+        return head_dim, kv_heads
+    if not isinstance(per_layer, dict):
+        raise ValueError(f"{path}: config key 'per_layer_config' must be an object, got {per_layer!r}")
+    shapes = set()
+    for index, entry in per_layer.items():
+        layer = int(index) if str(index).isdigit() else -1
+        if not 0 <= layer < len(types) or types[layer] != FULL or not isinstance(entry, dict) \
+                or not set(entry) <= {"head_dim", "num_key_value_heads"}:
+            raise ValueError(f"{path}: config key 'per_layer_config' entry {index!r}: {entry!r}; only full_attention "
+                             "layers may set head_dim and num_key_value_heads")
+        shapes.add((entry.get("head_dim", head_dim), entry.get("num_key_value_heads", kv_heads)))
+    if len(shapes) > 1:
+        raise ValueError(f"{path}: config key 'per_layer_config' gives full_attention layers different shapes "
+                         f"{sorted(shapes)}; one shape for all of them is supported")
+    return shapes.pop() if shapes else (head_dim, kv_heads)
 
 
 def read_schedule(directory: Path) -> DenoiseSchedule:
@@ -298,6 +324,9 @@ class GemmaLayer(nn.Module):
         self.pre_feedforward_layernorm = RMSNorm(h, eps)
         self.post_feedforward_layernorm = RMSNorm(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
+        # Transformers ties the encoder's weights to the decoder's but not its buffers: the released file holds the
+        # encoder's layer scalar apart, and causal rows take it.
+        self.encoder_layer_scalar = nn.Parameter(torch.ones(1))
         if arch.num_experts:
             self.moe = GemmaMoE(arch)
             self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
@@ -306,14 +335,16 @@ class GemmaLayer(nn.Module):
         else:
             self.moe = None
 
-    def forward(self, x, cos, sin, meta, k_cache, v_cache):
+    def forward(self, x, cos, sin, meta, k_cache, v_cache, canvas):
         attended = self.attn(self.input_layernorm(x), cos, sin, meta, k_cache, v_cache)
         residual = x + self.post_attention_layernorm(attended)
         out = self.mlp(self.pre_feedforward_layernorm(residual))
         if self.moe is not None:
             experts = self.moe(self.pre_feedforward_layernorm_2(residual), residual)
             out = self.post_feedforward_layernorm_1(out) + self.post_feedforward_layernorm_2(experts)
-        return (residual + self.post_feedforward_layernorm(out)) * self.layer_scalar
+        scalar = self.encoder_layer_scalar if canvas is None else torch.where(
+            canvas[:, None], self.layer_scalar, self.encoder_layer_scalar)
+        return (residual + self.post_feedforward_layernorm(out)) * scalar
 
 
 class SelfConditioning(nn.Module):
@@ -334,6 +365,7 @@ class DiffusionGemmaModel(DecoderLM):
     ARCHITECTURES = ("DiffusionGemmaForBlockDiffusion",)
     DEFAULT_STRATEGY = "diffusion_gemma"
     DECODING_STRATEGIES = ("diffusion_gemma",)  # no mask token: the masked strategies cannot decode it
+    IGNORED_WEIGHT_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")  # text only
 
     def __init__(self, arch: DiffusionGemmaArch, attention_fn=None, tp: TensorParallel = TensorParallel()):
         nn.Module.__init__(self)
@@ -373,6 +405,7 @@ class DiffusionGemmaModel(DecoderLM):
         if not isinstance(types, list) or len(types) != layers or any(t not in (SLIDING, FULL) for t in types):
             raise ValueError(f"{path}: config key 'layer_types' must list {layers} entries of {SLIDING!r} or "
                              f"{FULL!r}, got {types!r}")
+        global_head_dim, global_kv_heads = _full_layer_shape(r, types, path)
         sliding_theta, sliding_factor = _rope(r, SLIDING, path)
         if sliding_factor != 1.0:
             raise ValueError(f"{path}: config key 'rope_parameters' gives sliding_attention a partial_rotary_factor"
@@ -397,9 +430,7 @@ class DiffusionGemmaModel(DecoderLM):
             num_experts_per_tok=r.int("top_k_experts") if num_experts else 0,
             moe_intermediate_size=r.int("moe_intermediate_size") if num_experts else 0,
             layer_types=tuple(types), sliding_window=r.int("sliding_window", default=512),
-            global_head_dim=r.int("global_head_dim", default=512),
-            num_global_kv_heads=r.int("num_global_key_value_heads", default=None, allow_none=True)
-            or r.int("num_key_value_heads"),
+            global_head_dim=global_head_dim, num_global_kv_heads=global_kv_heads,
             sliding_rope_theta=sliding_theta, global_rope_theta=global_theta, global_rotary_factor=global_factor,
             final_logit_softcapping=None if cap is None else float(cap), canvas_length=canvas,
             top_k_experts=r.int("top_k_experts") if num_experts else 0,
@@ -436,6 +467,10 @@ class DiffusionGemmaModel(DecoderLM):
     def checkpoint_layout(self) -> dict[str, CheckpointWeight]:
         layout = {}
         for name, param in self.named_parameters():
+            if name.endswith("encoder_layer_scalar"):
+                layout[ENCODER_PREFIX + name.replace("encoder_layer_scalar", "layer_scalar")] = CheckpointWeight(
+                    name, tuple(param.shape), None, ((slice(0, 1), ()),))
+                continue
             ckpt = name.replace(".attn.", ".self_attn.").replace("self_conditioning.mlp.", "self_conditioning.")
             if ".moe." in ckpt:
                 part = ckpt.rsplit(".", 1)[1]
@@ -473,7 +508,7 @@ class DiffusionGemmaModel(DecoderLM):
                 k_cache = kv_cache[0, index, :, :, 0, :kvh * d].unflatten(-1, (kvh, d))
                 v_cache = kv_cache[1, index, :, :, 0, :kvh * d].unflatten(-1, (kvh, d))
             cos, sin = angles[arch.layer_types[index]]
-            hidden = layer(hidden, cos, sin, meta, k_cache, v_cache)
+            hidden = layer(hidden, cos, sin, meta, k_cache, v_cache, canvas)
         return self.norm(hidden)
 
     @staticmethod

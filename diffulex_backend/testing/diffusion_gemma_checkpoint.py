@@ -26,6 +26,12 @@ TINY_SCHEDULE = DenoiseSchedule(max_denoising_steps=6, t_min=0.4, t_max=0.8, ent
                                 confidence_threshold=1.0)
 
 
+# The released model carries a Gemma-4 vision tower, which the engine does not serve (its weights are left unread);
+# its config stays in the file, at a tiny size.
+TINY_VISION = {"model_type": "gemma4_vision", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 1,
+               "num_attention_heads": 2, "num_key_value_heads": 2, "head_dim": 16, "patch_size": 16,
+               "rms_norm_eps": 1e-6}
+
 # checkpoint.py's shape arguments -> the text_config keys they set.
 SHAPE_ARGUMENTS = {"num_layers": "num_hidden_layers", "num_heads": "num_attention_heads",
                    "num_kv_heads": "num_key_value_heads"}
@@ -54,7 +60,7 @@ def tiny_config(**overrides) -> dict:
     return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "boi_token_id": 255999, "canvas_length": canvas,
             "dtype": "float32", "eoi_token_id": 258882, "image_token_id": 258880, "initializer_range": 0.02,
             "model_type": "diffusion_gemma", "text_config": text, "tie_word_embeddings": True,
-            "transformers_version": "5.8.0.dev0", "vision_config": None}
+            "transformers_version": "5.8.0.dev0", "vision_config": TINY_VISION}
 
 
 def generation_config(schedule: DenoiseSchedule) -> dict:

@@ -142,7 +142,10 @@ class Reference:
                         gate, up = (self.w[p + "experts.gate_up_proj"][e] @ e_in[t]).chunk(2)
                         moe[t] += top[t, slot] * (self.w[p + "experts.down_proj"][e] @ (F.gelu(gate, approximate="tanh") * up))
                 ff = self.norm(ff, p + "post_feedforward_layernorm_1.weight") + self.norm(moe, p + "post_feedforward_layernorm_2.weight")
-            x = (x + self.norm(ff, p + "post_feedforward_layernorm.weight")) * self.w[p + "layer_scalar"]
+            # Canvas rows are the decoder's; causal rows the encoder's, whose layer scalar is stored apart.
+            scalar = torch.where(in_canvas[:, 0, None], self.w[p + "layer_scalar"],
+                                 self.w[f"model.encoder.language_model.{p}layer_scalar"])
+            x = (x + self.norm(ff, p + "post_feedforward_layernorm.weight")) * scalar
         return self.norm(x, "norm.weight")
 
     def logits(self, h):
