@@ -205,8 +205,10 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor | None, meta: AttentionMetadata, window: int | None) -> torch.Tensor:
     """The paged attention of attention.py with scale 1 and an optional window: a query of block id b sees keys
     at positions >= b - window + 1 (a causal row: the window before it; a canvas row: the window before the
-    canvas, and the whole canvas). The caches are [pages, page_size, kv_heads, head_dim] views that may be
-    strided (one cache row holds the widest layer), so slots are indexed by (page, offset)."""
+    canvas, and the whole canvas). A sequence's rows start at its context length and no block id is below it,
+    so cached tokens before context_len - window + 1 are never read: a sliding layer reads only the pages that
+    hold its window. The caches are [pages, page_size, kv_heads, head_dim] views that may be strided (one cache
+    row holds the widest layer), so slots are indexed by (page, offset)."""
     page = None if k_cache is None else k_cache.shape[1]
     if k_cache is not None:
         keep = meta.slot_mapping >= 0
@@ -223,16 +225,17 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if n == 0:
             continue
         ctx = meta.context_lens_host[b]
+        first = 0 if window is None else max(0, ctx - window + 1)  # the first cached position any row may see
         blk = meta.block_ids[rows].long()
         visible = blk[None, :] <= blk[:, None]
-        if ctx:
-            pos = torch.arange(ctx, device=q.device)
+        if ctx > first:
+            pos = torch.arange(first, ctx, device=q.device)
             pages = meta.page_tables[b][pos // page].long()
             ks = torch.cat([k_cache[pages, pos % page].to(ks.dtype), ks])
             vs = torch.cat([v_cache[pages, pos % page].to(vs.dtype), vs])
-            visible = torch.cat([visible.new_ones(n, ctx), visible], dim=1)
+            visible = torch.cat([visible.new_ones(n, ctx - first), visible], dim=1)
         if window is not None:
-            key_pos = torch.arange(ctx + n, device=q.device)
+            key_pos = torch.arange(first, ctx + n, device=q.device)
             visible = visible & (key_pos[None, :] > blk[:, None] - window)
         acc = torch.promote_types(qs.dtype, torch.float32)
         qa = qs.transpose(0, 1).to(acc)

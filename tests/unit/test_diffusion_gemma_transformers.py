@@ -87,4 +87,7 @@ def test_a_checkpoint_transformers_saves_loads_and_decodes_the_same_tokens(check
     params = SamplingParams(max_tokens=2 * CANVAS, seed=21, ignore_eos=True)
     saved, written = Diffulex(str(hf_dir), **settings), Diffulex(str(ours), **settings)
     assert saved.model.arch.global_head_dim == written.model.arch.global_head_dim == TINY["global_head_dim"]
+    # Both spellings of the config (the release's keys, transformers 5's per_layer_config) load without a key the
+    # family does not know.
+    assert saved.model.arch.unrecognized_config_keys == written.model.arch.unrecognized_config_keys == ()
     assert saved.generate(["a prompt"], params)[0].token_ids == written.generate(["a prompt"], params)[0].token_ids
