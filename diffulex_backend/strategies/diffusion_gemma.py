@@ -17,6 +17,9 @@ Every random draw is a hash of (request seed, position, step in the canvas), so 
 whatever it is batched with; a preempted request restarts its canvas from step 0 and replays it exactly. The
 settings come from the checkpoint's generation_config.json (models/diffusion_gemma.py `DenoiseSchedule`); a
 request's own sampling settings that do not apply (temperature, top_k, thresholds, ...) are refused by name.
+
+The step is eager: the forward runs the torch modules (models/diffusion_gemma.py says why), without CUDA graphs;
+the sampler is batched over every canvas of the step on the device, with one device-to-host copy at its end.
 """
 from __future__ import annotations
 
@@ -68,7 +71,8 @@ class CanvasPlan(SeqPlan):
 
 @dataclass
 class CanvasOutcome:
-    """What a step decided per predicted position: its argmax, and whether its canvas ended."""
+    """What a step decided per predicted position: its argmax, and whether its canvas ended. It travels in
+    StepResult.predictions, which the engine hands to each request's record_predictions."""
 
     argmax: np.ndarray  # [A] int64
     ended: np.ndarray  # [A] bool
@@ -103,7 +107,7 @@ class DiffusionGemmaRequest(Request):
         return start, start + self.config.block_size
 
     def _start_canvas(self) -> None:
-        self.canvas_step, self.repeats = 0, 0
+        self.canvas_step, self.repeats, self.canvas_ended = 0, 0, False
         self.last_argmax = np.full(self.config.block_size, -1, dtype=np.int64)
 
     def plan(self, token_budget: int) -> SeqPlan | None:
@@ -137,7 +141,7 @@ class DiffusionGemmaRequest(Request):
         self.canvas_ended = bool(outcome.ended[at])
 
     def commit_ready_blocks(self) -> int:
-        if not getattr(self, "canvas_ended", False):
+        if not self.canvas_ended:
             self.canvas_step += 1
             return 0
         self.canvas_ended = False
@@ -153,7 +157,6 @@ class DiffusionGemmaRequest(Request):
         # over from its first step, whose draws are the same, so it decodes the same tokens again.
         super().reset_for_recompute()
         self._start_canvas()
-        self.canvas_ended = False
 
 
 class DiffusionGemmaRunner(ModelRunner):
@@ -253,8 +256,7 @@ class DiffusionGemmaRunner(ModelRunner):
         keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted).view(-1)
         noise = random_tokens(row_seeds, RENOISE_KEY, positions, row_steps, vocab)
         canvas = torch.where(keep, sampled, noise)
-        argmax2 = argmax.view(num, size)
-        stable = (repeats >= s.stability_threshold) & (argmax2 == last).all(-1)
+        stable = (repeats >= s.stability_threshold) & (argmax.view(num, size) == last).all(-1)
         if s.stability_threshold == 0:
             stable = torch.ones_like(stable)
         ended = (stable & (entropy.mean(-1) < s.confidence_threshold)) | (steps + 1 >= s.max_denoising_steps)
@@ -272,8 +274,7 @@ def validate_diffusion_gemma(config: Config) -> None:
     if config.mode != SamplingMode.THRESHOLD:
         raise ValueError("config field 'sampling_mode' does not apply to decoding_strategy 'diffusion_gemma', whose "
                          f"acceptance is the entropy bound of generation_config.json; got {config.sampling_mode!r}")
-    for name, unset in (("retention_ratio", 1.0), ("tensor_parallel_size", 1), ("lora_path", None),
-                        ("lora_modules", None)):
+    for name, unset in (("tensor_parallel_size", 1), ("lora_path", None), ("lora_modules", None)):
         if getattr(config, name) != unset:
             raise ValueError(f"config field '{name}' is not built for decoding_strategy 'diffusion_gemma' "
                              f"(model 'diffusion_gemma'); got {getattr(config, name)!r}")
