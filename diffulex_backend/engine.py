@@ -93,7 +93,8 @@ class DiffulexEngine:
         only = getattr(self.model, "DECODING_STRATEGIES", None)  # a family that decodes with its own strategy
         if only is not None and strategy.name not in only:
             raise ValueError(f"model {arch.model_name!r} decodes with decoding_strategy {' or '.join(map(repr, only))}"
-                             f" only, got {strategy.name!r}")
+                             f" only, got {strategy.name!r}; setting model_name {arch.model_name!r} makes it the "
+                             "default")
         self.req_cls: type[Request] = strategy.request_cls
         if self.workers is not None:
             self._on_ranks(self.workers.channel.broadcast, config)
