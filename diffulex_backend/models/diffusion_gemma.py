@@ -5,7 +5,10 @@ under `text_config`). Transformers runs it as an encoder and a decoder that shar
 the prompt and each finished canvas causally and fills the KV cache; the decoder reads the cache and attends
 bidirectionally inside the canvas, writing nothing. Here both are one model: rows fed causally (block id = their
 position) are the encoder's, the canvas rows (one block id) the decoder's, and only the decoder's rows take the
-self-conditioning input. The checkpoint stores the shared weights once, under `model.decoder.`.
+self-conditioning input. The checkpoint stores the shared weights once, under `model.decoder.`, and the encoder's
+layer scalars (buffers, which transformers does not tie) under `model.encoder.language_model.`; its vision tower
+is left unread. config.json comes from testing/diffusion_gemma_checkpoint.py for random checkpoints: ModelArch does
+not describe this family, so checkpoint.py's writer does not write it.
 
 The parts, from transformers' modeling_diffusion_gemma.py and Diffulex's diffusion_gemma.py:
 - attention: `layer_types` alternates sliding-window and full layers. Full layers have their own head size
@@ -288,7 +291,8 @@ class GemmaMLP(nn.Module):
 class GemmaMoE(nn.Module):
     """Gemma-4's router and experts: softmax over the router's logits, the top-k renormalised, each weight then
     scaled per expert. The experts are stacked ([E, 2I, H] gate_up, [E, H, I] down) as the checkpoint holds them;
-    the loop is over experts, as transformers' reference runs them (layers/moe.py's kernel takes SiLU only)."""
+    the loop is over experts, as transformers' eager path runs them, and finding each expert's tokens syncs the
+    host (layers/moe.py's fused kernel would not, but it takes SiLU only)."""
 
     def __init__(self, arch: DiffusionGemmaArch):
         super().__init__()
@@ -440,31 +444,6 @@ class DiffusionGemmaModel(DecoderLM):
             schedule=read_schedule(Path(path).parent),
             unrecognized_config_keys=top.unrecognized + tuple(f"text_config.{k}" for k in r.unrecognized),
         )
-
-    @classmethod
-    def config_dict(cls, arch: DiffusionGemmaArch) -> dict:
-        text = {
-            "attention_bias": False, "attention_dropout": 0.0, "attention_k_eq_v": True, "bos_token_id": 2,
-            "eos_token_id": list(arch.eos_token_ids), "final_logit_softcapping": arch.final_logit_softcapping,
-            "global_head_dim": arch.global_head_dim, "head_dim": arch.head_dim,
-            "hidden_activation": "gelu_pytorch_tanh", "hidden_size": arch.hidden_size, "initializer_range": 0.02,
-            "intermediate_size": arch.intermediate_size, "layer_types": list(arch.layer_types),
-            "max_position_embeddings": arch.max_position_embeddings, "model_type": "diffusion_gemma_text",
-            "num_attention_heads": arch.num_heads, "num_global_key_value_heads": arch.num_global_kv_heads,
-            "num_hidden_layers": arch.num_layers, "num_key_value_heads": arch.num_kv_heads,
-            "pad_token_id": arch.mask_token_id, "rms_norm_eps": arch.rms_norm_eps,
-            "rope_parameters": {
-                FULL: {"partial_rotary_factor": arch.global_rotary_factor, "rope_theta": arch.global_rope_theta,
-                       "rope_type": "proportional"},
-                SLIDING: {"rope_theta": arch.sliding_rope_theta, "rope_type": "default"}},
-            "sliding_window": arch.sliding_window, "tie_word_embeddings": True,
-            "use_bidirectional_attention": None, "vocab_size": arch.vocab_size,
-            "num_experts": arch.num_experts or None, "top_k_experts": arch.top_k_experts or None,
-            "moe_intermediate_size": arch.moe_intermediate_size or None,
-        }
-        return {"architectures": ["DiffusionGemmaForBlockDiffusion"], "canvas_length": arch.canvas_length,
-                "dtype": "bfloat16", "initializer_range": 0.02, "model_type": "diffusion_gemma",
-                "text_config": text, "tie_word_embeddings": True, "transformers_version": "5.8.0.dev0"}
 
     # --- weights -------------------------------------------------------------------------------------------
     def checkpoint_layout(self) -> dict[str, CheckpointWeight]:
