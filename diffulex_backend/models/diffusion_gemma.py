@@ -80,7 +80,8 @@ class DenoiseSchedule:
     max_denoising_steps: int = 48
     t_min: float = 0.4  # temperature at the last step
     t_max: float = 0.8  # temperature at the first step
-    entropy_bound: float = 0.1  # the sampler keeps the lowest-entropy tokens whose entropies, less the largest, sum under it
+    # The sampler keeps the lowest-entropy tokens whose entropies, less the largest of them, sum under this.
+    entropy_bound: float = 0.1
     stability_threshold: int = 1  # steps the argmax canvas must repeat...
     confidence_threshold: float = 0.005  # ...with a mean entropy under this, to end the canvas early
 
@@ -118,7 +119,7 @@ class DiffusionGemmaArch(ModelArch):
         return max(h * d for h, d in map(self.layer_shape, range(self.num_layers)))
 
     def _params(self, routed_experts: int) -> int:
-        total = 2 * self.vocab_size * self.hidden_size if not self.tie_word_embeddings else self.vocab_size * self.hidden_size
+        total = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
         h = self.hidden_size
         for layer in range(self.num_layers):
             kvh, d = self.layer_shape(layer)
@@ -476,9 +477,9 @@ class DiffusionGemmaModel(DecoderLM):
             raise ValueError("model 'diffusion_gemma' takes neither soft inputs nor LoRA adapters")
         arch = self.arch
         work = torch.promote_types(self.embed_tokens.weight.dtype, torch.float32)
+        full_rotated = int(arch.global_head_dim * arch.global_rotary_factor)
         angles = {SLIDING: self._angles(positions, arch.head_dim, arch.head_dim, arch.sliding_rope_theta, work),
-                  FULL: self._angles(positions, arch.global_head_dim,
-                                     int(arch.global_head_dim * arch.global_rotary_factor), arch.global_rope_theta, work)}
+                  FULL: self._angles(positions, arch.global_head_dim, full_rotated, arch.global_rope_theta, work)}
         hidden = self.embed(input_ids)
         if canvas is not None:
             conditioned = self.self_conditioning(hidden, soft_embeds.to(hidden.dtype))
