@@ -89,6 +89,11 @@ class DiffulexEngine:
         self.max_token_chars = longest_token_chars(self.tokenizer)
 
         strategy = STRATEGIES.get(config.decoding_strategy)
+        only = getattr(self.model, "DECODING_STRATEGIES", None)  # a family that decodes with its own strategy
+        if only is not None and strategy.name not in only:
+            raise ValueError(f"model {arch.model_name!r} decodes with decoding_strategy {' or '.join(map(repr, only))}"
+                             f" only, got {strategy.name!r}; setting model_name {arch.model_name!r} makes it the "
+                             "default")
         self.req_cls: type[Request] = strategy.request_cls
         channel = None if self.workers is None else self.workers.channel
         if channel is not None:

@@ -99,7 +99,9 @@ def _tensor_names(file: Path) -> list[str]:
 
 def load_weights(model: DecoderLM, directory: Path) -> None:
     layout = model.checkpoint_layout()
-    files = weight_files(directory)
+    # Parts of a checkpoint a family does not serve (DiffusionGemma's vision tower) are left unread.
+    ignored = getattr(model, "IGNORED_WEIGHT_PREFIXES", ())
+    files = {name: file for name, file in weight_files(directory).items() if not name.startswith(ignored)}
     source = directory / (WEIGHTS_FILE if (directory / WEIGHTS_FILE).is_file() else WEIGHTS_INDEX_FILE)
     unexpected = sorted(set(files) - set(layout))
     if unexpected:

@@ -39,11 +39,14 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_attention(name: str, device: torch.device, head_dim: int):
+def resolve_attention(name: str, device: torch.device, head_dim: int, family_takes_kernels: bool = True):
     """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
-    the model's head size, else the torch reference."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    the model's family and head size, else the torch reference."""
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or not family_takes_kernels)):
         return paged_attention_reference
+    if not family_takes_kernels:
+        raise ValueError("config field 'attention_backend' is 'triton', whose kernels do not serve this model's "
+                         "attention (its sliding window and head sizes); use 'torch' or 'auto'")
     if device.type != "cuda":
         raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
     from diffulex_kernels.attention import HEAD_DIMS, paged_attention
@@ -70,7 +73,7 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
 
 
 def select_attention(model, attention_backend: str, device: torch.device) -> None:
-    attention_fn = resolve_attention(attention_backend, device, model.arch.head_dim)
+    attention_fn = resolve_attention(attention_backend, device, model.arch.head_dim, model.TRITON_ATTENTION)
     for layer in model.layers:
         layer.attn.attention_fn = attention_fn
     # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).

@@ -68,7 +68,10 @@ class StepResult:
 
 
 def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """The KV cache of this rank: the KV heads its attention reads (all of them on one rank)."""
+    """The KV cache of this rank: the KV heads its attention reads (all of them on one rank). A family whose layers
+    differ in KV shape (DiffusionGemma) lays out its own."""
+    if hasattr(model, "kv_cache_shape"):
+        return model.kv_cache_shape(num_pages, page_size)
     arch = model.arch
     return (2, arch.num_layers, num_pages, page_size, model.layers[0].attn.num_kv_heads, arch.head_dim)
 

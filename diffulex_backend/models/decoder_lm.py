@@ -176,6 +176,7 @@ class DecoderLM(nn.Module):
     # Run `layers.fused_forward` (Triton kernels, CUDA only) instead of the torch modules; the engine turns it
     # on when the Triton attention backend is selected.
     fused_kernels: bool = False
+    TRITON_ATTENTION = True  # the Triton attention kernel (and the fused path with it) serves this family
 
     def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()

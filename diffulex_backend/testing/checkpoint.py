@@ -337,7 +337,8 @@ def write_byte_tokenizer(directory: Path, model_max_length: int) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    families = AutoModelForDiffusionLM.keys()
+    # DiffusionGemma's two head shapes and window are not ModelArch's: diffusion_gemma_checkpoint.py writes it.
+    families = [name for name in AutoModelForDiffusionLM.keys() if name != "diffusion_gemma"]
     shapes = {**RELEASED_SHAPES, **{f"{name}-tiny": dict(model_name=name) for name in families}}
     parser = argparse.ArgumentParser(description="Write a random-weight checkpoint in a family's released layout.")
     parser.add_argument("out_dir", type=Path)

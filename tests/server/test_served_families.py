@@ -14,6 +14,7 @@ from triton_server import STARTUP_TIMEOUT_S, SHUTDOWN_TIMEOUT_S, TritonServer, a
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
+from diffulex_backend.testing.diffusion_gemma_checkpoint import write_random_diffusion_gemma_checkpoint
 
 # Head size 64: the Triton attention kernel's smallest; two layers keep the load short.
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256)
@@ -43,6 +44,10 @@ MODELS = {
     "dream_reasoner_multi_bd": ("dream_reasoner", {"model_name": "dream_reasoner", "decoding_strategy": "multi_bd"},
                                 {}),
     "stable_diffcoder_multi_bd": ("stable_diffcoder", {}, {}),  # detected from config.json
+    # SHAPE for its sliding layers (its full layers, window and MoE block are the writer's tiny ones), its canvas as
+    # the block; greedy is the only temperature it accepts: the sampler's come from generation_config.json.
+    "diffusion_gemma": ("diffusion_gemma", {"model_name": "diffusion_gemma", "decoding_strategy": "diffusion_gemma",
+                                            "block_size": 8, "buffer_size": 1}, {}),
 }
 GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 
@@ -51,7 +56,8 @@ GREEDY = {"max_tokens": 24, "temperature": 0, "ignore_eos": True}
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     paths = {family: write_random_checkpoint(root / family, family, **SHAPE)
-             for family in {family for family, _, _ in MODELS.values()}}
+             for family in {family for family, _, _ in MODELS.values()} - {"diffusion_gemma"}}
+    paths["diffusion_gemma"] = write_random_diffusion_gemma_checkpoint(root / "diffusion_gemma", seed=1, **SHAPE)
     paths["adapter"] = write_peft_adapter(root / "adapter", paths["llada"], ["q_proj", "k_proj", "v_proj", "attn_out",
                                                                              "ff_proj", "up_proj", "ff_out"],
                                           rank=4, seed=1)

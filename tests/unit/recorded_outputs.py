@@ -18,13 +18,16 @@ from pathlib import Path
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.registry import STRATEGIES, AutoModelForDiffusionLM
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
+from diffulex_backend.testing.diffusion_gemma_checkpoint import write_random_diffusion_gemma_checkpoint
 
 RECORD = Path(__file__).with_name("recorded_outputs.json")
 SETTINGS = dict(block_size=4, page_size=4, buffer_size=2, max_model_len=96, max_num_batched_tokens=128,
                 dtype="float64", device="cpu", accept_threshold=0.5, warm_up=False)
-# Fast-dLLM v2 decodes blocks in sub-blocks: the smallest pairing that takes more than one.
+# Fast-dLLM v2 decodes blocks in sub-blocks: the smallest pairing that takes more than one. DiffusionGemma's
+# blocks are its checkpoint's canvases.
 STRATEGY_SETTINGS = {"fast_dllm_v2": dict(block_size=8, sub_block_size=4, buffer_size=1),
-                     "fast_dllm": dict(buffer_size=1), "vanilla": dict(buffer_size=1)}
+                     "fast_dllm": dict(buffer_size=1), "vanilla": dict(buffer_size=1),
+                     "diffusion_gemma": dict(block_size=8, buffer_size=1)}
 PROMPTS = ["a shared prefix of sixteen and one", "the quick brown fox", "a shared prefix of sixteen and two", "ab"]
 REQUESTS = [
     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
@@ -37,7 +40,8 @@ REQUESTS = [
 def outputs(root: Path) -> dict[str, dict]:
     record = {}
     for family in AutoModelForDiffusionLM.keys():
-        checkpoint = write_random_checkpoint(root / family, family)
+        checkpoint = (write_random_diffusion_gemma_checkpoint(root / family) if family == "diffusion_gemma" else
+                      write_random_checkpoint(root / family, family))
         for strategy in STRATEGIES.keys():
             key = f"{family}/{strategy}"
             try:
@@ -47,11 +51,21 @@ def outputs(root: Path) -> dict[str, dict]:
                 record[key] = {"refused": str(refusal).replace(str(checkpoint), "CHECKPOINT")}
                 continue
             try:
-                results = engine.generate(PROMPTS, REQUESTS)
+                # A request the strategy refuses keeps its refusal; the others run together.
+                refusals = {}
+                for index, (prompt, params) in enumerate(zip(PROMPTS, REQUESTS)):
+                    try:
+                        engine.prepare_request(prompt, params)
+                    except ValueError as refusal:
+                        refusals[index] = {"refused": str(refusal)}
+                accepted = [i for i in range(len(PROMPTS)) if i not in refusals]
+                results = dict(zip(accepted, engine.generate([PROMPTS[i] for i in accepted],
+                                                             [REQUESTS[i] for i in accepted]) if accepted else []))
             finally:
                 engine.close()
-            record[key] = {"requests": [{"token_ids": r.token_ids, "text": r.text, "finish_reason": str(r.finish_reason),
-                                         "nfe": r.nfe} for r in results]}
+            record[key] = {"requests": [refusals.get(i) or {
+                "token_ids": results[i].token_ids, "text": results[i].text,
+                "finish_reason": str(results[i].finish_reason), "nfe": results[i].nfe} for i in range(len(PROMPTS))]}
     return record
 
 

@@ -17,7 +17,7 @@ from engine_driver import run_requests, tiny_engine
 INVALID = {
     "model": ("", "a path to a checkpoint directory"),
     "model_name": (5, "a registered model name or null"),
-    "decoding_strategy": ("nope", "one of ['d2f', 'dmax', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
+    "decoding_strategy": ("nope", "one of ['d2f', 'diffusion_gemma', 'dmax', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
     "sampling_mode": ("greedy", "one of ['threshold', 'topk']"),
     "block_size": (0, "an integer >= 1"),
     "buffer_size": (0, "an integer >= 1"),

@@ -13,7 +13,7 @@ from diffulex_backend.registry import STRATEGIES as STRATEGY_TABLE
 from diffulex_backend.registry import AutoModelForDiffusionLM, Registry, register_strategy
 from engine_driver import run_requests, tiny_engine
 
-STRATEGIES = ["d2f", "dmax", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
+STRATEGIES = ["d2f", "diffusion_gemma", "dmax", "fast_dllm", "fast_dllm_v2", "multi_bd", "vanilla"]
 
 
 def test_every_strategy_is_registered():
@@ -40,7 +40,7 @@ def test_an_unset_strategy_is_the_named_familys_default(llada_checkpoint):
 
 
 def test_unknown_model_name_error_lists_the_registered_families(llada_checkpoint):
-    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['diffucoder', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"
+    message = "AutoModelForDiffusionLM: unknown model_name 'gpt2'; registered: ['diffucoder', 'diffusion_gemma', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"
     with pytest.raises(CheckpointError, match="^" + re.escape(message) + "$"):
         tiny_engine(llada_checkpoint, model_name="gpt2")
 
@@ -79,7 +79,7 @@ def test_a_strategy_and_its_alias_cannot_be_registered_twice():
 
 
 def test_model_families_are_registered_by_name():
-    assert AutoModelForDiffusionLM.keys() == ["diffucoder", "dream", "dream_reasoner", "fast_dllm_v2", "llada", "llada2", "sdar", "sdar_moe", "stable_diffcoder"]
+    assert AutoModelForDiffusionLM.keys() == ["diffucoder", "diffusion_gemma", "dream", "dream_reasoner", "fast_dllm_v2", "llada", "llada2", "sdar", "sdar_moe", "stable_diffcoder"]
 
 
 def test_a_registry_refuses_a_key_or_alias_twice_and_without_default_says_so():

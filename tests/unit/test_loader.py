@@ -79,7 +79,7 @@ def test_model_name_is_detected_from_model_type_then_architectures():
     assert detect_model_name({"model_type": "sdar"}, "config.json") == "sdar"
     assert detect_model_name({"architectures": ["LLaDAModelLM"]}, "config.json") == "llada"
     with raises("config.json: config key 'model_type' is 'gpt2' (architectures ['GPT2LMHeadModel']), which names"
-                " no registered model; registered: ['diffucoder', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"):
+                " no registered model; registered: ['diffucoder', 'diffusion_gemma', 'dream', 'dream_reasoner', 'fast_dllm_v2', 'llada', 'llada2', 'sdar', 'sdar_moe', 'stable_diffcoder']"):
         detect_model_name({"model_type": "gpt2", "architectures": ["GPT2LMHeadModel"]}, "config.json")
 
 

@@ -13,7 +13,7 @@ SETTINGS = {
     "retention_ratio": (0.5, lambda strategy: strategy.request_cls.SUPPORTS_PAGE_RETENTION),
     "sub_block_size": (4, lambda strategy: strategy.name == "fast_dllm_v2"),
     "edit_threshold": (0.5, lambda strategy: strategy.name == "dmax"),
-    "remask_threshold": (0.5, lambda strategy: strategy.name != "fast_dllm_v2"),
+    "remask_threshold": (0.5, lambda strategy: strategy.name not in ("fast_dllm_v2", "diffusion_gemma")),
 }
 
 
