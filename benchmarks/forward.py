@@ -246,9 +246,9 @@ def cached_context_plans(engine, batch: int, context: int, generator: torch.Gene
     pool = engine.kv_cache.num_pages
     plans = []
     for i in range(batch):
-        req = engine.req_cls(f"bench-{i}", random_prompt(context, arch.vocab_size, generator),
-                             SamplingParams(max_tokens=BLOCK, ignore_eos=True), config, config.mask_token_id, i,
-                             arch.shifted)
+        resolved = engine.prepare_request(random_prompt(context, arch.vocab_size, generator),
+                                          SamplingParams(max_tokens=BLOCK, ignore_eos=True, seed=i))
+        req = engine.req_cls(f"bench-{i}", resolved, config, config.mask_token_id, arch.shifted)
         req.num_cached = context
         req.page_table = [(i * pages_per_request + p) % pool for p in range(pages_per_request)]
         if arch.shifted:  # the hidden state of the last prompt token predicts the block's first token

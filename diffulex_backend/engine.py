@@ -16,22 +16,14 @@ from .model_setup import build_runner, load_rank_model, resolve_device, resolve_
 from .output import Detokenizer, LogprobRecord, RequestOutput, StepOutput
 from .plan import SchedulerOutput
 from .refusal import Refusal
+from .resolve import ResolvedRequest, resolve
 from .registry import STRATEGIES
 from .request import FinishReason, Request, RequestStatus
-from .sampling import GREEDY_TEMPERATURE, SamplingParams
+from .sampling import SamplingParams
 from .tensor_parallel import TensorParallel
 from .workers import BroadcastRunner, WorkerGroup
 from .tokenizer import load_tokenizer, longest_token_chars, resolve_eos_token_ids, resolve_mask_token_id
 from .warm_up import warm_up as run_warm_up
-
-
-@dataclass(frozen=True)
-class PreparedRequest:
-    """A request that passed every check that does not depend on engine state: ready to queue."""
-
-    prompt_ids: list[int]
-    params: SamplingParams
-    seed: int
 
 
 @dataclass
@@ -140,7 +132,7 @@ class DiffulexEngine:
             self.workers.close()
 
     # ---- requests -----------------------------------------------------------------------------------------
-    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> PreparedRequest:
+    def prepare_request(self, prompt: str | list[int], params: SamplingParams | None = None) -> ResolvedRequest:
         """Tokenize and check a request without touching engine state, so any thread may call it and a request
         that cannot be served is refused here, alone, before it could reach a step. Raises ValueError."""
         params = params or SamplingParams()
@@ -173,7 +165,6 @@ class DiffulexEngine:
             raise Refusal(f"prompt has {n} tokens and max_tokens is {m}: {n} + {m} = {n + m} exceeds "
                           f"max_model_len ({limit})", "max_tokens")
         self.req_cls.check_prompt(n, self.config)
-        self.req_cls.check_params(params, self.config)
         if params.lora_name is not None and params.lora_name not in self.lora_slots:
             raise Refusal(f"sampling parameter 'lora_name' is {params.lora_name!r}, which names no adapter; "
                           f"registered (config field 'lora_modules'): {sorted(self.lora_slots)}", "lora_name")
@@ -181,49 +172,25 @@ class DiffulexEngine:
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
             raise Refusal(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}",
                           "max_tokens")
-        seed = params.seed if params.seed is not None else self._seeds.getrandbits(32)
-        # The step packs both into int64 tensors: the noise hash takes a 32-bit seed (the two halves of a 64-bit
-        # one folded together; a seed below 2**32 is unchanged), and a top_k past the vocabulary keeps all of it.
-        seed = (seed ^ (seed >> 32)) & 0xFFFFFFFF
-        if params.top_k > vocab:
-            params = dataclasses.replace(params, top_k=vocab)
-        if params.temperature < GREEDY_TEMPERATURE:
-            params = dataclasses.replace(params, temperature=0.0)
-        return PreparedRequest(prompt_ids, params, seed)
+        return resolve(prompt_ids, params, self.config, self.req_cls, draw_seed=lambda: self._seeds.getrandbits(32),
+                       lora_index=-1 if params.lora_name is None else self.lora_slots[params.lora_name],
+                       eos_token_ids=self.eos_token_ids, vocab_size=vocab)
 
-    def add_request(self, prompt: str | list[int] | PreparedRequest, params: SamplingParams | None = None,
+    def add_request(self, prompt: str | list[int] | ResolvedRequest, params: SamplingParams | None = None,
                     request_id: str | None = None) -> str:
-        """Queue a request; returns its id. A PreparedRequest (from prepare_request) is queued as it is."""
-        prepared = prompt if isinstance(prompt, PreparedRequest) else self.prepare_request(prompt, params)
+        """Queue a request; returns its id. A ResolvedRequest (from prepare_request) is queued as it is."""
+        resolved = prompt if isinstance(prompt, ResolvedRequest) else self.prepare_request(prompt, params)
         request_id = str(next(self._ids)) if request_id is None else str(request_id)
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        req = self.req_cls(request_id, prepared.prompt_ids, prepared.params, self.config, self.config.mask_token_id,
-                           prepared.seed, self.model.arch.shifted)
-        if prepared.params.lora_name is not None:  # the adapter's slot travels to the runner in each plan
-            req.sampling = dataclasses.replace(req.sampling, lora_index=self.lora_slots[prepared.params.lora_name])
-        req.sampling = dataclasses.replace(req.sampling, **self._output_rules(req))
-        if prepared.params.logprobs is not None:
-            self.logprob_records[request_id] = LogprobRecord(prepared.params.max_tokens, prepared.params.logprobs)
+        req = self.req_cls(request_id, resolved, self.config, self.config.mask_token_id, self.model.arch.shifted)
+        if resolved.params.logprobs is not None:
+            self.logprob_records[request_id] = LogprobRecord(resolved.stop.max_tokens, resolved.params.logprobs)
         self.requests[request_id] = req
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, prepared.params.stop, prepared.params.min_tokens)
+        self.detokenizers[request_id] = Detokenizer(self.tokenizer, list(resolved.stop.strings),
+                                                    resolved.stop.min_tokens)
         self.scheduler.add(req)
         return request_id
-
-    def _stop_token_ids(self, params: SamplingParams) -> list[int]:
-        return params.stop_token_ids + ([] if params.ignore_eos else self.eos_token_ids)
-
-    def _output_rules(self, req: Request) -> dict:
-        """What the sampler needs of the request's output rules: the log-probabilities it asks for, and the tokens
-        min_tokens bans from its first positions (as vLLM does, EOS and stop tokens cannot be sampled there, so
-        the output is at least min_tokens long)."""
-        params, rules = req.params, {}
-        if params.logprobs is not None:
-            rules["logprobs"] = params.logprobs
-        banned = sorted(set(self._stop_token_ids(params))) if params.min_tokens else []
-        if banned:
-            rules.update(banned_until=req.gen_start + params.min_tokens, banned_ids=tuple(banned))
-        return rules
 
     def abort(self, request_id: str) -> None:
         """Drop the request and free its pages now. Unknown or finished ids are ignored."""
@@ -279,15 +246,14 @@ class DiffulexEngine:
 
     def _emit(self, req: Request, old_end: int) -> StepOutput:
         new = req.tokens[old_end:req.committed_end]
-        stop_ids = self._stop_token_ids(req.params)
-        reason = None
-        if stop_ids:
-            hits = np.flatnonzero(np.isin(new, stop_ids))
-            hits = hits[hits >= req.params.min_tokens - (old_end - req.gen_start)]  # too early to stop
+        stop, reason = req.stop, None
+        if stop.token_ids:
+            hits = np.flatnonzero(np.isin(new, stop.token_ids))
+            hits = hits[hits >= stop.min_tokens - (old_end - req.gen_start)]  # too early to stop
             if hits.size:
                 new, reason = new[: hits[0]], FinishReason.STOP
         ids = new.tolist()
-        if reason is None and req.num_committed >= req.params.max_tokens:
+        if reason is None and req.num_committed >= stop.max_tokens:
             reason = FinishReason.LENGTH
         text, keep = self.detokenizers[req.request_id].add(ids, final=reason is not None)
         if keep is not None:

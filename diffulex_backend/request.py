@@ -13,9 +13,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .sampling import SamplingMode
-from .plan import LogitBlock, RequestSampling, SeqPlan
-from .refusal import Refusal
-from .retention import Retention
+from .plan import LogitBlock, SeqPlan
+from .resolve import ResolvedRequest
 from .sampling import SamplingParams
 
 if TYPE_CHECKING:
@@ -45,34 +44,25 @@ class Request:
         """Raise ValueError if a prompt of this length could never be scheduled."""
 
     @classmethod
-    def check_params(cls, params: SamplingParams, config: "Config") -> None:
-        """Raise ValueError for sampling parameters this strategy cannot honour."""
-        for name, strategy in (("sub_block_size", "fast_dllm_v2"), ("edit_threshold", "dmax")):
-            if getattr(params, name) is not None and config.decoding_strategy != strategy:
-                raise Refusal(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
-                              f"not '{config.decoding_strategy}'", name)
-        if params.retention_ratio not in (None, 1, 1.0) and not cls.SUPPORTS_PAGE_RETENTION:
-            raise Refusal(f"sampling parameter 'retention_ratio' must be 1 or null for decoding_strategy "
-                          f"'{config.decoding_strategy}', which does not drop pages", "retention_ratio")
+    def check_strategy_params(cls, params: SamplingParams, config: "Config") -> None:
+        """Raise Refusal for sampling parameters this strategy cannot honour, beyond the checks every strategy
+        shares (resolve.check_params runs those first, always)."""
 
-    def __init__(self, request_id: str, prompt_ids: list[int], params: SamplingParams, config: "Config",
-                 mask_token_id: int, seed: int, shifted: bool):
+    def __init__(self, request_id: str, resolved: ResolvedRequest, config: "Config", mask_token_id: int,
+                 shifted: bool):
         self.request_id = request_id
         self.shift = 1 if shifted else 0  # shifted models predict position i from the hidden state at i - 1
-        self.params = params
-        self.config = config
+        self.params = params = resolved.params
+        self.sampling = resolved.sampling
+        self.stop = resolved.stop
+        self.config = config  # the block layout and the strategy's settings
         self.mask_token_id = mask_token_id
+        prompt_ids = resolved.prompt_ids
         self.num_prompt_tokens = len(prompt_ids)
         # numpy, not torch: the scheduler reads and writes a few slices of it per step, where a torch op costs
         # several microseconds and a numpy one well under one.
         self.tokens = np.full(len(prompt_ids) + params.max_tokens, mask_token_id, dtype=np.int64)
         self.tokens[: len(prompt_ids)] = prompt_ids
-        self.sampling = RequestSampling(
-            seed=seed, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
-            confidence_kind=params.confidence_kind,
-            accept_threshold=config.accept_threshold if params.accept_threshold is None else params.accept_threshold,
-            remask_threshold=config.remask_threshold if params.remask_threshold is None else params.remask_threshold,
-        )
         self.status = RequestStatus.WAITING
         self.finish_reason: FinishReason | None = None
         self.num_committed = 0  # generated tokens that are final
@@ -81,10 +71,7 @@ class Request:
         self.num_cached = 0  # positions [0, num_cached) have K/V in the cache
         self.num_prefix_hit = 0  # of them, tokens that came from the prefix cache at admission
         self.page_table: list[int] = []  # -1 marks a page dropped by page retention
-        ratio = config.retention_ratio if params.retention_ratio is None else params.retention_ratio
-        head_select = config.head_select if params.head_select is None else params.head_select
-        prompt_pages = -(-self.num_prompt_tokens // config.page_size)
-        self.retention = Retention(ratio, head_select, prompt_pages) if ratio < 1 else None
+        self.retention = resolved.retention
         self.retention_pending = self.retention is not None  # its pages are not chosen yet
         self.num_dropped_pages = 0
         self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager

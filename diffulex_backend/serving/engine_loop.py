@@ -38,7 +38,7 @@ from .metrics import ServingMetrics
 
 if TYPE_CHECKING:
     from .. import Diffulex, EngineMetrics, StepOutput
-    from ..engine import PreparedRequest
+    from ..resolve import ResolvedRequest
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ class FailureCause(enum.Enum):
 @dataclass(frozen=True)
 class Submit:
     request_id: str
-    prepared: PreparedRequest
+    prepared: ResolvedRequest
     stream: ResponseStream
     arrival_time: float
 
@@ -193,7 +193,7 @@ class EngineLoop:
     def state(self) -> LoopState:
         return self._state
 
-    def submit(self, prepared: PreparedRequest, stream: ResponseStream) -> None:
+    def submit(self, prepared: ResolvedRequest, stream: ResponseStream) -> None:
         """Hand a request the engine has prepared (engine.prepare_request) to the decoding thread."""
         with self._lock:
             if self._state is LoopState.RUNNING:

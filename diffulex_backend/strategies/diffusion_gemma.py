@@ -81,8 +81,7 @@ class CanvasOutcome:
 
 class DiffusionGemmaRequest(Request):
     @classmethod
-    def check_params(cls, params: SamplingParams, config: Config) -> None:
-        super().check_params(params, config)
+    def check_strategy_params(cls, params: SamplingParams, config: Config) -> None:
         for name, default in NOT_HONOURED.items():
             if getattr(params, name) != default:
                 raise Refusal(f"sampling parameter '{name}' does not apply to decoding_strategy 'diffusion_gemma', "

@@ -44,8 +44,6 @@ from .block_diffusion import BLOCK_THRESHOLDS, BlockDiffusionRequest, validate_m
 class DMaxRequest(BlockDiffusionRequest):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        edit = self.config.edit_threshold if self.params.edit_threshold is None else self.params.edit_threshold
-        self.sampling = dataclasses.replace(self.sampling, edit_threshold=edit)
         k = self.config.token_merge_top_k
         # The last prediction of each generated position: top-k tokens and probabilities (0: never predicted).
         self.pred_ids = np.zeros((self.params.max_tokens, k), dtype=np.int64)

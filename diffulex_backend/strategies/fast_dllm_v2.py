@@ -48,8 +48,7 @@ def sub_block_size_error(sub_block_size: int, block_size: int, where: str) -> st
 
 class FastDLLMv2Request(Request):
     @classmethod
-    def check_params(cls, params: SamplingParams, config: Config) -> None:
-        super().check_params(params, config)
+    def check_strategy_params(cls, params: SamplingParams, config: Config) -> None:
         if params.sub_block_size is not None:
             error = sub_block_size_error(params.sub_block_size, config.block_size, "sampling parameter")
             if error:

@@ -10,7 +10,7 @@ import pytest
 from triton_server import TEST_SETTINGS
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.engine import PreparedRequest
+from diffulex_backend.resolve import ResolvedRequest
 from diffulex_backend.serving.engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
 from diffulex_backend.serving.metrics import ServingMetrics
 
@@ -140,7 +140,7 @@ class EngineRefusingOnePrompt(Diffulex):
     """An engine whose add_request raises for one prompt, as a fault of ours might, after preparation passed."""
 
     def add_request(self, prompt, params=None, request_id=None):
-        if isinstance(prompt, PreparedRequest) and prompt.prompt_ids == self.tokenizer.encode("refused"):
+        if isinstance(prompt, ResolvedRequest) and prompt.prompt_ids == self.tokenizer.encode("refused"):
             raise RuntimeError("cannot queue this one")
         return super().add_request(prompt, params, request_id)
 

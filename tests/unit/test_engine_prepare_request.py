@@ -42,9 +42,9 @@ def test_a_text_too_long_to_ever_fit_is_refused_before_it_is_tokenized(llm):
 
 
 def test_seeds_past_32_bits_fold_into_the_noise_key_and_top_k_past_the_vocabulary_keeps_it_all(llm):
-    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=7)).seed == 7
-    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=2**64 - 1)).seed == 0
-    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=(5 << 32) | 3)).seed == 6
+    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=7)).sampling.seed == 7
+    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=2**64 - 1)).sampling.seed == 0
+    assert llm.prepare_request("hi", SamplingParams(max_tokens=8, seed=(5 << 32) | 3)).sampling.seed == 6
     assert llm.prepare_request("hi", SamplingParams(max_tokens=8, top_k=2**31 - 1)).params.top_k == 258
 
 

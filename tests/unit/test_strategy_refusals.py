@@ -7,6 +7,7 @@ import pytest
 from diffulex_backend import SamplingParams
 from diffulex_backend.config import Config
 from diffulex_backend.registry import STRATEGIES
+from diffulex_backend.resolve import check_params
 
 # A setting that only some strategies honour -> (a value that asks for it, whether a strategy's request honours it).
 SETTINGS = {
@@ -33,13 +34,13 @@ def test_a_setting_a_strategy_does_not_honour_is_refused_by_name(name, setting):
     value, honoured = SETTINGS[setting]
     params = SamplingParams(**{setting: value})
     if honoured(strategy):
-        strategy.request_cls.check_params(params, config_for(name))
+        check_params(params, config_for(name), strategy.request_cls)
         return
     with pytest.raises(ValueError, match=f"'{setting}'.*'{strategy.name}'") as caught:
-        strategy.request_cls.check_params(params, config_for(name))
+        check_params(params, config_for(name), strategy.request_cls)
     assert caught.value.field == setting
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES.keys()))
 def test_every_strategy_takes_a_request_with_the_default_settings(name):
-    STRATEGIES.get(name).request_cls.check_params(SamplingParams(), config_for(name))
+    check_params(SamplingParams(), config_for(name), STRATEGIES.get(name).request_cls)
