@@ -16,6 +16,9 @@ small kernels would otherwise cost more than the weights take to stream.
   Dense layers of a MoE model take the dense path above.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
   stride), after the per-head norms.
+- FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
+  streaming kernel: the activations' per-token cast, then the fp8 product; their split-K partial sum is the one
+  product, and gate_up's SiLU-and-mul the separate launch.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
 - LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
@@ -32,6 +35,7 @@ from __future__ import annotations
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.fp8_linear import Fp8Linear
 from diffulex_backend.layers.lora import LoraSegments, LoraStack, row_slots
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
@@ -39,6 +43,8 @@ from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
+from diffulex_kernels.activation import silu_and_mul
+from diffulex_kernels.fp8 import fp8_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
@@ -108,16 +114,34 @@ def _add_to_first_partial(partials: torch.Tensor, x: torch.Tensor, stack: LoraSt
     return partials
 
 
+def _project(proj, x: torch.Tensor) -> torch.Tensor:  # [T, N]
+    if isinstance(proj, Fp8Linear):
+        return fp8_linear(x, proj.weight, proj.weight_scale, proj.bias)
+    return linear(x, proj.weight, proj.bias)
+
+
+def _project_partials(proj, x: torch.Tensor) -> torch.Tensor:  # [S, T, N]
+    if isinstance(proj, Fp8Linear):
+        return fp8_linear(x, proj.weight, proj.weight_scale)[None]
+    return linear_partials(x, proj.weight)
+
+
+def _project_silu_and_mul(proj, x: torch.Tensor) -> torch.Tensor:  # [T, N / 2]
+    if isinstance(proj, Fp8Linear):
+        return silu_and_mul(fp8_linear(x, proj.weight, proj.weight_scale))
+    return linear_silu_and_mul(x, proj.weight)
+
+
 def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
                slots: torch.Tensor | None) -> torch.Tensor:  # [S, T, hidden]
     """down_proj's partial sums of silu(gate) * up; slots: each row's adapter slot, with `lora`."""
     stack = mlp.gate_up_lora
     if lora is None or stack is None:
-        h = linear_silu_and_mul(x, mlp.gate_up_proj.weight)  # [T, intermediate]
+        h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:
-        h = silu_and_mul_lora(linear(x, mlp.gate_up_proj.weight), shrink(x, stack.a, lora.table, lora.max_rows),
+        h = silu_and_mul_lora(_project(mlp.gate_up_proj, x), shrink(x, stack.a, lora.table, lora.max_rows),
                               stack.b, slots)
-    return _add_to_first_partial(linear_partials(h, mlp.down_proj.weight), h, mlp.down_lora, lora)
+    return _add_to_first_partial(_project_partials(mlp.down_proj, h), h, mlp.down_lora, lora)
 
 
 def _self_attention(
@@ -133,7 +157,7 @@ def _self_attention(
     tokens = x.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_size, kv_size, _ = attn.split_sizes
-    qkv = _add_lora(linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias), x, attn.qkv_lora, lora)  # [T, q + 2 kv]
+    qkv = _add_lora(_project(attn.qkv_proj, x), x, attn.qkv_lora, lora)  # [T, q + 2 kv]
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
@@ -160,4 +184,4 @@ def _self_attention(
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
         meta.retention_stats.add(q, k_cache, meta, attn.scale)
     out = out.reshape(tokens, q_size)
-    return _add_to_first_partial(linear_partials(out, attn.o_proj.weight), out, attn.o_lora, lora)
+    return _add_to_first_partial(_project_partials(attn.o_proj, out), out, attn.o_lora, lora)
