@@ -102,16 +102,16 @@ def test_scaled_mm_equals_the_product_of_its_dequantized_operands(shape):
 @gpu_only
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_fp8_linear_is_within_activation_rounding_of_the_weight_only_reference(shape):
-    """W8A8 against the CPU path's weight-only product (dequantized weights, float activations): the bound is
-    e4m3's relative rounding of the activations, 2^-4 per element, which averages down over K; 3% holds it with the
-    bf16 output's rounding on top."""
+    """W8A8 against the CPU path's weight-only product (dequantized weights, float activations). Each e4m3
+    activation is within 2^-4 of itself; with random signs the product's relative error is about the rms of that
+    rounding, 2^-4 / sqrt(3) = 3.6%, so 2^-4 bounds it with the bf16 output's rounding on top."""
     m, k, n = shape
     gen = generator(4)
     x = randn(m, k, dtype=torch.bfloat16, gen=gen)
     w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5)
     out = fp8_linear(x, w_q, w_scale)
     want = x.double() @ dequantize_weight(w_q, w_scale).double().T
-    assert out.dtype == torch.bfloat16 and relative_error(out, want) < 3e-2
+    assert out.dtype == torch.bfloat16 and relative_error(out, want) < 2**-4
     # And exactly the product of the reference cast, up to the float32 sums and the bf16 output.
     x_q, x_scale = quantize_rows_reference(x)
     assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale)) < 8e-3
