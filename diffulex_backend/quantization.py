@@ -33,6 +33,8 @@ QUANTIZATION_CONFIG = "quantization_config"
 QUANTIZED_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "w_gate_up",
                       "w_down")
 LM_HEAD = "lm_head.weight"
+# Those whose columns (the input dimension) tensor parallelism splits among ranks.
+ROW_SPLIT = ("o_proj.weight", "down_proj.weight", "w_down")
 # The checkpoint dtype name safetensors gives float8_e4m3fn.
 SAFETENSORS_FP8 = "F8_E4M3"
 _KNOWN_KEYS = {"quant_method", "activation_scheme", "fmt", "weight_block_size", "ignored_layers",
@@ -161,19 +163,26 @@ def empty_fp8_layout(model: nn.Module, scheme: Fp8Scheme, layout: dict) -> None:
 @torch.no_grad()
 def quantize_model(model: nn.Module, lm_head: bool = False) -> None:
     """Quantizes, in place and one parameter at a time, every parameter FP8 covers that is not fp8 yet, with a
-    scale per output channel. A MoE stack goes one expert at a time, so the float32 work tensors stay small."""
+    scale per output channel. A MoE stack goes one expert at a time, so the float32 work tensors stay small.
+
+    Under tensor parallelism a row-parallel weight (o_proj, down_proj, the experts' down stack) holds a share of
+    each row's columns: the row's absolute maximum is taken over all ranks, so every rank holds the scales and fp8
+    values of one rank's model, and the ranks together compute what it computes."""
+    tp = getattr(model, "tp", None)
     for name in fp8_params(model, lm_head):
         param = dict(model.named_parameters())[name]
         if param.dtype == FP8:
             continue
-        if param.dim() == 3:
-            weight = torch.empty(param.shape, dtype=FP8, device=param.device)
-            scale = torch.empty(*param.shape[:-1], 1, dtype=torch.float32, device=param.device)
-            for expert in range(param.shape[0]):
-                weight[expert], scale[expert] = quantize_weight(param[expert])
-        else:
-            weight, scale = quantize_weight(param)
-        replace_param(model, name, weight, scale)
+        stack = param if param.dim() == 3 else param[None]  # [E, N, K], E = 1 for a projection
+        amax = torch.stack([w.abs().amax(-1, keepdim=True).float() for w in stack])  # [E, N, 1]
+        if tp is not None and tp.size > 1 and name.endswith(ROW_SPLIT) and not (param.dim() == 3
+                                                                               and tp.expert_parallel):
+            tp.all_reduce_max(amax)
+        weight = torch.empty(stack.shape, dtype=FP8, device=param.device)
+        scale = torch.empty(*stack.shape[:-1], 1, dtype=torch.float32, device=param.device)
+        for expert in range(stack.shape[0]):
+            weight[expert], scale[expert] = quantize_weight(stack[expert], amax=amax[expert])
+        replace_param(model, name, *((weight, scale) if param.dim() == 3 else (weight[0], scale[0])))
 
 
 def has_fp8(model: nn.Module) -> bool:

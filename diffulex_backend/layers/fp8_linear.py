@@ -22,14 +22,16 @@ FP8_MAX = torch.finfo(FP8).max  # 448
 MIN_SCALE = torch.finfo(torch.float32).tiny
 
 
-def quantize_weight(weight: torch.Tensor, groups: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_weight(weight: torch.Tensor, groups: int = 1, amax: torch.Tensor | None = None
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """weight [..., N, K] -> (q [..., N, K] float8_e4m3fn, scale [..., N, groups] float32): each group of K / groups
-    columns of a row is scaled so that its largest magnitude lands on FP8_MAX, then rounded to nearest."""
+    columns of a row is scaled so that its largest magnitude (or `amax` [..., N, groups], when the row's other
+    columns live elsewhere) lands on FP8_MAX, then rounded to nearest."""
     k = weight.shape[-1]
     if k % groups:
         raise ValueError(f"quantize_weight: {k} columns do not split into {groups} groups")
     w = weight.float().unflatten(-1, (groups, k // groups))  # [..., N, G, K / G]
-    scale = (w.abs().amax(-1) / FP8_MAX).clamp_min(MIN_SCALE)  # [..., N, G]
+    scale = ((w.abs().amax(-1) if amax is None else amax.float()) / FP8_MAX).clamp_min(MIN_SCALE)  # [..., N, G]
     q = (w / scale[..., None]).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return q.flatten(-2), scale
 
