@@ -95,7 +95,7 @@ def measure_ceilings(device: torch.device, smoke: bool) -> tuple[float, float, f
     a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
     aq, _ = quantize_weight(a)
     bq, _ = quantize_weight(b)
-    ones = torch.ones(m, 1, device=device)
+    rows, columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
     # An idle GPU starts at low clocks: keep it busy a while first.
     warm_until = time.perf_counter() + 2.0
     while time.perf_counter() < warm_until:
@@ -103,7 +103,7 @@ def measure_ceilings(device: torch.device, smoke: bool) -> tuple[float, float, f
         synchronize(device)
     copy_ms = device_ms(lambda: dst.copy_(src), device, reps=10)
     bf16_ms = device_ms(lambda: a @ b, device, reps=10)
-    fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=ones, scale_b=ones.t(),
+    fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=rows, scale_b=columns,
                                                 out_dtype=torch.bfloat16), device, reps=10)
     del src, dst
     return 2 * 2 * n / (copy_ms * 1e-3), 2 * m**3 / (bf16_ms * 1e-3), 2 * m**3 / (fp8_ms * 1e-3)

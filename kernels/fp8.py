@@ -9,8 +9,9 @@
   partial product by its group's scale.
 - `scaled_mm` is cuBLASLt's FP8 product through `torch._scaled_mm`, with row-wise scales (one per token, one per
   weight row); it takes G = 1 only.
-`fp8_linear` chooses: the Triton kernel up to `TRITON_MAX_ROWS` rows and for block scales, `scaled_mm` above
-(benchmarks/fp8.py measures both at a decode step's shapes).
+`fp8_linear` chooses: the Triton kernel up to `TRITON_MAX_ROWS` rows, for block scales and for activations other
+than bf16 (cuBLASLt writes row-wise scaled products in bf16 only), `scaled_mm` otherwise (benchmarks/fp8.py
+measures both at a decode step's shapes).
 
 The scales are float32 and every product accumulates in float32. The output is in the activations' dtype.
 """
@@ -136,12 +137,14 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scal
 
 def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """fp8_matmul by cuBLASLt (`torch._scaled_mm`, row-wise scales); w_scale [N, 1] only."""
+    """fp8_matmul by cuBLASLt (`torch._scaled_mm`, row-wise scales); w_scale [N, 1] only. cuBLASLt writes a
+    row-wise scaled product in bf16 only: another out_dtype is that bf16 product, converted."""
     if w_scale.shape[-1] != 1:
         raise ValueError("scaled_mm: cuBLASLt's row-wise product takes one scale per weight row")
     out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale.float().reshape(-1, 1),
-                           scale_b=w_scale.float().reshape(1, -1), out_dtype=out_dtype)
-    return out if bias is None else out + bias
+                           scale_b=w_scale.float().reshape(1, -1), out_dtype=torch.bfloat16)
+    out = out if bias is None else out + bias
+    return out.to(out_dtype)
 
 
 def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
@@ -149,6 +152,6 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     """x [M, K] @ (w * w_scale).T + bias -> [M, N] in x's dtype: activations cast per token in one launch, then
     the product that suits the rows (module note)."""
     x_q, x_scale = quantize_rows(x.contiguous())
-    use_cublas = x.is_cuda and x.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and x.dtype != torch.float32
+    use_cublas = x.is_cuda and x.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and x.dtype == torch.bfloat16
     product = scaled_mm if use_cublas else fp8_matmul
     return product(x_q, x_scale, w, w_scale, bias, x.dtype)
