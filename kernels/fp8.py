@@ -36,8 +36,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK:
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    scale = tl.maximum(tl.max(tl.abs(x), axis=0) / 448.0, 1.1754943508222875e-38)
-    # Round-to-nearest division, as torch divides, so the fp8 values match the reference bit for bit.
+    # Round-to-nearest divisions, as torch divides, so the scale and the fp8 values match the reference bit for bit.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1.1754943508222875e-38)
     q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
     tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
