@@ -226,3 +226,12 @@ def test_settings_refuse_an_unknown_quantization_and_a_lone_fp8_lm_head(checkpoi
                                                    "'fp8'")):
         Config(model=str(checkpoints["llada"]), fp8_lm_head=True)
     assert Config(model=str(checkpoints["llada"]), quantization="fp8", fp8_lm_head=True).fp8_lm_head
+
+
+def test_fp8_on_a_gpu_older_than_ada_is_refused_before_loading(checkpoints, monkeypatch):
+    """The capability check runs before any weight reaches the device: an A100 (8.0) is named with its version."""
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(ValueError, match=re.escape("quantization 'fp8' needs a GPU of compute capability 8.9 or newer"
+                                                   " (Ada, Hopper) for its FP8 products; NVIDIA A100-SXM4-80GB is 8.0")):
+        load_model(checkpoints["llada"], quantization="fp8", device="cuda")
