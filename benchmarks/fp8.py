@@ -8,7 +8,8 @@ Ways (each a layer's four products, over LAYERS layers whose weights are separat
 - scaled_mm + torch cast: the same after a per-token cast in separate torch ops (amax, divide, cast);
 - scaled_mm + fused cast: after `quantize_rows`, the one-pass Triton cast the engine uses;
 - triton: the Triton `tl.dot` fp8 kernel (`fp8_matmul`) on activations cast beforehand;
-- triton + fused cast: `quantize_rows` then the Triton kernel.
+- triton + fused cast: `quantize_rows` then the Triton kernel;
+- triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast.
 `fp8_linear` takes the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the table says which way wins
 where.
 
@@ -46,7 +47,8 @@ from result_table import ResultTable  # noqa: E402
 LLADA_8B = [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
 SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)]
 LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
-WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast")
+WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
+        "triton W8A16")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
 
 
@@ -71,6 +73,9 @@ def layer_fn(way: str, x: torch.Tensor, layers_bf16, layers_fp8, pre_cast):
                 xk = x[k]
                 if way == "bf16":
                     outs.append(F.linear(xk, w))
+                    continue
+                if way == "triton W8A16":
+                    outs.append(fp8_matmul(xk, None, wq, ws, None, torch.bfloat16))
                     continue
                 if way in ("scaled_mm", "triton"):
                     xq, xs = pre_cast[k]
@@ -121,6 +126,8 @@ def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
         exact = (xq.float() * xs[:, None]) @ (wq.float() * ws).T
         assert ((got - exact).norm() / exact.norm()) < 1e-5, f"{name} {rows} rows: triton fp8 product"
         assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: activation cast error"
+        got = fp8_matmul(xk, None, wq, ws, None, torch.float32)  # weight-only: the bf16 activations themselves
+        assert ((got - want).norm() / want.norm()) < 1e-5, f"{name} {rows} rows: triton W8A16 product"
         if device.type == "cuda":
             for product in (scaled_mm, fp8_matmul):
                 got = product(*quantize_rows(xk), wq, ws, None, torch.float32)

@@ -7,6 +7,9 @@
   tensor-core product and the tokens on the narrow side. A weight with one scale per row (G = 1) is scaled once,
   after the sum over K; block-scaled weights (G > 1, a released checkpoint's 128×128 blocks) scale each K tile's
   partial product by its group's scale.
+- with `x_scale` None the same kernel is weight-only (W8A16): the activations stay in their dtype and each fp8
+  weight tile is widened to it in registers, which skips the activations' cast at the price of 16-bit tensor-core
+  products; benchmarks/fp8.py measures it beside W8A8 at a few rows, where the weights' bytes decide.
 - `scaled_mm` is cuBLASLt's FP8 product through `torch._scaled_mm`, with row-wise scales (one per token, one per
   weight row); it takes G = 1 only.
 `fp8_linear` chooses: the Triton kernel up to `TRITON_MAX_ROWS` rows, for block scales and for activations other
@@ -20,6 +23,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from .dtypes import dot_dtype
 
 FP8 = torch.float8_e4m3fn
 FP8_MAX = 448.0
@@ -69,10 +74,11 @@ def _fp8_matmul_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
     M, N, K, stride_xm, stride_wn, stride_om, GROUPS, GROUP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = w_tile @ x_tile.T over K; GROUPED: each K tile scaled by its column group's
-    scale (GROUP_K a multiple of BLOCK_K), else the row scale after the loop."""
+    scale (GROUP_K a multiple of BLOCK_K), else the row scale after the loop. X_SCALED: x is fp8 with a scale per
+    row (W8A8); else x is in its float dtype and the weight tile is widened to DOT_DTYPE in registers (W8A16)."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -91,6 +97,9 @@ def _fp8_matmul_kernel(
             k_valid = offs_k + k < K
             w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
             x = tl.load(x_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
+        if not X_SCALED:
+            w = w.to(DOT_DTYPE)
+            x = x.to(DOT_DTYPE)
         if GROUPED:
             s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + k // GROUP_K, mask=n_valid, other=0.0)
             acc += tl.dot(w, x) * s[:, None]
@@ -100,16 +109,18 @@ def _fp8_matmul_kernel(
         x_ptrs += BLOCK_K
     if not GROUPED:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[:, None]
-    acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_valid, other=0.0)[None, :]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_valid, other=0.0)[None, :]
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[:, None]
     out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
 
 
-def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
                bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
-    """x_q [M, K] fp8, x_scale [M], w [N, K] fp8, w_scale [N, G] -> [M, N] in out_dtype, by the Triton kernel."""
+    """x_q [M, K] fp8, x_scale [M], w [N, K] fp8, w_scale [N, G] -> [M, N] in out_dtype, by the Triton kernel.
+    x_scale None: x_q is the float activations themselves, and the weights are widened to their dtype (W8A16)."""
     m, k = x_q.shape
     n, groups = w.shape[0], w_scale.shape[-1]
     if w.shape[1] != k or w_scale.shape[0] != n or k % groups:
@@ -126,11 +137,13 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scal
     # Enough programs to fill the multiprocessors at decode, where the weight rows are the only parallel side.
     block_n = 64 if triton.cdiv(n, 64) * triton.cdiv(m, block_m) >= 120 else 32
     w_scale = w_scale.float().contiguous()
+    weight_only = x_scale is None
     _fp8_matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
-        x_q, x_scale, w, w_scale, bias if bias is not None else w_scale, out,
+        x_q, w_scale if weight_only else x_scale, w, w_scale, bias if bias is not None else w_scale, out,
         m, n, k, x_q.stride(0), w.stride(0), out.stride(0), groups, group_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GROUPED=groups > 1,
-        HAS_BIAS=bias is not None, num_warps=4, num_stages=4,
+        HAS_BIAS=bias is not None, X_SCALED=not weight_only,
+        DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv, num_warps=4, num_stages=4,
     )
     return out
 

@@ -10,7 +10,7 @@ def test_smoke_run_times_each_way_against_bf16_and_marks_the_engines_choice(tmp_
     rows = csv_rows(tmp_path / "fp8.csv")
     # cuBLASLt's ways need a GPU; the rest run at both row counts.
     assert [(r["rows"], r["way"]) for r in rows] == [(n, w) for n in ("4", "32")
-                                                     for w in ("bf16", "triton", "triton + fused cast")]
+                                                     for w in ("bf16", "triton", "triton + fused cast", "triton W8A16")]
     by_rows = {}
     for row in rows:
         by_rows.setdefault(row["rows"], {})[row["way"]] = row

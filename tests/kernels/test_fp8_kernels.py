@@ -52,6 +52,20 @@ def test_fp8_matmul_equals_the_product_of_its_dequantized_operands(shape, groups
     assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale, bias)) < 1e-5
 
 
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_weight_only_fp8_matmul_equals_the_float_product_with_dequantized_weights(shape, groups):
+    m, k, n = shape
+    gen = generator(6)
+    x = randn(m, k, dtype=torch.bfloat16, gen=gen)
+    w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
+    bias = randn(n, dtype=torch.float32, gen=gen)
+    out = fp8_matmul(x, None, w_q, w_scale, bias, out_dtype=torch.float32)
+    want = x.double() @ dequantize_weight(w_q, w_scale).double().T + bias.double()
+    # fp8 values are exact in bf16, so the products are exact; only the float32 sums and the scaling round.
+    assert relative_error(out, want) < 1e-5
+
+
 def test_fp8_matmul_scales_each_column_group_by_its_own_block_scale():
     """Block scales that differ by 2^10 between column groups: a kernel that took one scale a row would be off by
     far more than rounding."""
