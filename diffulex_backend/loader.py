@@ -233,11 +233,10 @@ def _prepare_fp8(model: DecoderLM, scheme: Fp8Scheme, config_path: Path) -> None
     """The empty model's quantized parameters as fp8 weights and scales laid out for the checkpoint's scheme."""
     layout = model.checkpoint_layout()
     try:
-        check_unquantized(scheme, {n: w.param for n, w in layout.items() if is_quantized_param(w.param)},
-                          config_path)
+        check_unquantized(scheme, {n: w.param for n, w in layout.items() if is_quantized_param(w.param)})
         empty_fp8_layout(model, scheme, layout)
     except ValueError as e:
-        raise CheckpointError(f"{config_path}: {e}" if not str(e).startswith(str(config_path)) else str(e)) from e
+        raise CheckpointError(f"{config_path}: {e}") from e
 
 
 def check_fp8_device(device: torch.device, what: str) -> None:

@@ -101,14 +101,14 @@ def read_scheme(config: dict, path: str | Path) -> Fp8Scheme | None:
     return Fp8Scheme(block, tuple(unquantized))
 
 
-def check_unquantized(scheme: Fp8Scheme, checkpoint_names: dict[str, str], path: str | Path) -> None:
+def check_unquantized(scheme: Fp8Scheme, checkpoint_names: dict[str, str]) -> None:
     """Refuses a checkpoint that keeps in its float dtype a projection this engine runs in FP8 (checkpoint_names:
     checkpoint weight name -> parameter name, of the quantized parameters). Modules it keeps that stay in float here
     anyway (lm_head, routers, embeddings) are what releases list, and pass."""
     for module in scheme.unquantized:
         for name in checkpoint_names:
             if name.startswith(module + ".") or f".{module}." in f".{name}":
-                raise ValueError(f"{path}: config key '{QUANTIZATION_CONFIG}' keeps module {module!r} unquantized, "
+                raise ValueError(f"config key '{QUANTIZATION_CONFIG}' keeps module {module!r} unquantized, "
                                  f"which holds weight {name!r} that this engine loads in FP8; a checkpoint with "
                                  "unquantized projections is not supported")
 

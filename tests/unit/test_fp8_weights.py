@@ -235,3 +235,48 @@ def test_fp8_on_a_gpu_older_than_ada_is_refused_before_loading(checkpoints, monk
     with pytest.raises(ValueError, match=re.escape("quantization 'fp8' needs a GPU of compute capability 8.9 or newer"
                                                    " (Ada, Hopper) for its FP8 products; NVIDIA A100-SXM4-80GB is 8.0")):
         load_model(checkpoints["llada"], quantization="fp8", device="cuda")
+
+
+def test_a_merged_adapter_goes_into_the_weights_before_they_are_quantized(checkpoints, tmp_path):
+    from diffulex_backend.model_setup import load_model_with_adapters
+    from diffulex_backend.quantization import quantize_model
+    from diffulex_backend.testing.checkpoint import write_peft_adapter
+
+    adapter = str(write_peft_adapter(tmp_path / "adapter", checkpoints["llada"], ["q_proj", "ff_out"]))
+    settings = dict(model=str(checkpoints["llada"]), lora_path=adapter, pre_merge_lora=True)
+    merged_then_quantized, _ = load_model_with_adapters(Config(**settings, quantization="fp8"), torch.device("cpu"),
+                                                        torch.float32)
+    merged, _ = load_model_with_adapters(Config(**settings), torch.device("cpu"), torch.float32)
+    quantize_model(merged)
+    got, want = dict(merged_then_quantized.named_parameters()), dict(merged.named_parameters())
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[n].view(torch.uint8) if got[n].dtype == FP8 else got[n],
+                           want[n].view(torch.uint8) if want[n].dtype == FP8 else want[n]) for n in got)
+
+
+def test_an_fp8_checkpoint_refuses_a_merged_adapter(checkpoints, tmp_path):
+    from diffulex_backend.testing.checkpoint import write_peft_adapter
+
+    fp8_dir = edited_release(checkpoints, tmp_path)
+    adapter = str(write_peft_adapter(tmp_path / "adapter", checkpoints["llada"], ["q_proj"]))
+    with pytest.raises(ValueError, match=re.escape("config field 'lora_path' merges an adapter into the weights, but "
+                                                   f"{fp8_dir} is an FP8 checkpoint; use lora_modules")):
+        tiny_engine(str(fp8_dir), lora_path=adapter, pre_merge_lora=True)
+
+
+def test_adapters_chosen_per_request_apply_beside_fp8_weights(checkpoints, tmp_path):
+    """lora_modules on an FP8 model: a request with the adapter decodes what the merged float model of the
+    dequantized weights plus the adapter decodes, and a request without it decodes the FP8 model alone."""
+    from diffulex_backend.testing.checkpoint import write_peft_adapter
+
+    fp8_dir, float_dir = tmp_path / "fp8", tmp_path / "float"
+    write_fp8_pair(checkpoints["llada"], fp8_dir, float_dir)
+    adapter = str(write_peft_adapter(tmp_path / "adapter", checkpoints["llada"], ["q_proj", "v_proj", "ff_out"],
+                                     seed=2))
+    prompt, plain, adapted = "adapters", SamplingParams(max_tokens=12), SamplingParams(max_tokens=12, lora_name="a")
+    llm = tiny_engine(str(fp8_dir), lora_modules={"a": adapter})
+    got_plain, got_adapted = (run_requests(llm, [prompt], p)[0].token_ids for p in (plain, adapted))
+    assert got_plain == run_requests(tiny_engine(str(float_dir)), [prompt], plain)[0].token_ids
+    merged = tiny_engine(str(float_dir), lora_path=adapter, pre_merge_lora=True)
+    assert got_adapted == run_requests(merged, [prompt], plain)[0].token_ids
+    assert got_adapted != got_plain
