@@ -280,3 +280,22 @@ def test_adapters_chosen_per_request_apply_beside_fp8_weights(checkpoints, tmp_p
     merged = tiny_engine(str(float_dir), lora_path=adapter, pre_merge_lora=True)
     assert got_adapted == run_requests(merged, [prompt], plain)[0].token_ids
     assert got_adapted != got_plain
+
+
+def test_config_pbtxt_parameters_reach_the_served_models_weights(checkpoints):
+    """quantization and fp8_lm_head as Triton hands them to the model (strings), through engine_settings."""
+    from diffulex_backend.serving.engine_settings import engine_settings
+
+    parameters = {"model": {"string_value": str(checkpoints["llada"])}, "quantization": {"string_value": "fp8"},
+                  "fp8_lm_head": {"string_value": "true"}, "dtype": {"string_value": "float32"},
+                  "max_model_len": {"string_value": "96"}, "max_num_reqs": {"string_value": "2"}}
+    settings = engine_settings(parameters, model_dir=".")
+    llm = tiny_engine(settings.pop("model"), **settings)
+    assert isinstance(llm.model.lm_head, Fp8Linear) and isinstance(llm.model.layers[0].attn.qkv_proj, Fp8Linear)
+    unset = engine_settings({**parameters, "quantization": {"string_value": ""},
+                             "fp8_lm_head": {"string_value": "false"}}, model_dir=".")
+    assert "quantization" not in unset  # an empty value leaves the field unset: the checkpoint's own weights
+    assert not any(p.dtype == FP8 for p in tiny_engine(unset.pop("model"), **unset).model.parameters())
+    with pytest.raises(ValueError, match=re.escape("config field 'quantization' must be one of [None, 'fp8']")):
+        bad = engine_settings({**parameters, "quantization": {"string_value": "int4"}}, model_dir=".")
+        Config(**bad)
