@@ -128,8 +128,8 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
                          "do not fit")
     group_k = k // groups
     block_k = BLOCK_K if groups == 1 or group_k % BLOCK_K == 0 else group_k
-    if groups > 1 and (block_k < 16 or block_k & (block_k - 1)):
-        raise ValueError(f"fp8_matmul: column groups of {group_k} are not a power of two of at least 16")
+    if groups > 1 and (block_k < 32 or block_k & (block_k - 1)):  # fp8 tensor-core products take K tiles of 32
+        raise ValueError(f"fp8_matmul: column groups of {group_k} are not a power of two of at least 32")
     out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
     if m == 0:
         return out
@@ -165,6 +165,9 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
     """x [M, K] @ (w * w_scale).T + bias -> [M, N] in x's dtype: activations cast per token in one launch, then
     the product that suits the rows (module note)."""
     x_q, x_scale = quantize_rows(x.contiguous())
-    use_cublas = x.is_cuda and x.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and x.dtype == torch.bfloat16
+    # cuBLASLt's fp8 products take sizes that are multiples of 16 (a vocabulary of 258 rows is not).
+    aligned = w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+    use_cublas = (x.is_cuda and x.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and aligned
+                  and x.dtype == torch.bfloat16)
     product = scaled_mm if use_cublas else fp8_matmul
     return product(x_q, x_scale, w, w_scale, bias, x.dtype)
