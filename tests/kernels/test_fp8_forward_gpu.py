@@ -1,6 +1,6 @@
-"""FP8 weights through the CUDA forward: the fused forward's W8A8 products stay within a bound, stated before it
-was measured, of the float forward of the same (dequantized) weights; and the engine's CUDA graphs give the
-tokens of its eager steps, dense and MoE."""
+"""FP8 weights through the CUDA forward: the fused forward's W8A8 products stay within a stated bound of the float
+forward of the same (dequantized) weights; and the engine's CUDA graphs give the tokens of its eager steps, dense
+and MoE."""
 from __future__ import annotations
 
 import pytest
@@ -17,9 +17,11 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused
 
 SHAPE = dict(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=8, intermediate_size=1024, head_dim=64)
 # Each e4m3 activation is within 2^-4 of itself, and with random signs a product's relative error is about the
-# rms of that rounding, 2^-4 / sqrt(3) = 3.6%; eight products over two layers, each feeding a residual stream that
-# carries the error forward, stay under 3x that at the last hidden state.
-HIDDEN_BOUND = 0.11
+# rms of that rounding, 2^-4 / sqrt(3) = 3.6% (tests/kernels/test_fp8_kernels.py holds one product to 2^-4). The
+# random checkpoints' attention is sharp (scores of std ~4), which multiplies the q and k errors through the
+# softmax: the same forward on the CPU, with torch's cast in place of the kernel's and float32 weights, is 0.141 to
+# 0.146 off at the last hidden state over four inputs. bf16 adds a few tenths of a percent; 0.2 leaves room for it.
+HIDDEN_BOUND = 0.2
 
 
 def metadata(tokens: int) -> AttentionMetadata:
