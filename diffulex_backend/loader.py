@@ -14,10 +14,11 @@ from safetensors import SafetensorError, safe_open
 
 import diffulex_backend.models  # noqa: F401  (registers the families)
 from diffulex_backend.attention import paged_attention_reference
+from diffulex_backend.config import QUANTIZATIONS
 from diffulex_backend.layers.fp8_linear import FP8
 from diffulex_backend.models.decoder_lm import CheckpointWeight, DecoderLM
 from diffulex_backend.quantization import (
-    QUANTIZATION_CONFIG, QUANTIZATIONS, SAFETENSORS_FP8, Fp8Scheme, check_unquantized, empty_fp8_layout,
+    QUANTIZATION_CONFIG, SAFETENSORS_FP8, Fp8Scheme, check_unquantized, empty_fp8_layout,
     expand_scale, is_quantized_param, quantize_model, read_scheme, scale_columns, scale_param,
 )
 from diffulex_backend.registry import AutoModelForDiffusionLM

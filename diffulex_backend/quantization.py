@@ -25,16 +25,14 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from diffulex_backend.config import QUANTIZATIONS  # noqa: F401  (the settings' names, read by the loader)
 from diffulex_backend.layers.fp8_linear import FP8, Fp8Linear, quantize_weight
+from diffulex_backend.models.decoder_lm import SPLITS, Split
 
 QUANTIZATION_CONFIG = "quantization_config"
 # Parameter name suffixes of the projections that are quantized.
 QUANTIZED_SUFFIXES = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight", "w_gate_up",
                       "w_down")
 LM_HEAD = "lm_head.weight"
-# Those whose columns (the input dimension) tensor parallelism splits among ranks.
-ROW_SPLIT = ("o_proj.weight", "down_proj.weight", "w_down")
 # The checkpoint dtype name safetensors gives float8_e4m3fn.
 SAFETENSORS_FP8 = "F8_E4M3"
 _KNOWN_KEYS = {"quant_method", "activation_scheme", "fmt", "weight_block_size", "ignored_layers",
@@ -175,8 +173,8 @@ def quantize_model(model: nn.Module, lm_head: bool = False) -> None:
             continue
         stack = param if param.dim() == 3 else param[None]  # [E, N, K], E = 1 for a projection
         amax = torch.stack([w.abs().amax(-1, keepdim=True).float() for w in stack])  # [E, N, 1]
-        if tp is not None and tp.size > 1 and name.endswith(ROW_SPLIT) and not (param.dim() == 3
-                                                                               and tp.expert_parallel):
+        split = next((v for k, v in SPLITS.items() if name.endswith(k)), Split.REPLICATED)
+        if tp is not None and tp.size > 1 and split is Split.ROW and not (param.dim() == 3 and tp.expert_parallel):
             tp.all_reduce_max(amax)
         weight = torch.empty(stack.shape, dtype=FP8, device=param.device)
         scale = torch.empty(*stack.shape[:-1], 1, dtype=torch.float32, device=param.device)
