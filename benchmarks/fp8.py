@@ -124,7 +124,9 @@ def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
         xq, xs = quantize_rows_reference(xk)
         got = fp8_matmul(xq, xs, wq, ws, None, torch.float32)
         exact = (xq.float() * xs[:, None]) @ (wq.float() * ws).T
-        assert ((got - exact).norm() / exact.norm()) < 1e-5, f"{name} {rows} rows: triton fp8 product"
+        # float32 sums under the interpreter; Hopper's fp8 tensor cores add at reduced precision (kernels/fp8.py).
+        sum_tolerance = 1e-5 if device.type == "cpu" else 2**-12
+        assert ((got - exact).norm() / exact.norm()) < sum_tolerance, f"{name} {rows} rows: triton fp8 product"
         assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: activation cast error"
         got = fp8_matmul(xk, None, wq, ws, None, torch.float32)  # weight-only: the bf16 activations themselves
         assert ((got - want).norm() / want.norm()) < 1e-5, f"{name} {rows} rows: triton W8A16 product"

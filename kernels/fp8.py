@@ -33,6 +33,10 @@ MIN_SCALE = torch.finfo(torch.float32).tiny
 # of 32 rows streams the weights (the Triton kernel's shape), 1024 rows are a compute-bound GEMM.
 TRITON_MAX_ROWS = 64
 BLOCK_K = 128
+# Hopper's fp8 tensor cores add products at reduced precision (about 14 bits, DeepSeek-V3's report), and Triton lets
+# them run a whole K loop that way by default: the sum is promoted to the float32 accumulator after every
+# instruction's 32 products instead.
+FP8_PROMOTE_EVERY = 32
 
 
 @triton.jit
@@ -75,6 +79,7 @@ def _fp8_matmul_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, GROUPS, GROUP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = w_tile @ x_tile.T over K; GROUPED: each K tile scaled by its column group's
     scale (GROUP_K a multiple of BLOCK_K), else the row scale after the loop. X_SCALED: x is fp8 with a scale per
@@ -102,9 +107,9 @@ def _fp8_matmul_kernel(
             x = x.to(DOT_DTYPE)
         if GROUPED:
             s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + k // GROUP_K, mask=n_valid, other=0.0)
-            acc += tl.dot(w, x) * s[:, None]
+            acc += tl.dot(w, x, max_num_imprecise_acc=IMPRECISE_ACC) * s[:, None]
         else:
-            acc = tl.dot(w, x, acc)
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
         w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if not GROUPED:
@@ -143,7 +148,8 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
         m, n, k, x_q.stride(0), w.stride(0), out.stride(0), groups, group_k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GROUPED=groups > 1,
         HAS_BIAS=bias is not None, X_SCALED=not weight_only,
-        DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv, num_warps=4, num_stages=4,
+        DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv,
+        IMPRECISE_ACC=None if weight_only else FP8_PROMOTE_EVERY, num_warps=4, num_stages=4,
     )
     return out
 

@@ -27,6 +27,10 @@ pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and os.environ.get("TRITON_
 gpu_only = pytest.mark.skipif(DEVICE.type != "cuda", reason="the interpreter's float8 cast is wrong at binade "
                                                             "carries (module note); cuBLASLt needs a GPU")
 
+# The fp8 products' sums: float32 under the interpreter; on Hopper the tensor cores add each instruction's 32
+# products at reduced precision (about 14 bits) before the float32 accumulator takes them (kernels/fp8.py).
+FP8_SUM_TOLERANCE = 1e-5 if DEVICE.type == "cpu" else 2**-12
+
 # (rows, K, N): LLaDA-8B's qkv/o, gate_up and down at one block (32 rows) and at 32 blocks, or small ragged ones.
 SHAPES = ([(32, 4096, 12288), (32, 4096, 24576), (32, 12288, 4096), (1024, 4096, 4096), (1024, 12288, 4096)]
           if FULL_SHAPES else [(5, 64, 48), (16, 256, 96), (70, 128, 32)])
@@ -48,8 +52,8 @@ def test_fp8_matmul_equals_the_product_of_its_dequantized_operands(shape, groups
     w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
     bias = randn(n, dtype=torch.float32, gen=gen)
     out = fp8_matmul(x_q, x_scale, w_q, w_scale, bias, out_dtype=torch.float32)
-    # Products of fp8 values are exact in float32; only the float32 sums and the two scalings round.
-    assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale, bias)) < 1e-5
+    # Products of fp8 values are exact in float32; only the sums and the two scalings round.
+    assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale, bias)) < FP8_SUM_TOLERANCE
 
 
 @pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
@@ -77,7 +81,7 @@ def test_fp8_matmul_scales_each_column_group_by_its_own_block_scale():
     w_q, w_scale = quantize_weight(w, groups=2)
     assert (w_scale[:, 1] > 100 * w_scale[:, 0]).all()
     out = fp8_matmul(x_q, x_scale, w_q, w_scale, out_dtype=torch.float32)
-    assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale)) < 1e-5
+    assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale)) < FP8_SUM_TOLERANCE
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
