@@ -74,8 +74,8 @@ def test_fp8_engine_graphs_give_the_tokens_of_eager_steps(tmp_path, family, extr
     params = SamplingParams(max_tokens=48, ignore_eos=True)
     outputs = []
     for eager in (False, True):
-        # float32 activations: every fp8 product takes the Triton kernel, whose rows do not depend on how many
-        # rows a step pads to, so the graphs' padded steps and the eager ones compute the same numbers.
+        # float32 activations: every fp8 product takes the Triton kernel (cuBLASLt's takes bf16 only), whose rows
+        # do not depend on how many rows a step pads to, rather than switching kernels at 64 rows.
         llm = Diffulex(path, block_size=8, page_size=8, max_model_len=256, max_num_reqs=4, num_kv_pages=64,
                        device="cuda", dtype="float32", attention_backend="triton", quantization="fp8",
                        enforce_eager=eager)
