@@ -170,10 +170,15 @@ def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: to
                ) -> torch.Tensor:
     """x [M, K] @ (w * w_scale).T + bias -> [M, N] in x's dtype: activations cast per token in one launch, then
     the product that suits the rows (module note)."""
-    x_q, x_scale = quantize_rows(x.contiguous())
+    return fp8_rows_linear(*quantize_rows(x.contiguous()), w, w_scale, bias, x.dtype)
+
+
+def fp8_rows_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear of rows already cast (by quantize_rows, or by the norm before the projection)."""
     # cuBLASLt's fp8 products take sizes that are multiples of 16 (a vocabulary of 258 rows is not).
     aligned = w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
-    use_cublas = (x.is_cuda and x.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and aligned
-                  and x.dtype == torch.bfloat16)
+    use_cublas = (x_q.is_cuda and x_q.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and aligned
+                  and out_dtype == torch.bfloat16)
     product = scaled_mm if use_cublas else fp8_matmul
-    return product(x_q, x_scale, w, w_scale, bias, x.dtype)
+    return product(x_q, x_scale, w, w_scale, bias, out_dtype)

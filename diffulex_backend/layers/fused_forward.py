@@ -17,8 +17,11 @@ small kernels would otherwise cost more than the weights take to stream.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
   stride), after the per-head norms.
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
-  streaming kernel: the activations' per-token cast, then the fp8 product; their split-K partial sum is the one
-  product, and gate_up's SiLU-and-mul the separate launch.
+  streaming kernel; their split-K partial sum is the one product, and gate_up's SiLU-and-mul the separate launch.
+  The norms before qkv and gate_up cast their rows to fp8 with a scale per row as they write them (`Fp8Rows`), so
+  those inputs are written in one byte a value and need no cast launch of their own; o_proj's and down_proj's
+  inputs (the attention output, the SiLU-and-mul) take `quantize_rows`. A projection with a LoRA delta in the
+  forward gets the float rows, which the delta reads.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
 - LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
@@ -32,6 +35,8 @@ in between.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
@@ -44,8 +49,9 @@ from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
 from diffulex_kernels.activation import silu_and_mul
-from diffulex_kernels.fp8 import fp8_linear
+from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
+from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
@@ -68,8 +74,14 @@ def fused_forward(
     else:
         residual = model.input_embeddings(input_ids, soft)
     first_norm = model.layers[0].attn_norm
-    x = rmsnorm(residual, first_norm.weight, first_norm.eps)
+    if _takes_fp8_rows(model.layers[0].attn.qkv_proj, model.layers[0].attn.qkv_lora, lora):
+        x = Fp8Rows(*rmsnorm_fp8(residual, first_norm.weight, first_norm.eps), residual.dtype)
+    else:
+        x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    # Whether each norm's rows go to an fp8 qkv projection: the next layer's (none after the final norm).
+    qkv_after = [_takes_fp8_rows(layer.attn.qkv_proj, layer.attn.qkv_lora, lora) for layer in model.layers[1:]]
+    qkv_after.append(False)
     slots = None  # each row's adapter slot, for gate_up's SiLU
     if lora is not None and any(getattr(layer.mlp, "gate_up_lora", None) is not None for layer in model.layers):
         slots = row_slots(lora.table, input_ids.shape[0])
@@ -78,14 +90,41 @@ def fused_forward(
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
         attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache, lora))
-        x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
+        fp8_mlp = isinstance(mlp, GatedMLP) and _takes_fp8_rows(mlp.gate_up_proj, mlp.gate_up_lora, lora)
+        x, residual = _add_norm(attn_out, residual, layer.mlp_norm, fp8_mlp)
         if isinstance(mlp, MoE):
             mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
         else:
             mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora, slots))
-        x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
+        x, residual = _add_norm(mlp_out, residual, next_norm, qkv_after[index])
     return x
+
+
+class Fp8Rows(NamedTuple):
+    """Normalized rows already cast for an FP8 projection, by the norm that wrote them."""
+
+    q: torch.Tensor  # [T, hidden] float8_e4m3fn
+    scale: torch.Tensor  # [T] float32
+    dtype: torch.dtype  # the activations' dtype, the projection's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def _takes_fp8_rows(proj, stack: LoraStack | None, lora: LoraSegments | None) -> bool:
+    """Whether a projection's input goes to it cast by the norm before it: an fp8 projection whose input no LoRA
+    delta reads in its float form."""
+    return isinstance(proj, Fp8Linear) and (stack is None or lora is None)
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm, fp8: bool):
+    """fused_add_rmsnorm; with `fp8` the normalized rows come cast for the fp8 projection after it."""
+    if fp8:
+        rows, residual = fused_add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)
+        return Fp8Rows(*rows, residual.dtype), residual
+    return fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
 
 
 def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
@@ -114,7 +153,9 @@ def _add_to_first_partial(partials: torch.Tensor, x: torch.Tensor, stack: LoraSt
     return partials
 
 
-def _project(proj, x: torch.Tensor) -> torch.Tensor:  # [T, N]
+def _project(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N]
+    if isinstance(x, Fp8Rows):
+        return fp8_rows_linear(x.q, x.scale, proj.weight, proj.weight_scale, proj.bias, x.dtype)
     if isinstance(proj, Fp8Linear):
         return fp8_linear(x, proj.weight, proj.weight_scale, proj.bias)
     return linear(x, proj.weight, proj.bias)
@@ -126,9 +167,9 @@ def _project_partials(proj, x: torch.Tensor) -> torch.Tensor:  # [S, T, N]
     return linear_partials(x, proj.weight)
 
 
-def _project_silu_and_mul(proj, x: torch.Tensor) -> torch.Tensor:  # [T, N / 2]
+def _project_silu_and_mul(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N / 2]
     if isinstance(proj, Fp8Linear):
-        return silu_and_mul(fp8_linear(x, proj.weight, proj.weight_scale))
+        return silu_and_mul(_project(proj, x))
     return linear_silu_and_mul(x, proj.weight)
 
 

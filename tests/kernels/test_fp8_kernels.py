@@ -20,6 +20,7 @@ from diffulex_kernels.fp8 import (
     FP8, fp8_linear, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.moe import fused_moe
+from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
 pytestmark = pytest.mark.skipif(DEVICE.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1",
@@ -155,3 +156,24 @@ def test_fused_moe_with_fp8_stacks_equals_the_dequantized_reference(groups):
     # float32 on the GPU runs the products in tf32.
     assert relative_error(out, want) < (2e-3 if DEVICE.type == "cuda" else 1e-5)
     assert gate_up.dtype == FP8
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("partials", [1, 2], ids=["product", "split-k"])
+def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype, partials):
+    """The norm that casts its rows as it writes them equals the norm, then quantize_rows: the same rounding to
+    the activation dtype, the same scale, the same cast (the interpreter's included), and the same residual."""
+    tokens, hidden = (32, 4096) if FULL_SHAPES else (5, 96)
+    gen = generator(7)
+    x = randn(partials, tokens, hidden, dtype=torch.float32 if partials > 1 else dtype, gen=gen)
+    x = x if partials > 1 else x[0]
+    residual = randn(tokens, hidden, dtype=dtype, gen=gen)
+    weight = randn(hidden, dtype=dtype, gen=gen)
+    (q, scale), residual_out = fused_add_rmsnorm_fp8(x, residual, weight, 1e-6)
+    want_rows, want_residual = fused_add_rmsnorm(x, residual, weight, 1e-6)
+    want_q, want_scale = quantize_rows(want_rows)
+    assert torch.equal(residual_out, want_residual) and torch.equal(scale, want_scale)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+    q, scale = rmsnorm_fp8(residual, weight, 1e-6)
+    want_q, want_scale = quantize_rows(rmsnorm(residual, weight, 1e-6))
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
