@@ -13,6 +13,10 @@ Ways (each a layer's four products, over LAYERS layers whose weights are separat
 `fp8_linear` takes the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the table says which way wins
 where.
 
+The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms. Three more rows time those two
+norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
+they are written (`fused_add_rmsnorm_fp8`, the engine's way), against the floor of the bytes each moves.
+
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
 square bf16 product, a square cuBLASLt fp8 product). The floor is the larger of the two.
@@ -40,6 +44,7 @@ map_kernels_package()
 from diffulex_kernels.fp8 import (  # noqa: E402
     FP8, TRITON_MAX_ROWS, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
 )
+from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
 from forward import device_ms, graph_replay_ms, synchronize, wall_ms  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
@@ -49,6 +54,7 @@ SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)
 LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
 WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
         "triton W8A16")
+NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
 
 
@@ -87,6 +93,29 @@ def layer_fn(way: str, x: torch.Tensor, layers_bf16, layers_fp8, pre_cast):
                 outs.append(product(xq, xs, wq, ws, None, torch.bfloat16))
         return outs
     return run
+
+
+def norms_fn(way: str, product: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, layers: int):
+    """A layer's two residual-add RMSNorms (before gate_up, before the next qkv), `layers` times."""
+    def run():
+        outs = []
+        for _ in range(2 * layers):
+            if way == "norms casting rows":
+                outs.append(fused_add_rmsnorm_fp8(product, residual, weight, 1e-6))
+                continue
+            rows, _ = fused_add_rmsnorm(product, residual, weight, 1e-6)
+            outs.append(quantize_rows(rows) if way == "norms + quantize_rows" else rows)
+        return outs
+    return run
+
+
+def norm_bytes(way: str, rows: int, hidden: int) -> int:
+    """HBM bytes of one norm: the product and the residual read, the residual and the rows written (bf16, or fp8
+    and a scale a row), plus quantize_rows' read of the bf16 rows and write of the fp8 ones."""
+    moved = rows * hidden * (2 + 2 + 2) + (rows * (hidden + 4) if way == "norms casting rows" else rows * hidden * 2)
+    if way == "norms + quantize_rows":
+        moved += rows * hidden * 2 + rows * (hidden + 4)
+    return moved
 
 
 def measure_ceilings(device: torch.device, smoke: bool) -> tuple[float, float, float]:
@@ -173,10 +202,21 @@ def main() -> None:
                 note = "fp8_linear's choice"
             table.add(rows=rows, way=way, us_per_layer=us, speedup_vs_bf16=times["bf16"] / us, floor_us=floor_us,
                       vs_floor=us / floor_us, weight_tb_per_s=weight_bytes / (us * 1e-6) / 1e12, note=note)
+        hidden = shapes[0][2]
+        product, residual = (torch.randn(rows, hidden, device=device).to(torch.bfloat16) for _ in range(2))
+        norm_weight = torch.rand(hidden, device=device).to(torch.bfloat16) + 0.5
+        for way in NORM_WAYS:
+            fn = norms_fn(way, product, residual, norm_weight, layers)
+            total_ms = graph_replay_ms(fn, device, reps=20) if on_gpu and not args.smoke else wall_ms(fn, device)
+            times[way] = us = 1e3 * total_ms / layers
+            floor_us = 1e6 * 2 * norm_bytes(way, rows, hidden) / bandwidth
+            table.add(rows=rows, way=way, us_per_layer=us, speedup_vs_bf16=times[NORM_WAYS[0]] / us,
+                      floor_us=floor_us, vs_floor=us / floor_us, weight_tb_per_s="",
+                      note="the engine's way" if way == NORM_WAYS[2] else "")
     table.write(args.out, None)
     summary = (f"HBM copy bandwidth {bandwidth / 1e12:.3g} TB/s (read + write); bf16 matmul {bf16_rate / 1e12:.3g} "
-               f"TFLOP/s; fp8 matmul (cuBLASLt) {fp8_rate / 1e12:.3g} TFLOP/s; {layers} layers of LLaDA-8B's "
-               f"projections ({params:,} weights a layer); device: "
+               f"TFLOP/s; fp8 matmul (cuBLASLt) {fp8_rate / 1e12:.3g} TFLOP/s; {layers} layers of "
+               f"{'tiny' if args.smoke else 'LLaDA-8B'} projections ({params:,} weights a layer); device: "
                f"{torch.cuda.get_device_name(device) if on_gpu else 'cpu (interpreter)'}")
     md = args.out / "fp8.md"
     md.write_text(md.read_text() + "\n" + summary + "\n")
