@@ -32,6 +32,7 @@ MOE = dict(num_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_
 def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("fp8")
     return {"llada": write_random_checkpoint(root / "llada", "llada", seed=5),
+            "dream": write_random_checkpoint(root / "dream", "dream", seed=7),
             "sdar_moe": write_random_checkpoint(root / "sdar_moe", "sdar_moe", seed=6, **MOE)}
 
 
@@ -56,7 +57,7 @@ def projection_params(model) -> dict[str, torch.Tensor]:
                            "w_down"))}
 
 
-@pytest.mark.parametrize("family", ["llada", "sdar_moe"])
+@pytest.mark.parametrize("family", ["llada", "dream", "sdar_moe"])
 def test_quantize_at_load_gives_per_channel_scales_within_fp8_rounding(checkpoints, family):
     plain = load_model(checkpoints[family])
     fp8 = load_model(checkpoints[family], quantization="fp8")
@@ -108,8 +109,9 @@ def test_fp8_lm_head_quantizes_the_head_and_stays_close(checkpoints):
     ("llada", None, torch.float32, True),  # one weight_scale per tensor
     ("llada", (128, 128), torch.bfloat16, False),  # Qwen3-FP8's blocks and bf16 scale_inv (one block of columns)
     ("llada", (32, 32), torch.float32, False),  # DeepSeek-V3's float32 scale_inv, blocks small enough to tile K
+    ("dream", (32, 32), torch.float32, False),  # Qwen2's q/k/v biases stay in float beside the fp8 weights
     ("sdar_moe", (32, 32), torch.float32, False),  # experts stored one at a time, each with its scale_inv
-], ids=["channel", "tensor", "block128-bf16", "block32", "moe-block32"])
+], ids=["channel", "tensor", "block128-bf16", "block32", "dream-block32", "moe-block32"])
 def test_released_fp8_checkpoint_computes_what_its_dequantized_weights_compute(
         checkpoints, tmp_path, family, block, scale_dtype, per_tensor):
     fp8_dir, float_dir = tmp_path / "fp8", tmp_path / "float"
