@@ -18,9 +18,9 @@ small kernels would otherwise cost more than the weights take to stream.
   stride), after the per-head norms.
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
   streaming kernel; their split-K partial sum is the one product, and gate_up's SiLU-and-mul the separate launch.
-  The norms before qkv and gate_up cast their rows to fp8 with a scale per row as they write them (`Fp8Rows`), so
-  those inputs are written in one byte a value and need no cast launch of their own; o_proj's and down_proj's
-  inputs (the attention output, the SiLU-and-mul) take `quantize_rows`. A projection with a LoRA delta in the
+  The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
+  row as they write them (`Fp8Rows`), so those inputs are written in one byte a value and need no cast launch of
+  their own; o_proj's input (the attention output) takes `quantize_rows`. A projection with a LoRA delta in the
   forward gets the float rows, which the delta reads.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
@@ -48,7 +48,7 @@ from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
-from diffulex_kernels.activation import silu_and_mul
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
@@ -161,9 +161,9 @@ def _project(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N]
     return linear(x, proj.weight, proj.bias)
 
 
-def _project_partials(proj, x: torch.Tensor) -> torch.Tensor:  # [S, T, N]
+def _project_partials(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [S, T, N]
     if isinstance(proj, Fp8Linear):
-        return fp8_linear(x, proj.weight, proj.weight_scale)[None]
+        return _project(proj, x)[None]
     return linear_partials(x, proj.weight)
 
 
@@ -177,7 +177,11 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
                slots: torch.Tensor | None) -> torch.Tensor:  # [S, T, hidden]
     """down_proj's partial sums of silu(gate) * up; slots: each row's adapter slot, with `lora`."""
     stack = mlp.gate_up_lora
-    if lora is None or stack is None:
+    if (lora is None or stack is None) and isinstance(mlp.gate_up_proj, Fp8Linear) and _takes_fp8_rows(
+            mlp.down_proj, mlp.down_lora, lora):
+        # SiLU-and-mul writes its rows cast for the fp8 down projection (x.dtype: the activations', either form).
+        h = Fp8Rows(*silu_and_mul_fp8(_project(mlp.gate_up_proj, x)), x.dtype)
+    elif lora is None or stack is None:
         h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:
         h = silu_and_mul_lora(_project(mlp.gate_up_proj, x), shrink(x, stack.a, lora.table, lora.max_rows),

@@ -19,6 +19,7 @@ from diffulex_backend.layers.moe import experts_reference
 from diffulex_kernels.fp8 import (
     FP8, fp8_linear, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
 )
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.moe import fused_moe
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, rmsnorm, rmsnorm_fp8
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
@@ -176,4 +177,13 @@ def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype
     assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
     q, scale = rmsnorm_fp8(residual, weight, 1e-6)
     want_q, want_scale = quantize_rows(rmsnorm(residual, weight, 1e-6))
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype):
+    tokens, inter = (32, 12288) if FULL_SHAPES else (5, 80)
+    gate_up = randn(tokens, 2 * inter, dtype=dtype, gen=generator(8))
+    q, scale = silu_and_mul_fp8(gate_up)
+    want_q, want_scale = quantize_rows(silu_and_mul(gate_up))
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
