@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from .registry import STRATEGIES, default_strategy
 from .sampling import SamplingMode
 
+QUANTIZATIONS = ("fp8",)  # the weight quantizations `quantization` names (quantization.py)
+
 
 MAX_TENSOR_PARALLEL = 64
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
@@ -75,6 +77,10 @@ class Config:
     lora_modules: str | None = None
     max_loras: int = 8  # the most adapters lora_modules may register; all of them stay loaded
     max_lora_rank: int = 64  # adapters of a higher rank are refused at load
+    # "fp8": a float checkpoint's linear projections and MoE experts are quantized to float8_e4m3fn at load, with a
+    # scale per output channel (quantization.py); None: the checkpoint's own (an FP8 checkpoint loads as FP8).
+    quantization: str | None = None
+    fp8_lm_head: bool = False  # with quantization "fp8", the output head too (it stays in the model dtype otherwise)
 
     def __post_init__(self):
         if isinstance(self.lora_modules, Mapping):  # one form from here on: the text config.pbtxt gives
@@ -183,6 +189,11 @@ class Config:
         if self.model_name is not None and not isinstance(self.model_name, str):
             fail("model_name", "a registered model name or null")
         self._validate_lora()
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            fail("quantization", f"one of {[None, *QUANTIZATIONS]} (null: the checkpoint's own weights)")
+        check_bool("fp8_lm_head")
+        if self.fp8_lm_head and self.quantization != "fp8":
+            fail("fp8_lm_head", "false unless quantization is 'fp8' (it quantizes the output head with the rest)")
 
     def _refuse_other_strategies_options(self, strategy) -> None:
         """A setting that only other strategies read keeps its default here, or is refused by name."""

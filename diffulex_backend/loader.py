@@ -15,7 +15,13 @@ from safetensors import SafetensorError, safe_open
 
 import diffulex_backend.models  # noqa: F401  (registers the families)
 from diffulex_backend.attention import paged_attention_reference
-from diffulex_backend.models.decoder_lm import DecoderLM
+from diffulex_backend.config import QUANTIZATIONS
+from diffulex_backend.layers.fp8_linear import FP8
+from diffulex_backend.models.decoder_lm import CheckpointWeight, DecoderLM
+from diffulex_backend.quantization import (
+    QUANTIZATION_CONFIG, SAFETENSORS_FP8, Fp8Scheme, check_unquantized, empty_fp8_layout,
+    expand_scale, is_quantized_param, quantize_model, read_scheme, scale_columns, scale_param,
+)
 from diffulex_backend.registry import AutoModelForDiffusionLM
 from diffulex_backend.tensor_parallel import TensorParallel, check_shardable
 
@@ -97,19 +103,27 @@ def _tensor_names(file: Path) -> list[str]:
         raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
 
 
-def load_weights(model: DecoderLM, directory: Path) -> None:
+def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = None) -> None:
+    """Fills the model's parameters from the checkpoint; with an FP8 scheme its fp8 weights and their scales (the
+    model's quantized parameters already fp8, from `empty_fp8_layout`)."""
     layout = model.checkpoint_layout()
+    params = dict(model.named_parameters())
+    # checkpoint scale name -> the checkpoint weight it scales
+    scales: dict[str, CheckpointWeight] = {}
+    if scheme is not None:
+        for name, weight in layout.items():
+            if params[weight.param].dtype == FP8:
+                scales[name.removesuffix("weight") + scheme.scale_suffix] = weight
     # Parts of a checkpoint a family does not serve (DiffusionGemma's vision tower) are left unread.
     ignored = getattr(model, "IGNORED_WEIGHT_PREFIXES", ())
     files = {name: file for name, file in weight_files(directory).items() if not name.startswith(ignored)}
     source = directory / (WEIGHTS_FILE if (directory / WEIGHTS_FILE).is_file() else WEIGHTS_INDEX_FILE)
-    unexpected = sorted(set(files) - set(layout))
+    unexpected = sorted(set(files) - set(layout) - set(scales))
     if unexpected:
         raise CheckpointError(f"{files[unexpected[0]]}: unexpected weight {unexpected[0]!r} for model {model.arch.model_name!r}")
-    missing = sorted(set(layout) - set(files))
+    missing = sorted(set(layout) - set(files)) + sorted(set(scales) - set(files))
     if missing:
         raise CheckpointError(f"{source}: missing weight {missing[0]!r}")
-    params = dict(model.named_parameters())
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
@@ -119,6 +133,9 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
             try:
                 with safe_open(file, framework="pt") as f:
                     for name in names:
+                        if name in scales:
+                            _load_scale(f.get_tensor(name), scales[name], params, scheme, f"{file}: scale {name!r}")
+                            continue
                         expected = layout[name]
                         tensor = f.get_slice(name)
                         shape = tuple(tensor.get_shape())
@@ -127,6 +144,7 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
                                 f"{file}: weight {name!r} has shape {shape}, expected {expected.shape}"
                             )
                         param = params[expected.param]
+                        _check_fp8(file, name, tensor.get_dtype(), param.dtype)
                         if expected.expert is not None:
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
@@ -134,9 +152,36 @@ def load_weights(model: DecoderLM, directory: Path) -> None:
                             param[rows].copy_(f.get_tensor(name) if source == () else tensor[source])
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
+            except ValueError as e:
+                if isinstance(e, CheckpointError):
+                    raise
+                raise CheckpointError(str(e)) from e
             # A large model reads for a minute or more: say how far it got.
             logger.info("read weights file %d of %d, %s (%.2f GiB), in %.1f s", number, len(by_file), file.name,
                         file.stat().st_size / 2**30, time.monotonic() - started)
+
+
+def _check_fp8(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:
+    """An fp8 tensor goes to an fp8 parameter only, and an fp8 parameter takes an fp8 tensor only: a float8 byte
+    read as a number, or a float rounded to float8 without its scale, would load without error and decode noise."""
+    if (stored == SAFETENSORS_FP8) == (param_dtype == FP8):
+        return
+    if stored == SAFETENSORS_FP8:
+        raise CheckpointError(f"{file}: weight {name!r} is float8_e4m3fn, but config.json has no "
+                              f"'{QUANTIZATION_CONFIG}' with quant_method 'fp8' that says how it is scaled")
+    raise CheckpointError(f"{file}: weight {name!r} is {stored}, but config.json's '{QUANTIZATION_CONFIG}' "
+                          "makes it a float8_e4m3fn weight")
+
+
+def _load_scale(tensor: torch.Tensor, weight: CheckpointWeight, params: dict, scheme: Fp8Scheme, where: str) -> None:
+    """A checkpoint scale into the rows (and column blocks) of the weight's scale parameter that this rank holds."""
+    rows, columns = weight.shape[-2:]
+    expanded = expand_scale(tensor, rows, columns, scheme.block, where)  # [rows, G of the whole tensor]
+    param = params[scale_param(weight.param)]
+    if weight.expert is not None:
+        param = param[weight.expert]
+    for target_rows, source in weight.pieces:
+        param[target_rows].copy_(expanded[scale_columns(source, expanded.shape[1], columns, scheme.block)])
 
 
 def load_model(
@@ -147,13 +192,22 @@ def load_model(
     device: str | torch.device = "cpu",
     attention_fn=paged_attention_reference,
     tp: TensorParallel = TensorParallel(),
+    quantization: str | None = None,
+    fp8_lm_head: bool = False,
 ) -> DecoderLM:
-    """The model, or this rank's share of it under tensor parallelism."""
+    """The model, or this rank's share of it under tensor parallelism. An FP8 checkpoint (config.json's
+    quantization_config) loads with its fp8 weights and scales; `quantization` "fp8" quantizes a float checkpoint's
+    projections at load (quantization.py), and `fp8_lm_head` its output head too."""
+    if quantization not in (None, *QUANTIZATIONS):
+        raise ValueError(f"config field 'quantization' must be one of {[None, *QUANTIZATIONS]}, got {quantization!r}")
     directory = Path(path)
     config = read_config(directory)
     config_path = directory / CONFIG_FILE
     name = model_name or detect_model_name(config, config_path)
     try:
+        scheme = read_scheme(config, config_path)
+        # The family parses the architecture; the scheme is the loader's.
+        config = {k: v for k, v in config.items() if k != QUANTIZATION_CONFIG}
         family = AutoModelForDiffusionLM.get(name)
         arch = family.parse_config(config, config_path)
     except CheckpointError:
@@ -164,9 +218,13 @@ def load_model(
         logger.warning("%s: config keys %s are unknown to model %r and were not read; the model loads without them",
                        config_path, list(arch.unrecognized_config_keys), arch.model_name)
     check_shardable(arch, tp)
+    if (scheme is not None or quantization) and torch.device(device).type == "cuda":
+        check_fp8_device(torch.device(device), "an FP8 checkpoint" if scheme else "quantization 'fp8'")
     model = family.empty(arch, attention_fn, dtype=dtype, device=device, tp=tp)
     try:
-        load_weights(model, directory)
+        if scheme is not None:
+            _prepare_fp8(model, scheme, config_path)
+        load_weights(model, directory, scheme)
     except CheckpointError as e:
         if model_name is not None:
             raise
@@ -174,4 +232,24 @@ def load_model(
         # fit the detected one are most often another's.
         raise CheckpointError(f"{e} (model_name {name!r} was detected from config.json; set model_name to load the"
                               f" checkpoint as another family: {AutoModelForDiffusionLM.keys()})") from e
+    if quantization or scheme is not None:
+        quantize_model(model, lm_head=fp8_lm_head)
     return model.eval()
+
+
+def _prepare_fp8(model: DecoderLM, scheme: Fp8Scheme, config_path: Path) -> None:
+    """The empty model's quantized parameters as fp8 weights and scales laid out for the checkpoint's scheme."""
+    layout = model.checkpoint_layout()
+    try:
+        check_unquantized(scheme, {n: w.param for n, w in layout.items() if is_quantized_param(w.param)})
+        empty_fp8_layout(model, scheme, layout)
+    except ValueError as e:
+        raise CheckpointError(f"{config_path}: {e}") from e
+
+
+def check_fp8_device(device: torch.device, what: str) -> None:
+    """FP8 tensor-core products need compute capability 8.9 (Ada) or newer: refused by name on an older GPU."""
+    capability = torch.cuda.get_device_capability(device)
+    if capability < (8, 9):
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its FP8 products;"
+                         f" {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")

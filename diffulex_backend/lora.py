@@ -206,9 +206,11 @@ def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
             stack = stacks.get(m.param)
             if stack is None:
                 columns = len(starts) * width
+                # In the model's dtype: an FP8 projection's weight is fp8, its adapters are not.
+                dtype = model.embed_tokens.weight.dtype
                 stack = stacks[m.param] = LoraStack(
-                    a=param.new_zeros(len(adapters), columns, param.shape[1]),
-                    b=param.new_zeros(len(adapters), param.shape[0], columns))
+                    a=param.new_zeros(len(adapters), columns, param.shape[1], dtype=dtype),
+                    b=param.new_zeros(len(adapters), param.shape[0], columns, dtype=dtype))
             first = starts.index(m.rows.start) * width
             stack.a[slot, first:first + adapter.rank] = m.a
             stack.b[slot, m.rows, first:first + adapter.rank] = adapter.scale * m.b

@@ -10,6 +10,7 @@ from .attention import paged_attention_reference
 from .config import Config
 from .loader import load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
+from .quantization import has_fp8, quantize_model
 from .registry import STRATEGIES
 from .runner import kv_cache_shape, profile_peak_memory
 from .tensor_parallel import TensorParallel
@@ -63,9 +64,18 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
                              tp: TensorParallel = TensorParallel()):
     """The checkpoint's model (this rank's share of it) with its adapters merged or attached. Returns (model,
     lora_slots): lora_name -> the adapter's slot in the stacks."""
-    model = load_model(config.model, model_name=config.model_name, dtype=dtype, device=device, tp=tp)
-    if config.lora_path is not None:
+    # A merged adapter goes into the float weights, before they are quantized.
+    merge_first = config.lora_path is not None
+    model = load_model(config.model, model_name=config.model_name, dtype=dtype, device=device, tp=tp,
+                       quantization=None if merge_first else config.quantization,
+                       fp8_lm_head=config.fp8_lm_head and not merge_first)
+    if merge_first:
+        if has_fp8(model):
+            raise ValueError(f"config field 'lora_path' merges an adapter into the weights, but {config.model} is an "
+                             "FP8 checkpoint; use lora_modules, whose adapters are applied beside the weights")
         merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
+        if config.quantization is not None:
+            quantize_model(model, lm_head=config.fp8_lm_head)
     adapters = [load_adapter(path, model, name, config.max_lora_rank)
                 for name, path in config.lora_module_paths.items()]
     attach_adapters(model, adapters)

@@ -60,6 +60,14 @@ class TensorParallel:
             self.group.allreduce([tensor]).wait()
         return tensor
 
+    def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Elementwise maximum over ranks, in place; returns `tensor`. A no-op with one rank."""
+        if self.size > 1:
+            options = torch.distributed.AllreduceOptions()
+            options.reduceOp = torch.distributed.ReduceOp.MAX
+            self.group.allreduce([tensor], options).wait()
+        return tensor
+
     def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
         """Every rank's `tensor` (same shape on each), rank 0's first."""
         if self.size == 1:

@@ -41,6 +41,10 @@ import triton.language as tl
 from .dtypes import dot_dtype
 from .pdl import use_pdl, wait_for_previous_kernel
 
+# How the expert kernels scale their weights: not at all (float stacks), or fp8 stacks with one scale per row or
+# one per row and group of columns.
+NO_SCALE, PER_CHANNEL, GROUPED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+
 
 @dataclass(frozen=True)
 class MoeLaunch:
@@ -201,11 +205,14 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr,
-    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am,
+    x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
+    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, GROUPS, GROUP_K,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    W_SCALE: tl.constexpr,
 ):
+    """W_SCALE: NO_SCALE, or fp8 weights with their [E, 2I, GROUPS] scales, PER_CHANNEL (GROUPS 1) or GROUPED
+    (GROUP_K columns per scale, a multiple of BLOCK_K)."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
@@ -234,11 +241,23 @@ def _gate_up_kernel(
             gate = tl.load(gate_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
             up = tl.load(up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         x = x.to(DOT_DTYPE)
-        acc_gate = tl.dot(gate.to(DOT_DTYPE), x, acc_gate, input_precision=PRECISION)
-        acc_up = tl.dot(up.to(DOT_DTYPE), x, acc_up, input_precision=PRECISION)
+        if W_SCALE == GROUPED:
+            # [BLOCK_N] scales of this column group, gate rows then up rows.
+            s_ptrs = scale_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n) * GROUPS + k // GROUP_K
+            s_gate = tl.load(s_ptrs, mask=n_valid, other=0.0)
+            s_up = tl.load(s_ptrs + INTER * GROUPS, mask=n_valid, other=0.0)
+            acc_gate += tl.dot(gate.to(DOT_DTYPE), x, input_precision=PRECISION) * s_gate[:, None]
+            acc_up += tl.dot(up.to(DOT_DTYPE), x, input_precision=PRECISION) * s_up[:, None]
+        else:
+            acc_gate = tl.dot(gate.to(DOT_DTYPE), x, acc_gate, input_precision=PRECISION)
+            acc_up = tl.dot(up.to(DOT_DTYPE), x, acc_up, input_precision=PRECISION)
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if W_SCALE == PER_CHANNEL:
+        s_ptrs = scale_ptr + expert.to(tl.int64) * 2 * INTER + offs_n
+        acc_gate = acc_gate * tl.load(s_ptrs, mask=n_valid, other=0.0)[:, None]
+        acc_up = acc_up * tl.load(s_ptrs + INTER, mask=n_valid, other=0.0)[:, None]
     act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_n[:, None]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
@@ -246,10 +265,11 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr,
-    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op,
+    act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
+    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op, GROUPS, GROUP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    W_SCALE: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -273,9 +293,16 @@ def _down_kernel(
             k_valid = offs_k + k < INTER
             a = tl.load(a_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        acc = tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
+        if W_SCALE == GROUPED:
+            s = tl.load(scale_ptr + (expert.to(tl.int64) * H + offs_n) * GROUPS + k // GROUP_K, mask=n_valid,
+                        other=0.0)
+            acc += tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), input_precision=PRECISION) * s[:, None]
+        else:
+            acc = tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
+    if W_SCALE == PER_CHANNEL:
+        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * H + offs_n, mask=n_valid, other=0.0)[:, None]
     routing_weight = tl.load(topk_weights_ptr + pairs, mask=m_valid, other=0.0).to(tl.float32)
     acc = acc * routing_weight[None, :]
     out_ptrs = pair_out_ptr + pairs[None, :].to(tl.int64) * stride_op + offs_n[:, None]
@@ -309,19 +336,40 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 
 
 def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-              topk_weights: torch.Tensor, launch: MoeLaunch | None = None) -> torch.Tensor:
+              topk_weights: torch.Tensor, launch: MoeLaunch | None = None, w_gate_up_scale: torch.Tensor | None = None,
+              w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
     """The routed experts' MLP, weighted and summed per token.
 
     hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
-    in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32."""
+    in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32.
+
+    FP8 stacks (float8_e4m3fn, with float32 scales [E, 2I, G] and [E, H, G], layers/fp8_linear.py) are read as one
+    byte a weight and widened to hidden's dtype in registers (weight-only: the tokens stay in hidden's dtype); each
+    product is scaled per row, after the sum over K with one scale a row, or per group of columns with G > 1."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
     if num_pairs == 0:
         return torch.empty_like(hidden)
     launch = plan_moe_launch(num_pairs, num_experts, hidden.element_size()) if launch is None else launch
+    for scale, k in ((w_gate_up_scale, w_gate_up.shape[2]), (w_down_scale, w_down.shape[2])):
+        if scale is not None and scale.shape[-1] > 1 and (k // scale.shape[-1]) % launch.block_k:
+            launch = replace(launch, block_k=k // scale.shape[-1])  # a K tile inside one scale group
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
-    act = gate_up_silu(hidden, w_gate_up, routed, topk_ids.shape[1], launch)
-    return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch)
+    act = gate_up_silu(hidden, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale)
+    return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale)
+
+
+
+def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
+    """The kernels' weight-scale arguments: none for a float stack; an fp8 stack's scales and their grouping."""
+    if scale is None:
+        return dict(scale_ptr=weight, GROUPS=1, GROUP_K=weight.shape[-1], W_SCALE=NO_SCALE)
+    if weight.dtype != torch.float8_e4m3fn or scale.shape != (*weight.shape[:-1], scale.shape[-1]):
+        raise ValueError(f"fused_moe: an fp8 stack {tuple(weight.shape)} {weight.dtype} takes scales "
+                         f"[E, N, G], got {tuple(scale.shape)}")
+    groups = scale.shape[-1]
+    return dict(scale_ptr=scale.float().contiguous(), GROUPS=groups, GROUP_K=weight.shape[-1] // groups,
+                W_SCALE=PER_CHANNEL if groups == 1 else GROUPED)
 
 
 def _kernel_options(tensor: torch.Tensor, launch: MoeLaunch) -> dict:
@@ -334,22 +382,23 @@ def _kernel_options(tensor: torch.Tensor, launch: MoeLaunch) -> dict:
 
 
 def gate_up_silu(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
-                 launch: MoeLaunch) -> torch.Tensor:
+                 launch: MoeLaunch, scale: torch.Tensor | None = None) -> torch.Tensor:
     """silu(gate) * up of every routed row: [max_tiles * block_m, I] in hidden's dtype (padding rows unwritten)."""
     hidden, w_gate_up = hidden.contiguous(), w_gate_up.contiguous()
     num_experts, inter, hidden_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2, hidden.shape[1]
     act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
     _gate_up_kernel[(routed.max_tiles, triton.cdiv(inter, launch.block_n))](
         hidden, w_gate_up, act, routed.pair_ids, routed.tile_experts,
-        hidden.shape[0] * top_k, num_experts, hidden_size, inter, hidden.stride(0), w_gate_up.stride(0),
-        w_gate_up.stride(1), act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
-        **_kernel_options(hidden, launch),
+        num_pairs=hidden.shape[0] * top_k, num_experts=num_experts, H=hidden_size, INTER=inter,
+        stride_xt=hidden.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
+        stride_am=act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
+        **_scale_args(w_gate_up, scale), **_kernel_options(hidden, launch),
     )
     return act
 
 
 def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routed: RoutedTiles,
-                     tokens: int, launch: MoeLaunch) -> torch.Tensor:
+                     tokens: int, launch: MoeLaunch, scale: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)): [tokens, H] in act's dtype."""
     w_down, topk_weights = w_down.contiguous(), topk_weights.float().contiguous()
     num_experts, hidden_size, inter = w_down.shape
@@ -357,8 +406,9 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
     pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=act.device)
     _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
         act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
-        tokens * top_k, num_experts, hidden_size, inter, act.stride(0), w_down.stride(0), w_down.stride(1),
-        pair_out.stride(0), EVEN_K=inter % launch.block_k == 0, **_kernel_options(act, launch),
+        num_pairs=tokens * top_k, num_experts=num_experts, H=hidden_size, INTER=inter, stride_am=act.stride(0),
+        stride_we=w_down.stride(0), stride_wn=w_down.stride(1), stride_op=pair_out.stride(0),
+        EVEN_K=inter % launch.block_k == 0, **_scale_args(w_down, scale), **_kernel_options(act, launch),
     )
     out = torch.empty(tokens, hidden_size, dtype=act.dtype, device=act.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))

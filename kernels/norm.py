@@ -5,6 +5,11 @@ read once and each output written once. The statistics and the scaling run in fl
 
 The fused form also takes the product before it as split-K partial sums [S, T, hidden] (kernels/linear.py):
 it adds them up and rounds the sum to the activation dtype, as the unsplit product would have been rounded.
+
+The `_fp8` forms write the normalized rows as the input of an FP8 projection (kernels/fp8.py): each row cast to
+float8_e4m3fn with its scale, from the registers that hold it, instead of written in the activation dtype and read
+back by `quantize_rows`. The row is rounded to the activation dtype first, so the result is that of the two
+launches, bit for bit.
 """
 from __future__ import annotations
 
@@ -12,17 +17,22 @@ import torch
 import triton
 import triton.language as tl
 
+from .dtypes import triton_dtype
 from .pdl import use_pdl, wait_for_previous_kernel
+
+FP8 = torch.float8_e4m3fn
 
 
 # The partials' stride is M x N, which changes with every batch.
 @triton.jit(do_not_specialize=["stride_partial"])
 def _rmsnorm_kernel(
-    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
+    x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
     stride_partial, stride_x, stride_residual, stride_out, stride_residual_out,
     hidden_size, eps,
     NUM_PARTIALS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
+    FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
+    """FP8_OUT: out is float8_e4m3fn and scale_ptr gets each row's scale; ACT_DTYPE is the activations' dtype."""
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -42,10 +52,17 @@ def _rmsnorm_kernel(
     x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
     weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_out + cols, (x * inv_rms * weight).to(out_ptr.dtype.element_ty), mask=mask)
+    y = x * inv_rms * weight
+    if FP8_OUT:
+        # As quantize_rows casts the rows the unfused norm writes (kernels/fp8.py).
+        y = y.to(ACT_DTYPE).to(tl.float32)
+        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1.1754943508222875e-38)
+        y = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
+        tl.store(scale_ptr + row, scale)
+    tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, residual_out):
+def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=None):
     partials = x if x.dim() == 3 else x[None]
     x = partials[0]
     num_rows, hidden_size = x.shape
@@ -56,11 +73,12 @@ def _launch(x, residual, weight, eps, out, residual_out):
     block = triton.next_power_of_2(hidden_size)
     add = residual is not None
     _rmsnorm_kernel[(num_rows,)](
-        x, residual if add else x, weight, out, residual_out if add else out,
+        x, residual if add else x, weight, out, residual_out if add else out, out if scale is None else scale,
         partials.stride(0), x.stride(0), residual.stride(0) if add else 0, out.stride(0),
         residual_out.stride(0) if add else 0,
         hidden_size, eps,
-        NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block,
+        NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block, FP8_OUT=scale is not None,
+        ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype),
         USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=min(16, max(4, block // 512)),
     )
 
@@ -89,3 +107,23 @@ def fused_add_rmsnorm(
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
     _launch(x, residual, weight, eps, out, residual_out)
     return out, residual_out
+
+
+def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """rmsnorm(x, weight, eps) cast per row to fp8: (q [T, hidden] float8_e4m3fn, scale [T] float32), as
+    quantize_rows(rmsnorm(...)) gives them."""
+    out = torch.empty(x.shape, dtype=FP8, device=x.device)
+    scale = torch.empty(x.shape[0], dtype=torch.float32, device=x.device)
+    _launch(x, None, weight, eps, out, None, scale, x.dtype)
+    return out, scale
+
+
+def fused_add_rmsnorm_fp8(
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """fused_add_rmsnorm with the normalized rows cast per row to fp8: ((q, scale), x + residual)."""
+    out = torch.empty(residual.shape, dtype=FP8, device=residual.device)
+    scale = torch.empty(residual.shape[0], dtype=torch.float32, device=residual.device)
+    residual_out = torch.empty_like(residual)
+    _launch(x, residual, weight, eps, out, residual_out, scale, residual.dtype)
+    return (out, scale), residual_out

@@ -16,6 +16,12 @@ small kernels would otherwise cost more than the weights take to stream.
   Dense layers of a MoE model take the dense path above.
 - Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
   stride), after the per-head norms.
+- FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
+  streaming kernel; their split-K partial sum is the one product, and gate_up's SiLU-and-mul the separate launch.
+  The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
+  row as they write them (`Fp8Rows`), so those inputs are written in one byte a value and need no cast launch of
+  their own; o_proj's input (the attention output) takes `quantize_rows`. A projection with a LoRA delta in the
+  forward gets the float rows, which the delta reads.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
 - LoRA adapters chosen per request (`lora`, a LoraSegments): each adapted projection adds its delta with the
@@ -29,9 +35,12 @@ in between.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.layers.fp8_linear import Fp8Linear
 from diffulex_backend.layers.lora import LoraSegments, LoraStack, row_slots
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.layers.moe import MoE
@@ -39,7 +48,10 @@ from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
+from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
+from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
@@ -62,8 +74,14 @@ def fused_forward(
     else:
         residual = model.input_embeddings(input_ids, soft)
     first_norm = model.layers[0].attn_norm
-    x = rmsnorm(residual, first_norm.weight, first_norm.eps)
+    if _takes_fp8_rows(model.layers[0].attn.qkv_proj, model.layers[0].attn.qkv_lora, lora):
+        x = Fp8Rows(*rmsnorm_fp8(residual, first_norm.weight, first_norm.eps), residual.dtype)
+    else:
+        x = rmsnorm(residual, first_norm.weight, first_norm.eps)
     norms_after = [layer.attn_norm for layer in model.layers[1:]] + [model.norm]
+    # Whether each norm's rows go to an fp8 qkv projection: the next layer's (none after the final norm).
+    qkv_after = [_takes_fp8_rows(layer.attn.qkv_proj, layer.attn.qkv_lora, lora) for layer in model.layers[1:]]
+    qkv_after.append(False)
     slots = None  # each row's adapter slot, for gate_up's SiLU
     if lora is not None and any(getattr(layer.mlp, "gate_up_lora", None) is not None for layer in model.layers):
         slots = row_slots(lora.table, input_ids.shape[0])
@@ -72,14 +90,41 @@ def fused_forward(
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
         attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache, lora))
-        x, residual = fused_add_rmsnorm(attn_out, residual, layer.mlp_norm.weight, layer.mlp_norm.eps)
         mlp = layer.mlp
+        fp8_mlp = isinstance(mlp, GatedMLP) and _takes_fp8_rows(mlp.gate_up_proj, mlp.gate_up_lora, lora)
+        x, residual = _add_norm(attn_out, residual, layer.mlp_norm, fp8_mlp)
         if isinstance(mlp, MoE):
             mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
         else:
             mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora, slots))
-        x, residual = fused_add_rmsnorm(mlp_out, residual, next_norm.weight, next_norm.eps)
+        x, residual = _add_norm(mlp_out, residual, next_norm, qkv_after[index])
     return x
+
+
+class Fp8Rows(NamedTuple):
+    """Normalized rows already cast for an FP8 projection, by the norm that wrote them."""
+
+    q: torch.Tensor  # [T, hidden] float8_e4m3fn
+    scale: torch.Tensor  # [T] float32
+    dtype: torch.dtype  # the activations' dtype, the projection's output dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.q.shape
+
+
+def _takes_fp8_rows(proj, stack: LoraStack | None, lora: LoraSegments | None) -> bool:
+    """Whether a projection's input goes to it cast by the norm before it: an fp8 projection whose input no LoRA
+    delta reads in its float form."""
+    return isinstance(proj, Fp8Linear) and (stack is None or lora is None)
+
+
+def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm, fp8: bool):
+    """fused_add_rmsnorm; with `fp8` the normalized rows come cast for the fp8 projection after it."""
+    if fp8:
+        rows, residual = fused_add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)
+        return Fp8Rows(*rows, residual.dtype), residual
+    return fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
 
 
 def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
@@ -108,16 +153,40 @@ def _add_to_first_partial(partials: torch.Tensor, x: torch.Tensor, stack: LoraSt
     return partials
 
 
+def _project(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N]
+    if isinstance(x, Fp8Rows):
+        return fp8_rows_linear(x.q, x.scale, proj.weight, proj.weight_scale, proj.bias, x.dtype)
+    if isinstance(proj, Fp8Linear):
+        return fp8_linear(x, proj.weight, proj.weight_scale, proj.bias)
+    return linear(x, proj.weight, proj.bias)
+
+
+def _project_partials(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [S, T, N]
+    if isinstance(proj, Fp8Linear):
+        return _project(proj, x)[None]
+    return linear_partials(x, proj.weight)
+
+
+def _project_silu_and_mul(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N / 2]
+    if isinstance(proj, Fp8Linear):
+        return silu_and_mul(_project(proj, x))
+    return linear_silu_and_mul(x, proj.weight)
+
+
 def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
                slots: torch.Tensor | None) -> torch.Tensor:  # [S, T, hidden]
     """down_proj's partial sums of silu(gate) * up; slots: each row's adapter slot, with `lora`."""
     stack = mlp.gate_up_lora
-    if lora is None or stack is None:
-        h = linear_silu_and_mul(x, mlp.gate_up_proj.weight)  # [T, intermediate]
+    if (lora is None or stack is None) and isinstance(mlp.gate_up_proj, Fp8Linear) and _takes_fp8_rows(
+            mlp.down_proj, mlp.down_lora, lora):
+        # SiLU-and-mul writes its rows cast for the fp8 down projection (x.dtype: the activations', either form).
+        h = Fp8Rows(*silu_and_mul_fp8(_project(mlp.gate_up_proj, x)), x.dtype)
+    elif lora is None or stack is None:
+        h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:
-        h = silu_and_mul_lora(linear(x, mlp.gate_up_proj.weight), shrink(x, stack.a, lora.table, lora.max_rows),
+        h = silu_and_mul_lora(_project(mlp.gate_up_proj, x), shrink(x, stack.a, lora.table, lora.max_rows),
                               stack.b, slots)
-    return _add_to_first_partial(linear_partials(h, mlp.down_proj.weight), h, mlp.down_lora, lora)
+    return _add_to_first_partial(_project_partials(mlp.down_proj, h), h, mlp.down_lora, lora)
 
 
 def _self_attention(
@@ -133,7 +202,7 @@ def _self_attention(
     tokens = x.shape[0]
     heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
     q_size, kv_size, _ = attn.split_sizes
-    qkv = _add_lora(linear(x, attn.qkv_proj.weight, attn.qkv_proj.bias), x, attn.qkv_lora, lora)  # [T, q + 2 kv]
+    qkv = _add_lora(_project(attn.qkv_proj, x), x, attn.qkv_lora, lora)  # [T, q + 2 kv]
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
@@ -160,4 +229,4 @@ def _self_attention(
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
         meta.retention_stats.add(q, k_cache, meta, attn.scale)
     out = out.reshape(tokens, q_size)
-    return _add_to_first_partial(linear_partials(out, attn.o_proj.weight), out, attn.o_lora, lora)
+    return _add_to_first_partial(_project_partials(attn.o_proj, out), out, attn.o_lora, lora)

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from diffulex_backend.layers.fp8_linear import dequantize_weight
 from diffulex_backend.layers.mlp import GatedMLP
 from diffulex_backend.arch import ModelArch, RouterScore
 from diffulex_backend.tensor_parallel import TensorParallel
@@ -42,6 +43,10 @@ class MoE(nn.Module):
         local_inter = inter if tp.expert_parallel else inter // tp.size
         self.w_gate_up = nn.Parameter(torch.empty(local_experts, 2 * local_inter, hidden))
         self.w_down = nn.Parameter(torch.empty(local_experts, hidden, local_inter))
+        # With FP8 weights (quantization.py): the stacks are float8_e4m3fn and these their float32 scales,
+        # [E, 2I, G] and [E, H, G]; None in a float model.
+        self.register_parameter("w_gate_up_scale", None)
+        self.register_parameter("w_down_scale", None)
         shared = arch.num_shared_experts * inter
         self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
 
@@ -55,9 +60,11 @@ class MoE(nn.Module):
         if fused:
             from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
 
-            out = fused_moe(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+            out = fused_moe(x, self.w_gate_up, self.w_down, topk_ids, topk_weights,
+                            w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
         else:
-            out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights)
+            out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights,
+                                    self.w_gate_up_scale, self.w_down_scale)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
@@ -130,11 +137,14 @@ def experts_reference(
     w_down: torch.Tensor,  # [E, H, I]
     topk_ids: torch.Tensor,  # [T, K] int64
     topk_weights: torch.Tensor,  # [T, K]
+    w_gate_up_scale: torch.Tensor | None = None,  # [E, 2 * I, G] float32 when the stacks are fp8
+    w_down_scale: torch.Tensor | None = None,  # [E, H, G]
 ) -> torch.Tensor:  # [T, H] in x's dtype
     """out[t] = sum_k topk_weights[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = topk_ids[t, k]: the fused
     kernel's contract, in torch. One matmul per expert that got tokens; the (token, choice) pairs are sorted by
     expert so each expert reads a contiguous slice. The counts go to the host, so this path is not for CUDA
-    graphs; on CUDA the kernel runs instead."""
+    graphs; on CUDA the kernel runs instead. FP8 stacks are dequantized one expert at a time (the reference of the
+    kernel's fp8 path)."""
     tokens, k = topk_ids.shape
     inter = w_down.shape[-1]
     flat_ids = topk_ids.reshape(-1)
@@ -148,8 +158,12 @@ def experts_reference(
             continue
         rows = slice(start, start + count)
         xs = x[pair_token[rows]]
-        gate, up = F.linear(xs, w_gate_up[expert]).split(inter, dim=-1)
-        pair_out[rows] = F.linear(F.silu(gate) * up, w_down[expert])
+        gate_up, down = w_gate_up[expert], w_down[expert]
+        if w_gate_up_scale is not None:
+            gate_up = dequantize_weight(gate_up, w_gate_up_scale[expert]).to(x.dtype)
+            down = dequantize_weight(down, w_down_scale[expert]).to(x.dtype)
+        gate, up = F.linear(xs, gate_up).split(inter, dim=-1)
+        pair_out[rows] = F.linear(F.silu(gate) * up, down)
         start += count
     # Weighted and summed in the weights' float32 (float64) precision, as the released models combine them.
     weighted = pair_out.to(topk_weights.dtype) * topk_weights.reshape(-1)[order, None]

@@ -19,6 +19,7 @@ from torch import nn
 
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.decoder_layer import DecoderLayer
+from diffulex_backend.layers.fp8_linear import FP8
 from diffulex_backend.layers.lora import LoraBatch
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import rotary_angles
@@ -260,6 +261,8 @@ class DecoderLM(nn.Module):
                 expert -= held.start
             layout[name] = CheckpointWeight(param, shape, expert, pieces)
         covered = {w.param for w in layout.values()}
+        # An fp8 weight's scale (quantization.py) is named after the weight's checkpoint name by its scheme.
+        covered |= {p + "_scale" for p in covered if p + "_scale" in params}
         assert covered == set(params), f"parameters without a checkpoint name: {sorted(set(params) - covered)}"
         return layout
 
@@ -309,7 +312,9 @@ class DecoderLM(nn.Module):
         """The logits; under tensor parallelism, with `gather` off, this rank's columns only (from vocab_start, the
         last rank's ending in padding columns)."""
         head = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        if self.fused_kernels:
+        if head.dtype == FP8:  # fp8_lm_head
+            logits = self.lm_head(hidden)
+        elif self.fused_kernels:
             from diffulex_kernels.linear import linear  # the weight-streaming kernel at a few rows
 
             logits = linear(hidden, head)

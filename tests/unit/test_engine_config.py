@@ -55,6 +55,8 @@ INVALID = {
     "lora_modules": (5, "name=path pairs separated by commas"),
     "max_loras": (0, "an integer >= 1"),
     "max_lora_rank": (True, "an integer >= 1"),
+    "quantization": ("int4", "one of [None, 'fp8'] (null: the checkpoint's own weights)"),
+    "fp8_lm_head": ("yes", "true or false"),
 }
 
 

@@ -1,0 +1,228 @@
+"""FP8 products at a decode step's shapes: LLaDA-8B's four projections (qkv, o, gate_up, down; hidden 4096,
+intermediate 12288, 32 heads) at one block (32 rows) and at 32 blocks (1024 rows), each way the engine could run
+them, against the floors measured in the same run.
+
+Ways (each a layer's four products, over LAYERS layers whose weights are separate tensors, so each is read from HBM):
+- bf16: `F.linear` on bf16 weights (cuBLAS), the baseline;
+- scaled_mm: cuBLASLt FP8 (`torch._scaled_mm`, row-wise scales) on activations cast beforehand: the product alone;
+- scaled_mm + torch cast: the same after a per-token cast in separate torch ops (amax, divide, cast);
+- scaled_mm + fused cast: after `quantize_rows`, the one-pass Triton cast the engine uses;
+- triton: the Triton `tl.dot` fp8 kernel (`fp8_matmul`) on activations cast beforehand;
+- triton + fused cast: `quantize_rows` then the Triton kernel;
+- triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast.
+`fp8_linear` takes the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the table says which way wins
+where.
+
+The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms. Three more rows time those two
+norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
+they are written (`fused_add_rmsnorm_fp8`, the engine's way), against the floor of the bytes each moves.
+
+Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
+large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
+square bf16 product, a square cuBLASLt fp8 product). The floor is the larger of the two.
+
+    PYTHONPATH=. python benchmarks/fp8.py --out DIR            # GPU (Hopper): about a minute on an H100
+    PYTHONPATH=. python benchmarks/fp8.py --smoke --out DIR    # anywhere: tiny shapes, eager, products checked
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import time
+
+import torch
+import torch.nn.functional as F
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
+
+from source_checkout import map_kernels_package  # noqa: E402
+
+map_kernels_package()
+
+from diffulex_kernels.fp8 import (  # noqa: E402
+    FP8, TRITON_MAX_ROWS, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
+)
+from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
+from forward import device_ms, graph_replay_ms, synchronize, wall_ms  # noqa: E402
+from result_table import ResultTable  # noqa: E402
+
+# (name, out features N, in features K) of one LLaDA-8B layer.
+LLADA_8B = [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
+SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)]
+LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
+WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
+        "triton W8A16")
+NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
+FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
+
+
+def torch_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-token cast as separate torch ops: what the fused cast replaces."""
+    scale = x.abs().amax(-1, keepdim=True).float() / 448.0
+    return (x.float() / scale).clamp(-448, 448).to(FP8), scale[:, 0]
+
+
+def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    scale = w.float().abs().amax(-1, keepdim=True) / 448.0
+    return (w.float() / scale).to(FP8), scale
+
+
+def layer_fn(way: str, x: torch.Tensor, layers_bf16, layers_fp8, pre_cast):
+    """One call runs every layer's four products the given way; returns their outputs."""
+    def run():
+        outs = []
+        for bf16, fp8 in zip(layers_bf16, layers_fp8):
+            for (w, (wq, ws)) in zip(bf16, fp8):
+                k = w.shape[1]
+                xk = x[k]
+                if way == "bf16":
+                    outs.append(F.linear(xk, w))
+                    continue
+                if way == "triton W8A16":
+                    outs.append(fp8_matmul(xk, None, wq, ws, None, torch.bfloat16))
+                    continue
+                if way in ("scaled_mm", "triton"):
+                    xq, xs = pre_cast[k]
+                elif way == "scaled_mm + torch cast":
+                    xq, xs = torch_cast(xk)
+                else:
+                    xq, xs = quantize_rows(xk)
+                product = scaled_mm if way.startswith("scaled_mm") else fp8_matmul
+                outs.append(product(xq, xs, wq, ws, None, torch.bfloat16))
+        return outs
+    return run
+
+
+def norms_fn(way: str, product: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, layers: int):
+    """A layer's two residual-add RMSNorms (before gate_up, before the next qkv), `layers` times."""
+    def run():
+        outs = []
+        for _ in range(2 * layers):
+            if way == "norms casting rows":
+                outs.append(fused_add_rmsnorm_fp8(product, residual, weight, 1e-6))
+                continue
+            rows, _ = fused_add_rmsnorm(product, residual, weight, 1e-6)
+            outs.append(quantize_rows(rows) if way == "norms + quantize_rows" else rows)
+        return outs
+    return run
+
+
+def norm_bytes(way: str, rows: int, hidden: int) -> int:
+    """HBM bytes of one norm: the product and the residual read, the residual and the rows written (bf16, or fp8
+    and a scale a row), plus quantize_rows' read of the bf16 rows and write of the fp8 ones."""
+    moved = rows * hidden * (2 + 2 + 2) + (rows * (hidden + 4) if way == "norms casting rows" else rows * hidden * 2)
+    if way == "norms + quantize_rows":
+        moved += rows * hidden * 2 + rows * (hidden + 4)
+    return moved
+
+
+def measure_ceilings(device: torch.device, smoke: bool) -> tuple[float, float, float]:
+    """(HBM bytes/s read + written, bf16 flop/s, fp8 flop/s)."""
+    if smoke:
+        return float("nan"), float("nan"), float("nan")
+    n = 1 << 30  # 2 GiB of bf16
+    src = torch.randn(n, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(src)
+    m = 8192
+    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    aq, _ = quantize_weight(a)
+    bq, _ = quantize_weight(b)
+    rows, columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
+    # An idle GPU starts at low clocks: keep it busy a while first.
+    warm_until = time.perf_counter() + 2.0
+    while time.perf_counter() < warm_until:
+        a @ b
+        synchronize(device)
+    copy_ms = device_ms(lambda: dst.copy_(src), device, reps=10)
+    bf16_ms = device_ms(lambda: a @ b, device, reps=10)
+    fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=rows, scale_b=columns,
+                                                out_dtype=torch.bfloat16), device, reps=10)
+    del src, dst
+    return 2 * 2 * n / (copy_ms * 1e-3), 2 * m**3 / (bf16_ms * 1e-3), 2 * m**3 / (fp8_ms * 1e-3)
+
+
+def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
+    """The smoke run's check: each fp8 way against the bf16 product of the dequantized weights, on the same
+    activations. The products given torch-cast activations are held tight; with the fused cast, under the
+    interpreter, the cast rounds some values wrongly (tests/kernels/test_fp8_kernels.py), so only on the GPU."""
+    for w, (wq, ws) in zip(layers_bf16[0], layers_fp8[0]):
+        xk = x[w.shape[1]]
+        want = F.linear(xk.float(), wq.float() * ws)
+        xq, xs = quantize_rows_reference(xk)
+        got = fp8_matmul(xq, xs, wq, ws, None, torch.float32)
+        exact = (xq.float() * xs[:, None]) @ (wq.float() * ws).T
+        # float32 sums under the interpreter; Hopper's fp8 tensor cores add at reduced precision (kernels/fp8.py).
+        sum_tolerance = 1e-5 if device.type == "cpu" else 2**-12
+        assert ((got - exact).norm() / exact.norm()) < sum_tolerance, f"{name} {rows} rows: triton fp8 product"
+        assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: activation cast error"
+        got = fp8_matmul(xk, None, wq, ws, None, torch.float32)  # weight-only: the bf16 activations themselves
+        assert ((got - want).norm() / want.norm()) < 1e-5, f"{name} {rows} rows: triton W8A16 product"
+        if device.type == "cuda":
+            for product in (scaled_mm, fp8_matmul):
+                got = product(*quantize_rows(xk), wq, ws, None, torch.float32)
+                assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: {product.__name__}"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, eager, on any device")
+    args = parser.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    torch.manual_seed(0)
+    shapes, row_counts, layers = (SMOKE, (4, 32), 2) if args.smoke else (LLADA_8B, (32, 1024), LAYERS)
+    args.out.mkdir(parents=True, exist_ok=True)
+    bandwidth, bf16_rate, fp8_rate = measure_ceilings(device, args.smoke)
+    layers_bf16 = [[torch.randn(n, k, device=device).to(torch.bfloat16) * k**-0.5 for _, n, k in shapes]
+                   for _ in range(layers)]
+    layers_fp8 = [[quantize_weight(w) for w in layer] for layer in layers_bf16]
+    params = sum(n * k for _, n, k in shapes)
+    table = ResultTable("fp8", FIELDS)
+    on_gpu = device.type == "cuda"
+    for rows in row_counts:
+        x = {k: torch.randn(rows, k, device=device).to(torch.bfloat16) for k in {k for _, _, k in shapes}}
+        pre_cast = {k: quantize_rows_reference(v) for k, v in x.items()}
+        if args.smoke:
+            check_products("llada-8b-shaped", rows, layers_bf16, layers_fp8, x, device)
+        flops = 2 * rows * params
+        times = {}
+        for way in WAYS:
+            if way.startswith("scaled_mm") and not on_gpu:
+                continue  # cuBLASLt only on the GPU
+            fn = layer_fn(way, x, layers_bf16, layers_fp8, pre_cast)
+            total_ms = graph_replay_ms(fn, device, reps=20) if on_gpu and not args.smoke else wall_ms(fn, device)
+            times[way] = us = 1e3 * total_ms / layers
+            weight_bytes = params * (2 if way == "bf16" else 1)
+            floor_us = 1e6 * max(weight_bytes / bandwidth, flops / (bf16_rate if way == "bf16" else fp8_rate))
+            note = ""
+            if way == "triton + fused cast" and rows <= TRITON_MAX_ROWS or way == "scaled_mm + fused cast" and (
+                    rows > TRITON_MAX_ROWS):
+                note = "fp8_linear's choice"
+            table.add(rows=rows, way=way, us_per_layer=us, speedup_vs_bf16=times["bf16"] / us, floor_us=floor_us,
+                      vs_floor=us / floor_us, weight_tb_per_s=weight_bytes / (us * 1e-6) / 1e12, note=note)
+        hidden = shapes[0][2]
+        product, residual = (torch.randn(rows, hidden, device=device).to(torch.bfloat16) for _ in range(2))
+        norm_weight = torch.rand(hidden, device=device).to(torch.bfloat16) + 0.5
+        for way in NORM_WAYS:
+            fn = norms_fn(way, product, residual, norm_weight, layers)
+            total_ms = graph_replay_ms(fn, device, reps=20) if on_gpu and not args.smoke else wall_ms(fn, device)
+            times[way] = us = 1e3 * total_ms / layers
+            floor_us = 1e6 * 2 * norm_bytes(way, rows, hidden) / bandwidth
+            table.add(rows=rows, way=way, us_per_layer=us, speedup_vs_bf16=times[NORM_WAYS[0]] / us,
+                      floor_us=floor_us, vs_floor=us / floor_us, weight_tb_per_s="",
+                      note="the engine's way" if way == NORM_WAYS[2] else "")
+    table.write(args.out, None)
+    summary = (f"HBM copy bandwidth {bandwidth / 1e12:.3g} TB/s (read + write); bf16 matmul {bf16_rate / 1e12:.3g} "
+               f"TFLOP/s; fp8 matmul (cuBLASLt) {fp8_rate / 1e12:.3g} TFLOP/s; {layers} layers of "
+               f"{'tiny' if args.smoke else 'LLaDA-8B'} projections ({params:,} weights a layer); device: "
+               f"{torch.cuda.get_device_name(device) if on_gpu else 'cpu (interpreter)'}")
+    md = args.out / "fp8.md"
+    md.write_text(md.read_text() + "\n" + summary + "\n")
+    print(summary)
+    print(f"wrote {args.out / 'fp8.csv'} and {md}")
+
+
+if __name__ == "__main__":
+    main()

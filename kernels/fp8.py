@@ -1,0 +1,185 @@
+"""W8A8 FP8 products: y = (x_q * x_scale) @ (w_q * w_scale).T, with float8_e4m3fn weights and activations.
+
+- `quantize_rows` casts activations to fp8 with a scale per token (row): one program reads a row once, takes its
+  absolute maximum, and writes the scale and the fp8 row in the same pass, so the cast costs one read and one
+  one-byte write of the activations, not the three passes of separate amax, divide and cast ops.
+- `fp8_matmul` is a Triton `tl.dot` on fp8 tiles. As in `linear.py` the weight rows sit on the wide side of the
+  tensor-core product and the tokens on the narrow side. A weight with one scale per row (G = 1) is scaled once,
+  after the sum over K; block-scaled weights (G > 1, a released checkpoint's 128×128 blocks) scale each K tile's
+  partial product by its group's scale.
+- with `x_scale` None the same kernel is weight-only (W8A16): the activations stay in their dtype and each fp8
+  weight tile is widened to it in registers, which skips the activations' cast at the price of 16-bit tensor-core
+  products; benchmarks/fp8.py measures it beside W8A8 at a few rows, where the weights' bytes decide.
+- `scaled_mm` is cuBLASLt's FP8 product through `torch._scaled_mm`, with row-wise scales (one per token, one per
+  weight row); it takes G = 1 only.
+`fp8_linear` chooses: the Triton kernel up to `TRITON_MAX_ROWS` rows, for block scales and for activations other
+than bf16 (cuBLASLt writes row-wise scaled products in bf16 only), `scaled_mm` otherwise (benchmarks/fp8.py
+measures both at a decode step's shapes).
+
+The scales are float32 and every product accumulates in float32. The output is in the activations' dtype.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .dtypes import dot_dtype
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0
+MIN_SCALE = torch.finfo(torch.float32).tiny
+# Rows up to which the Triton kernel runs a per-channel product, past which cuBLASLt does: a decode step's block
+# of 32 rows streams the weights (the Triton kernel's shape), 1024 rows are a compute-bound GEMM.
+TRITON_MAX_ROWS = 64
+BLOCK_K = 128
+# Hopper's fp8 tensor cores add products at reduced precision (about 14 bits, DeepSeek-V3's report), and Triton lets
+# them run a whole K loop that way by default: the sum is promoted to the float32 accumulator after every
+# instruction's 32 products instead.
+FP8_PROMOTE_EVERY = 32
+
+
+@triton.jit
+def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    mask = cols < K
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    # Round-to-nearest divisions, as torch divides, so the scale and the fp8 values match the reference bit for bit.
+    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1.1754943508222875e-38)
+    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
+    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(scale_ptr + row, scale)
+
+
+def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (q [M, K] float8_e4m3fn, scale [M] float32) with x ≈ q * scale[:, None], one launch."""
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError("quantize_rows: x must be [M, K] with contiguous rows")
+    m, k = x.shape
+    q = torch.empty(m, k, dtype=FP8, device=x.device)
+    scale = torch.empty(m, dtype=torch.float32, device=x.device)
+    if m:
+        block = triton.next_power_of_2(k)
+        _quantize_rows_kernel[(m,)](x, q, scale, k, x.stride(0), q.stride(0), BLOCK=block,
+                                    num_warps=min(16, max(4, block // 1024)))
+    return q, scale
+
+
+def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_rows in torch."""
+    x = x.float()
+    scale = (x.abs().amax(-1) / FP8_MAX).clamp_min(MIN_SCALE)
+    return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+
+
+# M changes with every batch: specialized on it, each new token count class would compile again.
+@triton.jit(do_not_specialize=["M"])
+def _fp8_matmul_kernel(
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, GROUPS, GROUP_K,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr,
+):
+    """acc [BLOCK_N, BLOCK_M] = w_tile @ x_tile.T over K; GROUPED: each K tile scaled by its column group's
+    scale (GROUP_K a multiple of BLOCK_K), else the row scale after the loop. X_SCALED: x is fp8 with a scale per
+    row (W8A8); else x is in its float dtype and the weight tile is widened to DOT_DTYPE in registers (W8A16)."""
+    pid_n = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_valid = offs_n < N
+    m_valid = offs_m < M
+    w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    for k in range(0, K, BLOCK_K):
+        if EVEN_K:
+            w = tl.load(w_ptrs, mask=n_valid[:, None], other=0.0)
+            x = tl.load(x_ptrs, mask=m_valid[None, :], other=0.0)
+        else:
+            k_valid = offs_k + k < K
+            w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            x = tl.load(x_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
+        if not X_SCALED:
+            w = w.to(DOT_DTYPE)
+            x = x.to(DOT_DTYPE)
+        if GROUPED:
+            s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + k // GROUP_K, mask=n_valid, other=0.0)
+            acc += tl.dot(w, x, max_num_imprecise_acc=IMPRECISE_ACC) * s[:, None]
+        else:
+            acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+        w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if not GROUPED:
+        acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[:, None]
+    if X_SCALED:
+        acc = acc * tl.load(x_scale_ptr + offs_m, mask=m_valid, other=0.0)[None, :]
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[:, None]
+    out_ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
+
+
+def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
+               bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """x_q [M, K] fp8, x_scale [M], w [N, K] fp8, w_scale [N, G] -> [M, N] in out_dtype, by the Triton kernel.
+    x_scale None: x_q is the float activations themselves, and the weights are widened to their dtype (W8A16)."""
+    m, k = x_q.shape
+    n, groups = w.shape[0], w_scale.shape[-1]
+    if w.shape[1] != k or w_scale.shape[0] != n or k % groups:
+        raise ValueError(f"fp8_matmul: x {tuple(x_q.shape)}, w {tuple(w.shape)} and w_scale {tuple(w_scale.shape)} "
+                         "do not fit")
+    group_k = k // groups
+    block_k = BLOCK_K if groups == 1 or group_k % BLOCK_K == 0 else group_k
+    if groups > 1 and (block_k < 32 or block_k & (block_k - 1)):  # fp8 tensor-core products take K tiles of 32
+        raise ValueError(f"fp8_matmul: column groups of {group_k} are not a power of two of at least 32")
+    out = torch.empty(m, n, dtype=out_dtype, device=x_q.device)
+    if m == 0:
+        return out
+    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    # Enough programs to fill the multiprocessors at decode, where the weight rows are the only parallel side.
+    block_n = 64 if triton.cdiv(n, 64) * triton.cdiv(m, block_m) >= 120 else 32
+    w_scale = w_scale.float().contiguous()
+    weight_only = x_scale is None
+    _fp8_matmul_kernel[(triton.cdiv(n, block_n), triton.cdiv(m, block_m))](
+        x_q, w_scale if weight_only else x_scale, w, w_scale, bias if bias is not None else w_scale, out,
+        m, n, k, x_q.stride(0), w.stride(0), out.stride(0), groups, group_k,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, EVEN_K=k % block_k == 0, GROUPED=groups > 1,
+        HAS_BIAS=bias is not None, X_SCALED=not weight_only,
+        DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv,
+        IMPRECISE_ACC=None if weight_only else FP8_PROMOTE_EVERY, num_warps=4, num_stages=4,
+    )
+    return out
+
+
+def scaled_mm(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+              bias: torch.Tensor | None = None, out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """fp8_matmul by cuBLASLt (`torch._scaled_mm`, row-wise scales); w_scale [N, 1] only. cuBLASLt writes a
+    row-wise scaled product in bf16 only: another out_dtype is that bf16 product, converted."""
+    if w_scale.shape[-1] != 1:
+        raise ValueError("scaled_mm: cuBLASLt's row-wise product takes one scale per weight row")
+    out = torch._scaled_mm(x_q, w.t(), scale_a=x_scale.float().reshape(-1, 1),
+                           scale_b=w_scale.float().reshape(1, -1), out_dtype=torch.bfloat16)
+    out = out if bias is None else out + bias
+    return out.to(out_dtype)
+
+
+def fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor, bias: torch.Tensor | None = None
+               ) -> torch.Tensor:
+    """x [M, K] @ (w * w_scale).T + bias -> [M, N] in x's dtype: activations cast per token in one launch, then
+    the product that suits the rows (module note)."""
+    return fp8_rows_linear(*quantize_rows(x.contiguous()), w, w_scale, bias, x.dtype)
+
+
+def fp8_rows_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                    bias: torch.Tensor | None, out_dtype: torch.dtype) -> torch.Tensor:
+    """fp8_linear of rows already cast (by quantize_rows, or by the norm before the projection)."""
+    # cuBLASLt's fp8 products take sizes that are multiples of 16 (a vocabulary of 258 rows is not).
+    aligned = w.shape[0] % 16 == 0 and w.shape[1] % 16 == 0
+    use_cublas = (x_q.is_cuda and x_q.shape[0] > TRITON_MAX_ROWS and w_scale.shape[-1] == 1 and aligned
+                  and out_dtype == torch.bfloat16)
+    product = scaled_mm if use_cublas else fp8_matmul
+    return product(x_q, x_scale, w, w_scale, bias, out_dtype)

@@ -1,0 +1,29 @@
+"""A smoke run of the FP8 benchmark on the CPU (the Triton kernels under the interpreter), so the script cannot rot
+between GPU runs: it checks its own products, and writes a row per row count and way that runs without a GPU (the
+products, then the norms that write their inputs), with times that are times and speedups that are bf16's time
+over the way's."""
+import pytest
+from benchmark_smoke import csv_rows, run_smoke
+
+
+def test_smoke_run_times_each_way_against_bf16_and_marks_the_engines_choice(tmp_path):
+    run_smoke("fp8.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "fp8.csv")
+    # cuBLASLt's ways need a GPU; the rest run at both row counts.
+    products = ("bf16", "triton", "triton + fused cast", "triton W8A16")
+    norms = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
+    assert [(r["rows"], r["way"]) for r in rows] == [(n, w) for n in ("4", "32") for w in products + norms]
+    by_rows = {}
+    for row in rows:
+        by_rows.setdefault(row["rows"], {})[row["way"]] = row
+    for ways in by_rows.values():
+        for group in (products, norms):  # each group's speedups are over its first, bf16, way
+            base = float(ways[group[0]]["us_per_layer"])
+            for way in group:
+                us = float(ways[way]["us_per_layer"])
+                assert us > 0 and float(ways[way]["speedup_vs_bf16"]) == pytest.approx(base / us, rel=2e-3)
+        assert ways["triton + fused cast"]["note"] == "fp8_linear's choice"
+        assert ways["norms casting rows"]["note"] == "the engine's way"
+    markdown = (tmp_path / "fp8.md").read_text()
+    assert markdown.startswith("`python benchmarks/fp8.py --smoke --out") and "| rows | way |" in markdown
+    assert "device: cpu (interpreter)" in markdown
