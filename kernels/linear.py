@@ -25,8 +25,8 @@ from .activation import silu_and_mul
 from .dtypes import dot_dtype
 from .pdl import use_pdl, wait_for_previous_kernel
 
-# From 16 to 64 tokens this kernel runs LLaDA-8B's and Dream-7B's layer matmuls 2-8% faster than cuBLAS on an H100;
-# at 96 tokens it is no faster (benchmarks/linear.py, docs/performance.md).
+# Up to here streaming the weight once beats the library's tiles; past it, cuBLAS's larger tiles win (the figures are
+# in docs/kernels.md, "Weight-streaming matmul").
 MAX_TOKENS = 64
 BLOCK_N = 64
 BLOCK_K = 128
@@ -113,8 +113,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, ou
         BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, EVEN_K=even_k,
         HAS_BIAS=bias is not None, GATED=gated, DOT_DTYPE=dot_dtype(x), USE_PDL=pdl, launch_pdl=pdl,
         # As many loads in flight as shared memory holds at 64 tokens: five stages of one weight tile, four of the
-        # gated pair. With three, the layer matmuls at 48 and 64 tokens run 1-2% slower on an H100
-        # (benchmarks/linear.py, docs/performance.md).
+        # gated pair. Fewer stages leave the weight stream short of loads in flight (docs/kernels.md).
         num_warps=4, num_stages=4 if gated else 5,
     )
 

@@ -223,7 +223,8 @@ def expand(out: torch.Tensor, shrunk: torch.Tensor, b: torch.Tensor, segments: t
     precision = "ieee" if b.element_size() >= 4 else "tf32"  # as the shrink's, by the weights' dtype
     pdl = use_pdl(out)
     block_m, block_r = _row_block(num_segments * max_rows), _rank_block(r)
-    # Column tiles measured on the H100 at LLaDA-8B's projections: 128 wide at batch 32, 256 at batch 1.
+    # Wide column tiles where the row tiles are few (a small batch), so each program streams more of B; narrower
+    # where 32-row tiles already give many programs (docs/kernels.md, "LoRA delta").
     block_n = 128 if block_m == 32 else 256
     shrunk = _summed(shrunk, num_segments * max_rows, triton.cdiv(n, block_n))
     _expand_kernel[(num_segments, triton.cdiv(max_rows, block_m), triton.cdiv(n, block_n))](
@@ -261,8 +262,8 @@ def silu_and_mul_lora(gate_up: torch.Tensor, shrunk: torch.Tensor, b: torch.Tens
         return out
     pdl = use_pdl(gate_up)
     block_m = _row_block(num_tokens)
-    # Measured on the H100 at LLaDA-8B's gate_up: wider column tiles than the expand's at batch 32, where each
-    # program also loads gate and up tiles, and narrower at batch 1.
+    # The other way round from the expand's: at 32-row tiles each program also loads gate and up tiles, which
+    # wider column tiles amortise; at small batches narrower tiles give more programs (docs/kernels.md).
     block_n = 256 if block_m == 32 else 128
     shrunk = _summed(shrunk, num_tokens, triton.cdiv(size, block_n))
     _silu_and_mul_lora_kernel[(triton.cdiv(num_tokens, block_m), triton.cdiv(size, block_n))](

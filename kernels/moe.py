@@ -8,8 +8,8 @@ Three steps, none of which waits on the host, so the whole layer can live in a C
 1. `route_to_tiles` sorts the T*K (token, choice) pairs by expert (token order inside an expert) and pads each
    expert's run up to a multiple of the row tile BLOCK_M. A tile holds rows of one expert only; an expert that got
    no token gets no tile. Three small kernels: count each chunk's pairs per expert; plan the runs in one program;
-   scatter each pair to its row while other programs mark each tile's expert and padding rows. (A chain of torch
-   sort, cumsum and scatter ops took 60-140 us on an H100, a fifth of the whole layer at decode.) The number of
+   scatter each pair to its row while other programs mark each tile's expert and padding rows: a chain of torch
+   sort, cumsum and scatter ops costs a large share of the layer at decode (docs/kernels.md). The number of
    tiles is only known on the device, so the grid is launched for the most tiles any routing can need, and the
    programs past the last real tile return at once, before any load.
 2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,

@@ -488,8 +488,9 @@ class EngineLoop:
 
     def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:
         """Poll the next CANCEL_POLLS_PER_TICK open requests, in turn: each poll is a round trip to the server
-        (about 70 us on an H100 host), and polling all of 32 open requests every 20 ms took some 48 of them per
-        step. A cancelled request is still noticed within (open requests / CANCEL_POLLS_PER_TICK) ticks."""
+        process, so polling every open request every tick would cost a step's worth of round trips at a large
+        batch (docs/performance.md, "Served against in-process", has the counts). A cancelled request is still
+        noticed within (open requests / CANCEL_POLLS_PER_TICK) ticks."""
         ids = list(open_requests)
         if not ids:
             return
