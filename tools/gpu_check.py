@@ -62,7 +62,7 @@ SECTIONS = (
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
             "test_triton_server.py", "test_thread_death.py", "test_data_parallel.py", "test_page_retention_served.py",
-            "test_integer_limits.py")),
+            "test_integer_limits.py", "test_served_logprobs.py")),
         "tests/client/test_client.py", "tests/client/test_cli.py")),
 )
 
