@@ -254,12 +254,12 @@ def test_a_start_that_fails_on_rank_0_alone_ends_at_once(checkpoints, monkeypatc
     """Rank 0 fails after the other ranks went on to the next collective of the start (its KV cache sizing,
     measured per rank, can fail on its GPU alone): the engine fails with rank 0's error without waiting for the
     collective's timeout, and the workers are gone."""
-    import diffulex_backend.engine as engine_module
+    import diffulex_backend.model_setup as model_setup
 
     def no_room(*args):
         raise ValueError("config field 'gpu_memory_utilization' (0.9) leaves no room for one max_model_len sequence")
 
-    monkeypatch.setattr(engine_module, "num_kv_pages", no_room)  # rank 0's own; the workers size theirs
+    monkeypatch.setattr(model_setup, "num_kv_pages", no_room)  # rank 0's own; the workers size theirs
     before = child_pids()
     started = time.monotonic()
     with pytest.raises(ValueError, match="leaves no room"):
