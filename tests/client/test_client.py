@@ -1,6 +1,7 @@
 """DiffulexClient and AsyncDiffulexClient against the real server, over gRPC and HTTP."""
 
 import asyncio
+import json
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ from served_model import kv_pages_used, url_for, wait_for_kv_pages_used
 from triton_server import free_ports
 
 from diffulex_backend import SamplingParams
+from diffulex_kernels.attention import HEAD_DIMS
 from diffulex_client import (
     AsyncDiffulexClient,
     Completion,
@@ -129,11 +131,14 @@ def test_health_reports_the_settings_the_engine_resolved(client, server, checkpo
     (instance, settings), = client.health(server.metrics_url).resolved_settings.items()
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert instance.endswith(f"({device})")
+    # auto takes the Triton kernels on a GPU for the head sizes they serve.
+    config = json.loads((checkpoint / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    kernels = device != "cpu" and head_dim in HEAD_DIMS
     assert {name: settings[name] for name in ("device", "dtype", "block_size", "model", "decoding_strategy",
                                                "attention_backend")} == {
         "device": device, "dtype": "bfloat16" if device != "cpu" else "float32", "block_size": "4",
-        "model": str(checkpoint), "decoding_strategy": "multi_bd",
-        "attention_backend": "triton" if device != "cpu" else "torch"}
+        "model": str(checkpoint), "decoding_strategy": "multi_bd", "attention_backend": "triton" if kernels else "torch"}
     assert int(settings["num_kv_pages"]) > 0 and settings["max_model_len"] == "512"
     assert int(settings["mask_token_id"]) >= 0  # unset in config.pbtxt: resolved from the checkpoint
 
