@@ -132,8 +132,8 @@ def test_health_reports_the_settings_the_engine_resolved(client, server, checkpo
     device = "cuda:0" if torch.cuda.is_available() else "cpu"
     assert instance.endswith(f"({device})")
     # auto takes the Triton kernels on a GPU for the head sizes they serve.
-    config = json.loads((checkpoint / "config.json").read_text())
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    config = json.loads((checkpoint / "config.json").read_text())  # LLaDA's keys
+    head_dim = config["d_model"] // config["n_heads"]
     kernels = device != "cpu" and head_dim in HEAD_DIMS
     assert {name: settings[name] for name in ("device", "dtype", "block_size", "model", "decoding_strategy",
                                                "attention_backend")} == {
