@@ -24,8 +24,6 @@ On CUDA the mixture is computed inside the decode graphs from two static buffers
 """
 from __future__ import annotations
 
-import dataclasses
-
 import numpy as np
 import torch
 
