@@ -69,7 +69,9 @@ except ImportError:  # not installed, or tritonclient missing (a GPU image): onl
     sys.modules["diffulex_client"].__path__ = [str(REPOSITORY_ROOT / "client")]
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
-from triton_server import LOOPBACK, TritonServer, add_model, free_ports
+from triton_server import TritonServer, add_model
+
+from diffulex_client.perf.front_process import FrontProcess
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.serving.engine_loop import EngineLoop
@@ -423,36 +425,6 @@ def run_served(server: TritonServer, plan: Plan, prompts, report: Report, refere
 
 
 # ---- 4. through the OpenAI front ------------------------------------------------------------------------------
-class Front:
-    """The OpenAI front in its own process, in front of `server` over gRPC."""
-
-    def __init__(self, server: TritonServer, log_path: Path, startup_timeout_s: float = 120.0):
-        (port,) = free_ports(1)
-        self.url = f"http://{LOOPBACK}:{port}"
-        self._log = open(log_path, "wb")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "diffulex_client.openai_front", "--triton-url", server.grpc_url, "--model", MODEL,
-             "--host", LOOPBACK, "--port", str(port)], stdout=self._log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + startup_timeout_s
-        while True:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the front exited with {self.process.returncode}: {log_path.read_text()[-2000:]}")
-            try:
-                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the front was not ready in {startup_timeout_s:.0f} s")
-            time.sleep(0.2)
-
-    def stop(self) -> None:
-        self.process.terminate()
-        self.process.wait(30)
-        self._log.close()
-
-
 def post_completion(url: str, prompt: list[int], plan: Plan) -> dict:
     body = {"model": MODEL, "prompt": prompt, "max_tokens": plan.new_tokens, "temperature": 0, "ignore_eos": True}
     request = urllib.request.Request(f"{url}/v1/completions", data=json.dumps(body).encode(), method="POST",
@@ -464,7 +436,7 @@ def post_completion(url: str, prompt: list[int], plan: Plan) -> dict:
         raise RuntimeError(f"the front answered {err.code}: {err.read()[:2000]!r}") from None
 
 
-def front_round(front: Front, prompts: list[list[int]], plan: Plan) -> tuple[float, list[str], int]:
+def front_round(front: FrontProcess, prompts: list[list[int]], plan: Plan) -> tuple[float, list[str], int]:
     """Wall time of the B concurrent completions, their texts and their generated tokens in all."""
     with ThreadPoolExecutor(max_workers=len(prompts)) as pool:
         start = time.perf_counter()
@@ -474,7 +446,7 @@ def front_round(front: Front, prompts: list[list[int]], plan: Plan) -> tuple[flo
     return seconds, [a["choices"][0]["text"] for a in answers], sum(a["usage"]["completion_tokens"] for a in answers)
 
 
-def run_front(front: Front, tokenizer, plan: Plan, prompts, report: Report, reference: dict) -> None:
+def run_front(front: FrontProcess, tokenizer, plan: Plan, prompts, report: Report, reference: dict) -> None:
     for batch in plan.batches:
         for name in ["warm-up"] + [str(i) for i in range(plan.repeats)]:
             key = (batch, f"front-{name}")
@@ -745,8 +717,9 @@ def main(argv: list[str] | None = None) -> None:
             print(f"served: ready in {time.perf_counter() - started:.1f} s", flush=True)
             run_served(server, plan, prompts, report, reference)
             if args.front:
-                front = Front(server, args.out / "front.log")
+                front = FrontProcess(server.grpc_url, MODEL, args.out / "front.log")
                 try:
+                    front.wait_listening()
                     run_front(front, load_tokenizer(checkpoint), plan, prompts, report, reference)
                 finally:
                     front.stop()

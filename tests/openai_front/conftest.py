@@ -6,7 +6,7 @@ import signal
 import openai
 import pytest
 import tritonclient.http as httpclient
-from front_process import FrontProcess
+from diffulex_client.perf.front_process import FrontProcess
 from front_requests import API_KEY, DEMO_CHECKPOINT, DEMO_MODEL
 from google.protobuf import json_format, text_format
 from triton_server import SHIPPED_MODEL, with_parameters

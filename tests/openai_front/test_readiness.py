@@ -12,7 +12,7 @@ from pathlib import Path
 
 import httpx
 import tritonclient.http as httpclient
-from front_process import FrontProcess
+from diffulex_client.perf.front_process import FrontProcess
 from front_requests import error_in, post
 from processes import live_children
 from google.protobuf import json_format, text_format

@@ -1,5 +1,6 @@
 """The OpenAI front as its users run it: its own process (`python -m diffulex_client.openai_front`), started on a
-free loopback port in front of a tritonserver, stopped with SIGTERM."""
+free loopback port in front of a tritonserver, stopped with SIGTERM. The front's tests and the serving benchmark
+start it through this class."""
 
 from __future__ import annotations
 
@@ -10,8 +11,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from diffulex_client.perf.tritonserver import LoggedProcess
-from triton_server import LOOPBACK, free_ports
+from .tritonserver import LOOPBACK, LoggedProcess, free_ports
 
 STARTUP_TIMEOUT_S = 120  # the front imports torch and transformers
 
