@@ -8,8 +8,9 @@ import sys
 
 
 class ResultTable:
-    def __init__(self, name: str, fields: list[str]):
-        self.name, self.fields = name, fields
+    def __init__(self, name: str, fields: list[str], script: str | None = None):
+        """`script`: the benchmark that writes the table, when it is not named after it."""
+        self.name, self.fields, self.script = name, fields, script or name
         self.rows: list[dict] = []
 
     def add(self, **row) -> None:
@@ -23,7 +24,7 @@ class ResultTable:
             writer = csv.DictWriter(f, self.fields)
             writer.writeheader()
             writer.writerows(self.rows)
-        command = f"python benchmarks/{self.name}.py " + " ".join(argv if argv is not None else sys.argv[1:])
+        command = f"python benchmarks/{self.script}.py " + " ".join(argv if argv is not None else sys.argv[1:])
         lines = ["| " + " | ".join(self.fields) + " |", "|" + "---|" * len(self.fields)]
         lines += ["| " + " | ".join(str(row[k]) for k in self.fields) + " |" for row in self.rows]
         (out / f"{self.name}.md").write_text(f"`{command}`\n\n" + "\n".join(lines) + "\n")

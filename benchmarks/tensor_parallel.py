@@ -1,29 +1,39 @@
 """Tensor parallelism against one rank, in one run: the same random-weight checkpoint and the same prompts.
 
-For each model, each tensor_parallel_size in --sizes (the first is the baseline) and each batch in --batches,
-with one 32-token block per request decoded under the top-k schedule (one token per block per step, so random
-weights cannot change how much a step decodes):
+For each model, each dtype in --dtypes and each tensor_parallel_size in --sizes (the first is the baseline), one
+engine runs every batch in --batches, with one 32-token block per request decoded under the top-k schedule (one
+token per block per step, so random weights cannot change how much a step decodes). Per (size, batch):
   - the greedy outputs against the baseline's: equal, or the first request and position where they differ;
+  - the logits of the first decode forward against the baseline's, over the columns rank 0 holds: the largest
+    absolute difference, and that over the largest baseline logit. In float32 (TF32 off on every rank) a logic
+    error shows as a difference of the logits' own size, rounding as one near 1e-6;
   - ms per decode step (engine.step, after every prompt's prefill), the median over the timed steps;
   - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels on GPUs, gloo ops on a CPU);
   - the speed-up over the baseline, beside the ideal one (the size ratio: at batch 1 a step streams the weights,
     and each rank streams 1/N of them);
   - the weight-streaming floor of one rank: its share of the model's bytes / the measured HBM bandwidth.
-Writes tensor_parallel.csv and tensor_parallel.md to --out.
+And where rank 0's host time per step goes (tensor_parallel_host.md): scheduling, the plan's broadcast, building
+the batch, launching the forward, the logits and the sampler, the step's one read-back (which waits for the
+device), and the engine's update after it.
+Writes tensor_parallel.csv/.md and tensor_parallel_host.csv/.md to --out.
 
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
-    python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini
+    python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini --dtypes bfloat16,float32
     python benchmarks/tensor_parallel.py --checkpoint CKPT --out DIR        # a checkpoint written once beforehand
     python benchmarks/tensor_parallel.py --smoke --out DIR                  # anywhere: a tiny model, two CPU ranks
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import gc
+import os
 import pathlib
 import statistics
 import sys
 import tempfile
 import time
+from collections import defaultdict
 
 import torch
 
@@ -31,13 +41,16 @@ from source_checkout import map_kernels_package  # noqa: E402
 
 map_kernels_package()
 
+import diffulex_backend.runner as runner_module  # noqa: E402
 from diffulex_backend import Diffulex, SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint  # noqa: E402
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
-FIELDS = ["model", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
-          "step_vs_weight_floor", "outputs", "note"]
+FIELDS = ["model", "dtype", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
+          "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
+PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "logits", "sample", "accept", "read_back", "update"]
+HOST_FIELDS = ["model", "dtype", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
 PROMPT = 256
 NEW_TOKENS = 4 * BLOCK
 
@@ -54,36 +67,120 @@ def collective_ms(profile) -> float:
     return total_us / 1e3
 
 
-def run_engine(checkpoint: str, size: int, batch: int, smoke: bool, device: torch.device) -> dict:
+class HostClock:
+    """Rank 0's host time per phase of a step: each phase's function wrapped on the engine's own objects (or, for
+    the runner module's read_back, in the module for the run's length), accumulating seconds while `on`."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.on = False
+        self.first_logits: torch.Tensor | None = None
+
+    def wrap(self, phase: str, fn):
+        def timed(*args, **kwargs):
+            if not self.on:
+                return fn(*args, **kwargs)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.seconds[phase] += time.perf_counter() - start
+        return timed
+
+    @contextlib.contextmanager
+    def attached(self, engine):
+        runner = engine.runner.runner if hasattr(engine.runner, "workers") else engine.runner
+        engine.scheduler.schedule = self.wrap("schedule", engine.scheduler.schedule)
+        if engine.workers is not None:
+            channel = engine.workers.channel
+            channel.broadcast = self.wrap("broadcast", channel.broadcast)
+        runner.build_batch = self.wrap("build_batch", runner.build_batch)
+        runner.forward = self.wrap("forward_launch", runner.forward)
+        runner.accept = self.wrap("accept", runner.accept)
+        compute_logits = runner.model.compute_logits
+
+        def logits(*args, **kwargs):
+            out = self.wrap("logits", compute_logits)(*args, **kwargs)
+            if self.first_logits is None and out.shape[0]:
+                self.first_logits = out.detach().to("cpu", torch.float32, copy=True)
+            return out
+
+        runner.model.compute_logits = logits
+        module_functions = {name: getattr(runner_module, name) for name in ("read_back", "sample", "greedy_over_shards")}
+        runner_module.read_back = self.wrap("read_back", module_functions["read_back"])
+        runner_module.sample = self.wrap("sample", module_functions["sample"])
+        runner_module.greedy_over_shards = self.wrap("sample", module_functions["greedy_over_shards"])
+        try:
+            yield self
+        finally:
+            for name, fn in module_functions.items():
+                setattr(runner_module, name, fn)
+            del runner.model.compute_logits  # back to the class's method
+
+    def per_step(self, step_seconds: list[float]) -> dict[str, float]:
+        steps = len(step_seconds)
+        ms = {f"{p}_ms": 1e3 * self.seconds[p] / steps for p in PHASES if p != "update"}
+        # Sampling includes the sharded greedy exchange; the rest of runner.execute (the sampler's inputs) and the
+        # engine's bookkeeping after it are the update.
+        ms["update_ms"] = 1e3 * sum(step_seconds) / steps - sum(ms.values())
+        return ms
+
+
+def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, device: torch.device,
+               dtype: str) -> dict[int, dict]:
+    """One engine at `size` ranks, each batch in turn; per batch its timing, tokens and first decode logits."""
     prompt, new_tokens = (16, 2 * BLOCK) if smoke else (PROMPT, NEW_TOKENS)
+    most = max(batches)
     engine = Diffulex(checkpoint, tensor_parallel_size=size, block_size=BLOCK, page_size=32, sampling_mode="topk",
-                      enable_prefix_caching=False, max_num_reqs=batch, max_model_len=prompt + new_tokens,
-                      max_num_batched_tokens=batch * (prompt + 2 * BLOCK),
-                      dtype="float32" if device.type == "cpu" else "bfloat16", device=str(device))
+                      enable_prefix_caching=False, max_num_reqs=most, max_model_len=prompt + new_tokens,
+                      max_num_batched_tokens=most * (prompt + 2 * BLOCK), dtype=dtype, device=str(device))
+    results = {}
     try:
-        generator = torch.Generator().manual_seed(7)
-        prompts = [torch.randint(0, 256, (prompt,), generator=generator).tolist() for _ in range(batch)]
-        params = SamplingParams(max_tokens=new_tokens, steps=BLOCK, ignore_eos=True)
-        ids = [engine.add_request(p, params) for p in prompts]
-        requests = [engine.requests[i] for i in ids]
-        engine.step()  # every prompt's prefill
-        warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
-        for _ in range(warm):
-            engine.step()
-        times = []
-        activities = [torch.profiler.ProfilerActivity.CPU]
-        if device.type == "cuda":
-            activities.append(torch.profiler.ProfilerActivity.CUDA)
-        with torch.profiler.profile(activities=activities) as profile:
-            while engine.has_unfinished_requests():
-                start = time.perf_counter()
-                engine.step()
-                times.append(time.perf_counter() - start)
-        tokens = [r.tokens[r.gen_start:].tolist() for r in requests]
-        return dict(step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(times),
-                    tokens=tokens, weight_bytes=sum(p.numel() * p.element_size() for p in engine.model.parameters()))
+        for batch in batches:
+            generator = torch.Generator().manual_seed(7)
+            prompts = [torch.randint(0, 256, (prompt,), generator=generator).tolist() for _ in range(batch)]
+            params = SamplingParams(max_tokens=new_tokens, steps=BLOCK, ignore_eos=True, seed=11)
+            clock = HostClock()
+            with clock.attached(engine):
+                ids = [engine.add_request(p, params) for p in prompts]
+                requests = [engine.requests[i] for i in ids]
+                engine.step()  # every prompt's prefill
+                warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
+                for _ in range(warm):
+                    engine.step()
+                times = []
+                activities = [torch.profiler.ProfilerActivity.CPU]
+                if device.type == "cuda":
+                    activities.append(torch.profiler.ProfilerActivity.CUDA)
+                with torch.profiler.profile(activities=activities) as profile:
+                    while engine.has_unfinished_requests():
+                        start = time.perf_counter()
+                        engine.step()
+                        times.append(time.perf_counter() - start)
+                # Host phases are timed apart from the profiler, which slows the host: a second request set.
+                ids = [engine.add_request(p, params) for p in prompts]
+                for _ in range(1 + warm):
+                    engine.step()
+                clock.on, host_times = True, []
+                while engine.has_unfinished_requests():
+                    start = time.perf_counter()
+                    engine.step()
+                    host_times.append(time.perf_counter() - start)
+                clock.on = False
+            results[batch] = dict(
+                step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(times),
+                tokens=[r.tokens[r.gen_start:].tolist() for r in requests], first_logits=clock.first_logits,
+                host=dict(step_ms=1e3 * statistics.mean(host_times), **clock.per_step(host_times)),
+                weight_bytes=sum(p.numel() * p.element_size() for p in engine.model.parameters()),
+                threads=torch.get_num_threads())
     finally:
         engine.close()
+        # The next engine sizes its KV cache from the memory free on its GPU: this one's goes back first.
+        del engine
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results
 
 
 def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
@@ -94,51 +191,75 @@ def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
     return "equal"
 
 
+def logit_difference(baseline: torch.Tensor, other: torch.Tensor) -> tuple[float, float]:
+    """Over the columns both hold (rank 0's share of the vocabulary under tensor parallelism)."""
+    columns = min(baseline.shape[1], other.shape[1])
+    diff = float((baseline[:, :columns] - other[:, :columns]).abs().max())
+    return diff, diff / float(baseline[:, :columns].abs().max())
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
     parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values; the first is the baseline")
     parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--dtypes", default=None,
+                        help="comma-separated engine dtypes (default: bfloat16 on a GPU, float32 on a CPU); float32 "
+                             "runs with TF32 off on every rank")
     parser.add_argument("--checkpoint", type=pathlib.Path,
                         help="an existing checkpoint directory (e.g. python -m diffulex_backend.testing.checkpoint "
-                             "--family llada --shape llada-8b DIR) instead of writing a random one for each model")
+                             "--family llada --shape llada-8b --device cuda DIR) instead of writing a random one for "
+                             "each model")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, batch 1 and 2")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         torch.set_num_threads(1)
     sizes = [int(s) for s in args.sizes.split(",")]
-    batches = (1, 2) if args.smoke else tuple(int(b) for b in args.batches.split(","))
+    batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
+    dtypes = (args.dtypes or ("float32" if device.type == "cpu" else "bfloat16")).split(",")
     bandwidth = measure_ceilings(device, SMOKE if args.smoke else FULL).bandwidth
     models = {"smoke": SMOKE_SHAPE} if args.smoke else {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
     if args.checkpoint is not None:
         models = {args.checkpoint.name: None}
+    # cuBLAS on every rank (the workers inherit the environment): float32 products in float32, not TF32.
+    os.environ["NVIDIA_TF32_OVERRIDE"] = "0"
+    torch.backends.cuda.matmul.allow_tf32 = False
     args.out.mkdir(parents=True, exist_ok=True)
     table = ResultTable("tensor_parallel", FIELDS)
+    host_table = ResultTable("tensor_parallel_host", HOST_FIELDS, script="tensor_parallel")
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in models.items():
-            dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
             if shape is None:
                 checkpoint = str(args.checkpoint)
             else:
                 shape = dict(shape)
                 family = shape.pop("model_name")
-                checkpoint = str(write_random_checkpoint(pathlib.Path(tmp) / name, family, dtype=dtype,
-                                                         num_shards=None, **shape))
-            for batch in batches:
-                baseline = None
-                for size in sizes:
-                    result = run_engine(checkpoint, size, batch, args.smoke, device)
-                    baseline = baseline or dict(result, size=size)
-                    floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as in forward.py
-                    table.add(model=name, tp=size, batch=batch, step_ms=result["step_ms"],
-                              collective_ms=result["collective_ms"], speedup=baseline["step_ms"] / result["step_ms"],
-                              ideal_speedup=size / baseline["size"], weight_floor_ms=floor_ms,
-                              step_vs_weight_floor=result["step_ms"] / floor_ms,
-                              outputs=first_difference(baseline["tokens"], result["tokens"]),
-                              note=f"{device}, {dtype}, prompt {PROMPT if not args.smoke else 16}")
+                written = torch.float32 if device.type == "cpu" else torch.bfloat16
+                checkpoint = str(write_random_checkpoint(pathlib.Path(tmp) / name, family, dtype=written,
+                                                         num_shards=None, device=device, **shape))
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+            for dtype in dtypes:
+                runs = {size: run_engine(checkpoint, size, batches, args.smoke, device, dtype) for size in sizes}
+                base = runs[sizes[0]]
+                for batch in batches:
+                    for size in sizes:
+                        result = runs[size][batch]
+                        floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as forward.py
+                        diff, rel = logit_difference(base[batch]["first_logits"], result["first_logits"])
+                        table.add(model=name, dtype=dtype, tp=size, batch=batch, step_ms=result["step_ms"],
+                                  collective_ms=result["collective_ms"],
+                                  speedup=base[batch]["step_ms"] / result["step_ms"],
+                                  ideal_speedup=size / sizes[0], weight_floor_ms=floor_ms,
+                                  step_vs_weight_floor=result["step_ms"] / floor_ms, logit_max_diff=diff,
+                                  logit_rel_diff=rel, outputs=first_difference(base[batch]["tokens"], result["tokens"]),
+                                  note=f"{device}, prompt {16 if args.smoke else PROMPT}, "
+                                       f"{result['threads']} threads on rank 0")
+                        host_table.add(model=name, dtype=dtype, tp=size, batch=batch, **result["host"])
     table.write(args.out, argv)
+    host_table.write(args.out, argv)
     return 0
 
 

@@ -197,14 +197,17 @@ def write_random_checkpoint(
     dtype: torch.dtype = torch.float32,
     num_shards: int | None = 1,
     tokenizer: bool = True,
+    device: str | torch.device = "cpu",
     **shape_and_config,
 ) -> Path:
     """A checkpoint directory in the family's real layout; `shape_and_config` as for `random_config`.
-    num_shards None: as many shards of about SHARD_BYTES as the weights need (one file when they fit)."""
+    num_shards None: as many shards of about SHARD_BYTES as the weights need (one file when they fit).
+    `device` is where the weights are drawn: a GPU writes a released-shape model in seconds where the CPU takes
+    minutes, and its weights are those of `random_model` on that device."""
     directory = Path(path)
     config = random_config(model_name, **shape_and_config)
     config["torch_dtype"] = str(dtype).removeprefix("torch.")
-    model = build_random_model(model_name, config, dtype=dtype, device="cpu", seed=seed)
+    model = build_random_model(model_name, config, dtype=dtype, device=device, seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     write_weights(model, directory, num_shards)
@@ -225,7 +228,7 @@ def write_weights(model: DecoderLM, directory: Path, num_shards: int | None) -> 
     def tensors(chunk: list[str]) -> dict[str, torch.Tensor]:
         # Clone: fused parameters are split into views of one storage, which safetensors refuses to save. One
         # shard at a time, so a released-shape model is not held twice in memory.
-        return {name: layout[name].target(params).detach().clone() for name in chunk}
+        return {name: layout[name].target(params).detach().to("cpu", copy=True) for name in chunk}
 
     if num_shards == 1:
         save_file(tensors(names), directory / "model.safetensors", metadata={"format": "pt"})
@@ -355,6 +358,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--num-shards", type=int, default=None,
                         help=f"default: shards of about {SHARD_BYTES >> 30} GiB (one file when the weights fit)")
     parser.add_argument("--no-tokenizer", action="store_true")
+    parser.add_argument("--device", default="cpu",
+                        help="where the weights are drawn: cuda writes a released shape in seconds (the weights differ "
+                             "from the CPU's for the same seed)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=JSON",
                         help="set a config.json key, e.g. --set block_size=8 --set tie_word_embeddings=true")
     args = parser.parse_args(argv)
@@ -379,7 +385,8 @@ def main(argv: list[str] | None = None) -> None:
             parser.error(f"--set {key}: {value!r} is not JSON (quote strings: {key}='\"text\"')")
     dtype = args.dtype or ("bfloat16" if args.shape in RELEASED_SHAPES else "float32")
     out = write_random_checkpoint(args.out_dir, family, seed=args.seed, dtype=getattr(torch, dtype),
-                                  num_shards=args.num_shards, tokenizer=not args.no_tokenizer, **spec)
+                                  num_shards=args.num_shards, tokenizer=not args.no_tokenizer, device=args.device,
+                                  **spec)
     print(out)
 
 
