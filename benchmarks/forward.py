@@ -51,10 +51,6 @@ from dataclasses import dataclass
 
 import torch
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402

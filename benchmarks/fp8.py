@@ -37,10 +37,6 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 from diffulex_kernels.fp8 import (  # noqa: E402
     FP8, TRITON_MAX_ROWS, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
 )

@@ -27,10 +27,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 import triton  # noqa: E402
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 import diffulex_kernels  # noqa: E402
 from diffulex_backend.acceptance import AcceptanceBatch, AcceptanceRule  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference  # noqa: E402

@@ -20,10 +20,6 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 from diffulex_kernels.activation import silu_and_mul  # noqa: E402
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul  # noqa: E402
 from forward import graph_replay_ms, wall_ms  # noqa: E402

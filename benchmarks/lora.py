@@ -28,10 +28,6 @@ import tempfile
 
 import torch
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 from diffulex_backend.layers.lora import LoraSegments, device_segments, row_slots, segment_table  # noqa: E402
 from diffulex_backend.lora import attach_adapters, has_adapters, load_adapter, lora_batch, merge_adapter  # noqa: E402
 from diffulex_backend.lora import TARGETS as LORA_ATTRIBUTES  # noqa: E402

@@ -25,10 +25,6 @@ import time
 
 import torch
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
 from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings,  # noqa: E402

@@ -49,7 +49,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -58,15 +57,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from source_checkout import map_kernels_package
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[1]
-map_kernels_package()
-try:
-    import diffulex_client  # noqa: F401
-except ImportError:  # not installed, or tritonclient missing (a GPU image): only its perf.tritonserver is needed
-    sys.modules["diffulex_client"] = types.ModuleType("diffulex_client")
-    sys.modules["diffulex_client"].__path__ = [str(REPOSITORY_ROOT / "client")]
 sys.path.insert(0, str(REPOSITORY_ROOT / "tests"))
 
 from triton_server import TritonServer, add_model

@@ -1,10 +1,14 @@
 """diffulex_backend: a serving engine for diffusion language models (LLaDA, Dream, SDAR)."""
-from .config import Config
-from .sampling import SamplingMode
-from .engine import DiffulexEngine, EngineMetrics
-from .output import RequestOutput, StepOutput
-from .request import FinishReason, RequestStatus
-from .sampling import Confidence, SamplingParams
+from .source_tree import check_kernels_beside_engine
+
+check_kernels_beside_engine()  # before any module below imports a kernel
+
+from .config import Config  # noqa: E402
+from .sampling import SamplingMode  # noqa: E402
+from .engine import DiffulexEngine, EngineMetrics  # noqa: E402
+from .output import RequestOutput, StepOutput  # noqa: E402
+from .request import FinishReason, RequestStatus  # noqa: E402
+from .sampling import Confidence, SamplingParams  # noqa: E402
 
 Diffulex = DiffulexEngine
 

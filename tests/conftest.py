@@ -13,16 +13,12 @@ engine over two ranks), `diffulex_data_parallel` (two instances, so two engines,
 engine loop that ends; tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
 server runs with explicit model control. Stopping the server is checked when the session ends.
 
-Without a GPU the Triton kernels run under Triton's interpreter; from a checkout that is not pip-installed (as on a
-bare GPU machine) the import names `diffulex_kernels` and `diffulex_client` are mapped onto `kernels/` and
-`client/`, as pyproject's package-dir does.
+Without a GPU the Triton kernels run under Triton's interpreter.
 """
 
-import importlib.util
 import json
 import os
 import shutil
-import sys
 from pathlib import Path
 
 import torch
@@ -30,15 +26,6 @@ import torch
 if not torch.cuda.is_available():
     # Must be set before any kernel is defined: triton.jit reads it at decoration time.
     os.environ.setdefault("TRITON_INTERPRET", "1")
-
-# The import names that pyproject's package-dir gives two folders, for a checkout that is not pip-installed.
-for _name, _folder in (("diffulex_kernels", "kernels"), ("diffulex_client", "client")):
-    if importlib.util.find_spec(_name) is None:
-        _path = Path(__file__).resolve().parents[1] / _folder
-        _spec = importlib.util.spec_from_file_location(_name, _path / "__init__.py",
-                                                       submodule_search_locations=[str(_path)])
-        sys.modules[_name] = importlib.util.module_from_spec(_spec)
-        _spec.loader.exec_module(sys.modules[_name])
 
 import pytest  # noqa: E402
 from triton_server import (  # noqa: E402

@@ -14,17 +14,18 @@ Python backend and its stub come from the nvidia-pytriton wheel, which `make set
     python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
         There, with the image's python3 (the one that holds torch): unpacks the server into PREFIX/tritonserver,
         makes a venv PREFIX of the system Python with numpy 1.26.4 in it, links every entry of the image's
-        site-packages except numpy, scipy and scikit-learn into PREFIX/image-site, and this checkout's packages
-        under their import names into PREFIX/project, both added to the venv by a .pth file; writes
+        site-packages except numpy, scipy and scikit-learn into PREFIX/image-site, and this checkout's three import
+        names (diffulex_backend, and the root's links diffulex_kernels and diffulex_client) into PREFIX/project,
+        both added to the venv by a .pth file; writes
         PREFIX/bin/tritonserver (the launcher that diffulex_client.perf.tritonserver expects beside python) and
         PREFIX/bin/py-spy. Then run the benchmark or the server tests with PREFIX/bin/python.
 
 Why a second venv: the Python backend's stub breaks every BYTES input under numpy 2 ("unpack_from requires a
 buffer ..."), so the stub's Python needs numpy < 2; the image's scipy and scikit-learn are built against numpy 2
 and would break transformers' lazy imports under 1.26, so they are left out. The stub ignores PYTHONPATH and
-finds its packages through the `python3` first on PATH, which the launcher puts there. The checkout's folders are
-linked under their import names (kernels/ as diffulex_kernels, client/ as diffulex_client) rather than adding the
-checkout's root to the path, where transformers would find kernels/ under the name of a Hugging Face package.
+finds its packages through the `python3` first on PATH, which the launcher puts there. The checkout's import names
+are linked rather than adding the checkout's root to the path, where transformers would find kernels/ under the name
+of a Hugging Face package.
 """
 
 from __future__ import annotations
@@ -53,8 +54,8 @@ PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_5_x86
              "manylinux_2_28_x86_64", "manylinux1_x86_64", "any")
 # The image's packages that are built against numpy 2 (or are numpy), and so stay out of the stub's path.
 LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
-# This checkout's packages, by import name.
-PROJECT_PACKAGES = {"diffulex_backend": "diffulex_backend", "diffulex_kernels": "kernels", "diffulex_client": "client"}
+# This checkout's packages, as its root names them for import.
+PROJECT_PACKAGES = ("diffulex_backend", "diffulex_kernels", "diffulex_client")
 
 LAUNCHER = """#!/usr/bin/env bash
 # Triton Inference Server from nvidia-pytriton, packed by tools/pack_gpu_runtime.py, with this venv's Python.
@@ -201,8 +202,8 @@ def install(args: argparse.Namespace) -> None:
                           skip=lambda name: name.lower().startswith(LEFT_OUT_PREFIXES))
     project = prefix / "project"
     project.mkdir()
-    for name, folder in PROJECT_PACKAGES.items():
-        (project / name).symlink_to(REPOSITORY_ROOT / folder)
+    for name in PROJECT_PACKAGES:
+        (project / name).symlink_to(REPOSITORY_ROOT / name)
     # The project first: an installed copy of this project in the image must not shadow the checkout.
     (site_packages / "zz_gpu_runtime.pth").write_text(
         f"import sys; sys.path.insert(0, {str(project)!r})\n"

@@ -1,10 +1,10 @@
 """The decoder-only transformer that every family is, and the map from its parameters to checkpoint names.
 
-A family subclass says three things: how its config.json becomes a `ModelArch` (`parse_config`), how a
-`ModelArch` becomes its config.json (`config_dict`, for the random-checkpoint writer), and the names its
-weights have in the released safetensors (`TOP_WEIGHTS`, `LAYER_PREFIX`, `LAYER_WEIGHTS`, and for MoE models
-`EXPERT_WEIGHTS`). The loader and the writer both go through `checkpoint_layout()`, so the two can never
-disagree.
+A family subclass says two things: how its config.json becomes a `ModelArch` (`parse_config`), and the names
+its weights have in the released safetensors (`TOP_WEIGHTS`, `LAYER_PREFIX`, `LAYER_WEIGHTS`, and for MoE models
+`EXPERT_WEIGHTS`). The loader and the random-checkpoint writer (diffulex_backend/testing) both go through
+`checkpoint_layout()`, so the two can never disagree; the writer's config.json for a `ModelArch` is
+testing/config_json.py's.
 """
 from __future__ import annotations
 
@@ -194,11 +194,6 @@ class DecoderLM(nn.Module):
     @classmethod
     def parse_config(cls, config: dict, path: str | Path) -> ModelArch:
         """config.json -> ModelArch. Raises ValueError naming `path` and the key on any problem."""
-        raise NotImplementedError
-
-    @classmethod
-    def config_dict(cls, arch: ModelArch) -> dict:
-        """ModelArch -> config.json with the family's full released key set."""
         raise NotImplementedError
 
     @classmethod

@@ -29,7 +29,6 @@ class FastDLLMv2Model(QwenModel):
     CONFIG_KEYS = QWEN_CONFIG_KEYS | {"bd_size", "layer_types"}
     QKV_BIAS = True
     SHIFTED = True
-    DEFAULT_BD_SIZE = 32  # what the released checkpoints ship with
 
     @classmethod
     def parse_config(cls, config: dict, path: str | Path) -> ModelArch:
@@ -44,42 +43,3 @@ class FastDLLMv2Model(QwenModel):
         if mask is None and arch.vocab_size > RELEASED_MASK_TOKEN_ID:
             mask = RELEASED_MASK_TOKEN_ID
         return dataclasses.replace(arch, block_size=c.int("bd_size"), mask_token_id=mask)
-
-    @classmethod
-    def config_dict(cls, arch: ModelArch) -> dict:
-        if arch.head_dim * arch.num_heads != arch.hidden_size:
-            raise ValueError("fast_dllm_v2: head_dim is hidden_size // num_attention_heads; it cannot be set on its own")
-        eos = arch.eos_token_ids[0] if arch.eos_token_ids else None
-        return {
-            "architectures": ["Fast_dLLM_QwenForCausalLM"],
-            "attention_dropout": 0.0,
-            "auto_map": {
-                "AutoConfig": "configuration.Fast_dLLM_QwenConfig",
-                "AutoModel": "modeling.Fast_dLLM_QwenModel",
-                "AutoModelForCausalLM": "modeling.Fast_dLLM_QwenForCausalLM",
-            },
-            "bd_size": arch.block_size or cls.DEFAULT_BD_SIZE,
-            "bos_token_id": eos,
-            "eos_token_id": eos,
-            "hidden_act": "silu",
-            "hidden_size": arch.hidden_size,
-            "initializer_range": 0.02,
-            "intermediate_size": arch.intermediate_size,
-            "layer_types": ["full_attention"] * arch.num_layers,
-            "max_position_embeddings": arch.max_position_embeddings,
-            "max_window_layers": arch.num_layers,
-            "model_type": "Fast_dLLM_Qwen",
-            "num_attention_heads": arch.num_heads,
-            "num_hidden_layers": arch.num_layers,
-            "num_key_value_heads": arch.num_kv_heads,
-            "rms_norm_eps": arch.rms_norm_eps,
-            "rope_scaling": None,
-            "rope_theta": arch.rope_theta,
-            "sliding_window": None,
-            "tie_word_embeddings": arch.tie_word_embeddings,
-            "torch_dtype": "bfloat16",
-            "transformers_version": "4.53.1",
-            "use_cache": True,
-            "use_sliding_window": False,
-            "vocab_size": arch.vocab_size,
-        }

@@ -6,7 +6,7 @@ expert. Layers listed in `mlp_only_layers`, or off the `decoder_sparse_step` str
 """
 from __future__ import annotations
 
-from diffulex_backend.arch import ModelArch, RouterScore
+from diffulex_backend.arch import RouterScore
 from diffulex_backend.models.decoder_lm import FusedPart
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.models.qwen import QwenModel
@@ -47,24 +47,3 @@ class SDARMoeModel(QwenModel):
             router_score=RouterScore.SOFTMAX,
             norm_topk_prob=c.bool("norm_topk_prob", False),
         )
-
-    @classmethod
-    def config_dict(cls, arch: ModelArch) -> dict:
-        return {
-            **SDARModel.config_dict(arch),
-            "architectures": ["SDARMoeForCausalLM"],
-            "auto_map": {
-                "AutoConfig": "configuration_sdar_moe.SDARMoeConfig",
-                "AutoModel": "modeling_sdar_moe.SDARMoeModel",
-                "AutoModelForCausalLM": "modeling_sdar_moe.SDARMoeForCausalLM",
-            },
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": list(arch.dense_layers),
-            "model_type": "sdar_moe",
-            "moe_intermediate_size": arch.moe_intermediate_size,
-            "norm_topk_prob": arch.norm_topk_prob,
-            "num_experts": arch.num_experts,
-            "num_experts_per_tok": arch.num_experts_per_tok,
-            "output_router_logits": False,
-            "router_aux_loss_coef": 0.001,
-        }

@@ -47,37 +47,3 @@ class StableDiffCoderModel(QwenModel):
         # Llama's mlp_bias adds a bias to gate, up and down, which this decoder does not have.
         ConfigReader(config, path, cls.FAMILY, cls.CONFIG_KEYS).expect("mlp_bias", (False,), default=False)
         return super().parse_config(config, path)
-
-    @classmethod
-    def config_dict(cls, arch: ModelArch) -> dict:
-        # Seed-Coder's file has no head_dim (Llama then takes hidden_size // num_attention_heads); one is written
-        # only for a shape that needs it.
-        head_dim = {} if arch.head_dim * arch.num_heads == arch.hidden_size else {"head_dim": arch.head_dim}
-        return {
-            **head_dim,
-            "architectures": ["StableDiffcoderForCausalLM"],
-            "attention_bias": False,
-            "attention_dropout": 0.1,
-            "auto_map": {"AutoModelForCausalLM": "modeling_stable_diffcoder.StableDiffcoderForCausalLM"},
-            "bos_token_id": 0,
-            "eos_token_id": arch.eos_token_ids[0] if arch.eos_token_ids else None,
-            "hidden_act": "silu",
-            "hidden_size": arch.hidden_size,
-            "initializer_range": 0.009882118,
-            "intermediate_size": arch.intermediate_size,
-            "layer_norm_eps": None,
-            "max_position_embeddings": arch.max_position_embeddings,
-            "mlp_bias": False,
-            "model_type": "llama",
-            "num_attention_heads": arch.num_heads,
-            "num_hidden_layers": arch.num_layers,
-            "num_key_value_heads": arch.num_kv_heads,
-            "resid_pdrop": 0.1,
-            "rms_norm_eps": arch.rms_norm_eps,
-            "rope_theta": arch.rope_theta,
-            "tie_word_embeddings": arch.tie_word_embeddings,
-            "torch_dtype": "bfloat16",
-            "transformers_version": "4.46.2",
-            "use_cache": True,
-            "vocab_size": arch.vocab_size,
-        }

@@ -28,6 +28,7 @@ from diffulex_backend.loader import detect_model_name
 from diffulex_backend.arch import ModelArch
 from diffulex_backend.models.decoder_lm import DecoderLM
 from diffulex_backend.registry import AutoModelForDiffusionLM
+from diffulex_backend.testing.config_json import config_json
 
 # The tokenizer: 256 byte tokens (id = byte value), then the special tokens.
 EOS_TOKEN = "<|endoftext|>"
@@ -125,7 +126,7 @@ def random_config(
         block_size=None,
         **arch_fields,
     )
-    return {**family.config_dict(arch), **extra_config}
+    return {**config_json(AutoModelForDiffusionLM.canonical(model_name), arch), **extra_config}
 
 
 def init_random_(model: DecoderLM, seed: int) -> DecoderLM:

@@ -116,6 +116,25 @@ def test_config_imports_no_strategy_and_no_engine_part():
     assert graph["diffulex_backend.sampling"] <= {"diffulex_backend.refusal"}
 
 
+def imported_from(roots: set[str], graph: dict[str, set[str]]) -> set[str]:
+    """Every module that importing `roots` can run, deferred imports included."""
+    seen, todo = set(), list(roots)
+    while todo:
+        name = todo.pop()
+        if name not in seen:
+            seen.add(name)
+            todo.extend(graph[name])
+    return seen
+
+
+def test_the_engine_never_imports_the_checkpoint_writer_or_its_config_files():
+    # The package itself, what Triton's model.py imports, and what a tensor-parallel rank runs.
+    engine = imported_from({"diffulex_backend", "diffulex_backend.serving.triton_adapter", "diffulex_backend.workers"},
+                           import_graph())
+    assert "diffulex_backend.engine" in engine and "diffulex_backend.models.llada" in engine
+    assert sorted(name for name in engine if name.startswith("diffulex_backend.testing")) == []
+
+
 def test_the_cycle_finder_finds_a_deferred_import_cycle():
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
 
