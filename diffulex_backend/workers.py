@@ -8,6 +8,11 @@ runs the same runner, step for step:
 - every rank gets the whole logits (compute_logits gathers them) and samples the same tokens from the same seeds,
   so nothing travels back to rank 0.
 
+Each rank's intra-op thread pool gets an equal share of the cores the engine's process may use (rank_threads), unless
+OMP_NUM_THREADS sets it: N ranks that each size their pool to every core oversubscribe them, and a parallel region's
+closing barrier then waits for threads that the other ranks' pools keep off the cores, which turns a step's host work
+of microseconds into milliseconds.
+
 Failure never hangs the engine. A worker that dies closes its sockets, so rank 0's next collective fails at once;
 the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left in the group's
 store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without dying. Workers
@@ -74,26 +79,40 @@ def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, 
 
 
 class Channel:
-    """Rank 0 -> every rank: pickled objects over the control group."""
+    """Rank 0 -> every rank: pickled objects over the control group.
 
-    def __init__(self, group, rank: int):
+    An object travels in one broadcast of a buffer that every rank holds, its size in the first 8 bytes: a step's
+    plan costs one round of the group, not two (a size, then the bytes). An object that does not fit sends the rest
+    in a second broadcast, and every rank, having read its size, grows its buffer to hold the next one whole."""
+
+    HEADER = 8  # bytes: the pickled object's size, int64
+
+    def __init__(self, group, rank: int, capacity: int = 1 << 14):
         self.group, self.rank = group, rank
         self.options = dist.BroadcastOptions()
         self.options.rootRank = 0
+        self.buffer = torch.zeros(capacity, dtype=torch.uint8)
 
     def broadcast(self, obj=None):
         """Rank 0 sends `obj`; the others receive it. Returns the object on every rank."""
+        room = self.buffer.numel() - self.HEADER
         if self.rank == 0:
-            data = bytearray(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
-            payload = torch.frombuffer(data, dtype=torch.uint8)
-            size = torch.tensor([payload.numel()], dtype=torch.int64)
-        else:
-            size = torch.zeros(1, dtype=torch.int64)
-        self.group.broadcast([size], self.options).wait()
-        if self.rank != 0:
-            payload = torch.empty(int(size), dtype=torch.uint8)
-        self.group.broadcast([payload], self.options).wait()
-        return obj if self.rank == 0 else pickle.loads(payload.numpy().tobytes())
+            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+            self.buffer[:self.HEADER].view(torch.int64)[0] = len(data)
+            self.buffer[self.HEADER:self.HEADER + min(len(data), room)] = payload[:room]
+        self._send(self.buffer)
+        size = int(self.buffer[:self.HEADER].view(torch.int64)[0])
+        whole = self.buffer[self.HEADER:self.HEADER + size]
+        if size > room:
+            rest = payload[room:] if self.rank == 0 else torch.empty(size - room, dtype=torch.uint8)
+            self._send(rest)
+            whole = torch.cat([whole, rest])
+            self.buffer = torch.zeros(1 << (size + self.HEADER - 1).bit_length(), dtype=torch.uint8)
+        return obj if self.rank == 0 else pickle.loads(whole.numpy().tobytes())
+
+    def _send(self, tensor: torch.Tensor) -> None:
+        self.group.broadcast([tensor], self.options).wait()
 
     def minimum(self, value: int) -> int:
         """The smallest of every rank's value."""
@@ -113,6 +132,16 @@ class WorkerSetup:
     size: int
     port: int  # of rank 0's store
     device: str  # rank 0's device
+    threads: int  # the rank's intra-op threads
+
+
+def rank_threads(size: int) -> int:
+    """Intra-op threads for each of `size` ranks: OMP_NUM_THREADS when it is set, else an equal share of the cores
+    this process may run on."""
+    configured = os.environ.get("OMP_NUM_THREADS", "")
+    if configured.isdigit() and int(configured) > 0:
+        return int(configured)
+    return max(1, len(os.sched_getaffinity(0)) // size)
 
 
 class WorkerGroup:
@@ -126,11 +155,16 @@ class WorkerGroup:
                              f"{torch.cuda.device_count()}")
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+        threads = rank_threads(size)
+        # This process is rank 0: its pool shrinks to its share while the engine runs, and close() gives it back.
+        self.process_threads = torch.get_num_threads()
+        torch.set_num_threads(threads)
         self.processes: list[subprocess.Popen] = []
         for rank in range(1, size):
             process = subprocess.Popen([python_executable(), "-c", "from diffulex_backend.workers import main; main()"],
                                        stdin=subprocess.PIPE, env=env)
-            process.stdin.write(pickle.dumps(WorkerSetup(config, rank, size, self.store.port, str(device))))
+            setup = WorkerSetup(config, rank, size, self.store.port, str(device), threads)
+            process.stdin.write(pickle.dumps(setup))
             process.stdin.close()
             self.processes.append(process)
         self._closer = weakref.finalize(self, stop_processes, self.processes)
@@ -192,6 +226,7 @@ class WorkerGroup:
             except Exception:
                 pass  # a rank gone or too slow: killed below
         self._closer()
+        torch.set_num_threads(self.process_threads)
 
 
 class BroadcastRunner:
@@ -254,6 +289,7 @@ def watch_parent() -> None:
 
 
 def serve(setup: WorkerSetup, store) -> None:
+    torch.set_num_threads(setup.threads)
     device = rank_device(torch.device(setup.device), setup.rank)
     control, data = connect(store, setup.rank, setup.size, device)
     channel = Channel(control, setup.rank)

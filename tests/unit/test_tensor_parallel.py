@@ -9,13 +9,15 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import Counter
 
 import pytest
+import torch
 from processes import alive, live_children
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
-from diffulex_backend.workers import RankFailure
+from diffulex_backend.workers import RankFailure, rank_threads
 
 PROMPTS = [[5, 6, 7, 8, 9, 10], [11, 12, 13], [40, 41, 42, 43, 44, 45, 46, 47, 48, 49]]
 # Greedy, seeded sampling, and top-k/top-p (the sampler's reference path): every rank must draw the same tokens.
@@ -266,3 +268,46 @@ def test_a_start_that_fails_on_rank_0_alone_ends_at_once(checkpoints, monkeypatc
         Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
     assert time.monotonic() - started < 30
     assert child_pids() - before == set()
+
+
+@pytest.mark.parametrize("family", ["llada", "llada2"])
+@pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1]], ids=["greedy", "sampled"])
+def test_a_decode_step_issues_the_collectives_its_layers_need_and_one_plan_broadcast(checkpoints, family, params):
+    """Per step: the plan in one broadcast; one all-reduce for the embedding lookup and one after attention and
+    after the MLP (or MoE) of each layer; one all-gather for the sampler: of six numbers a row when every row is
+    greedy, of the rows' logits when one samples."""
+    engine = Diffulex(checkpoints(family, {}), **SETTINGS, tensor_parallel_size=2)
+    try:
+        engine.add_request(PROMPTS[0], params)
+        engine.step()
+        engine.step()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.step()
+        assert engine.last_schedule.plans[0].blocks  # a step that decodes
+        counts = Counter(event.name for event in profile.events() if event.name.startswith("gloo:"))
+        layers = engine.model.arch.num_layers
+        assert counts == {"gloo:broadcast": 1, "gloo:all_reduce": 2 * layers + 1, "gloo:all_gather": 1}
+    finally:
+        engine.close()
+
+
+def test_rank_0_takes_its_share_of_the_cores_while_the_engine_runs_and_gives_it_back(checkpoints, monkeypatch):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        engine = Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
+        try:
+            assert torch.get_num_threads() == max(1, len(os.sched_getaffinity(0)) // 2)
+        finally:
+            engine.close()
+        assert torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_omp_num_threads_sets_every_rank_s_threads(monkeypatch):
+    monkeypatch.setenv("OMP_NUM_THREADS", "5")
+    assert rank_threads(2) == 5
+    monkeypatch.setenv("OMP_NUM_THREADS", "0")  # not a thread count: the cores' share
+    assert rank_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2)

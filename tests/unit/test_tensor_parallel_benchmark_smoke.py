@@ -1,6 +1,7 @@
 """A smoke run of the tensor-parallel benchmark on two CPU ranks, so the script that measures TP on GPUs cannot rot
-between runs on a machine with two of them: its rows are there, the two ranks' outputs equal one rank's, and the
-collectives are counted on the two-rank rows only."""
+between runs on a machine with two of them: its rows are there, the two ranks' outputs equal one rank's, their first
+logits differ from one rank's by float32 rounding, the collectives are counted on the two-rank rows only, and the
+host-time table splits each step into its phases."""
 
 import pytest
 from benchmark_smoke import csv_rows, run_smoke
@@ -17,4 +18,15 @@ def test_smoke_run_compares_two_ranks_with_one(tmp_path):
             / float(row["step_ms"]), rel=2e-3)
         assert (float(row["collective_ms"]) > 0) == (row["tp"] == "2")
         assert float(row["ideal_speedup"]) == int(row["tp"])
+        # Summed in another order over two ranks: rounding, far under the logits' own size.
+        assert (float(row["logit_rel_diff"]) == 0) == (row["tp"] == "1")
+        assert float(row["logit_rel_diff"]) < 1e-5
     assert (tmp_path / "tensor_parallel.md").read_text().startswith("`python benchmarks/tensor_parallel.py --smoke")
+    host = csv_rows(tmp_path / "tensor_parallel_host.csv")
+    assert [(r["tp"], r["batch"]) for r in host] == [(r["tp"], r["batch"]) for r in rows]
+    for row in host:
+        # The phases are disjoint spans of the step: the update, the step's remainder, is never negative.
+        assert min(float(v) for k, v in row.items() if k.endswith("_ms")) >= 0
+        assert (float(row["broadcast_ms"]) > 0) == (row["tp"] == "2")
+        assert float(row["forward_launch_ms"]) > 0 and float(row["read_back_ms"]) > 0
+    assert (tmp_path / "tensor_parallel_host.md").read_text().startswith("`python benchmarks/tensor_parallel.py --smoke")
