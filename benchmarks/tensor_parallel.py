@@ -37,15 +37,11 @@ from collections import defaultdict
 
 import torch
 
-from source_checkout import map_kernels_package  # noqa: E402
-
-map_kernels_package()
-
-import diffulex_backend.runner as runner_module  # noqa: E402
-from diffulex_backend import Diffulex, SamplingParams  # noqa: E402
-from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint  # noqa: E402
-from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings  # noqa: E402
-from result_table import ResultTable  # noqa: E402
+import diffulex_backend.runner as runner_module
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint
+from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings
+from result_table import ResultTable
 
 FIELDS = ["model", "dtype", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
           "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
