@@ -1,10 +1,13 @@
-"""What tensor parallelism's plan broadcast costs on the host: rank 0 pickles each step's SchedulerOutput and sends
-it over the control group (workers.Channel), and every other rank unpickles it.
+"""What tensor parallelism's plan broadcast costs on the host: rank 0 encodes each step's SchedulerOutput in its wire
+form (plan_wire.PlanWire: what changed since the last step), pickles it and sends it over the control group
+(workers.Channel); every other rank unpickles and decodes it. Beside it, the plan pickled whole, as it travelled
+before the wire form.
 
 One engine on the CPU (a tiny random model: the plan's size depends on the batch and the contexts, not the weights)
-takes --batch requests of the same --context prompt tokens, and steps until every request decodes; the decode step's plan is
-then pickled as Channel.broadcast pickles it. Reports its bytes, and the median of --repeats pickle and unpickle
-times. Writes plan_broadcast.csv and plan_broadcast.md to --out.
+takes --batch requests of the same --context prompt tokens, and steps until every request decodes. The decode step's
+plan is sent both ways, the wire form in its steady state (the requests' records were sent the step before). Reports
+the bytes, and the median of --repeats send (encode and pickle) and receive (unpickle and decode) times. Writes
+plan_broadcast.csv and plan_broadcast.md to --out.
 
     python benchmarks/plan_broadcast.py --out DIR                      # batch 64, 4096-token contexts
     python benchmarks/plan_broadcast.py --out DIR --smoke              # batch 4, 64-token contexts
@@ -20,6 +23,7 @@ import time
 from pathlib import Path
 
 from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.plan_wire import PlanWire
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
 
@@ -62,21 +66,29 @@ def main(argv: list[str] | None = None) -> None:
         checkpoint = write_random_checkpoint(Path(work) / "llada", "llada",
                                              max_position_embeddings=context + 2 * block)
         schedule = decode_plan(checkpoint, batch, context, block)
-    data = pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL)
-    pickle_ms = median_ms(lambda: pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL), args.repeats)
-    unpickle_ms = median_ms(lambda: pickle.loads(data), args.repeats)
-    row = dict(batch=batch, context=context, plan_bytes=len(data),
-               page_table_entries=sum(len(plan.page_table) for plan in schedule.plans),
-               pickle_ms=float(f"{pickle_ms:.4g}"), unpickle_ms=float(f"{unpickle_ms:.4g}"))
+    sender, receiver = PlanWire(), PlanWire()
+    receiver.decode(pickle.loads(pickle.dumps(sender.encode(schedule))))  # the records' first step
+    ways = {
+        "pickled whole": (lambda: pickle.dumps(schedule, protocol=pickle.HIGHEST_PROTOCOL), pickle.loads),
+        "wire form": (lambda: pickle.dumps(sender.encode(schedule), protocol=pickle.HIGHEST_PROTOCOL),
+                      lambda data: receiver.decode(pickle.loads(data))),
+    }
+    rows = []
+    for way, (send, receive) in ways.items():
+        data = send()
+        rows.append(dict(way=way, batch=batch, context=context, plan_bytes=len(data),
+                         page_table_entries=sum(len(plan.page_table) for plan in schedule.plans),
+                         send_ms=float(f"{median_ms(send, args.repeats):.4g}"),
+                         receive_ms=float(f"{median_ms(lambda: receive(data), args.repeats):.4g}")))
     args.out.mkdir(parents=True, exist_ok=True)
     with open(args.out / "plan_broadcast.csv", "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
-        writer.writerow(row)
-    table = ("| batch | context | plan bytes | page-table entries | pickle ms | unpickle ms |\n"
-             "|---|---|---|---|---|---|\n"
-             f"| {row['batch']} | {row['context']} | {row['plan_bytes']} | {row['page_table_entries']} | "
-             f"{row['pickle_ms']} | {row['unpickle_ms']} |\n")
+        writer.writerows(rows)
+    table = ("| way | batch | context | plan bytes | page-table entries | send ms | receive ms |\n"
+             "|---|---|---|---|---|---|---|\n")
+    table += "".join(f"| {r['way']} | {r['batch']} | {r['context']} | {r['plan_bytes']} | {r['page_table_entries']} | "
+                     f"{r['send_ms']} | {r['receive_ms']} |\n" for r in rows)
     (args.out / "plan_broadcast.md").write_text(table)
     print(table)
 

@@ -55,9 +55,8 @@ class PlanWire:
 
     def decode(self, message: tuple) -> SchedulerOutput:
         rest, rows, lengths, arrays = message
-        splits = np.cumsum(lengths)[:-1]
-        pieces = [np.split(array.astype(dtype), splits) if array is not None else []
-                  for array, dtype in zip(arrays, ARRAYS.values())]
+        bounds = np.cumsum([0, *lengths]).tolist()
+        arrays = [array.astype(dtype) for array, dtype in zip(arrays, ARRAYS.values()) if array is not None]
         plans, current = [], {}
         for i, row in enumerate(rows):
             fields = dict(zip(FIELDS, row))
@@ -65,7 +64,7 @@ class PlanWire:
             for j, name in enumerate(CACHED):
                 if fields[name] is UNCHANGED:
                     fields[name] = kept(before[j])
-            fields.update({name: piece[i] for name, piece in zip(ARRAYS, pieces)})
+            fields.update({name: array[bounds[i]:bounds[i + 1]] for name, array in zip(ARRAYS, arrays)})
             plan = SeqPlan(**fields)
             plans.append(plan)
             current[plan.request_id] = tuple(kept(getattr(plan, name)) for name in CACHED)
