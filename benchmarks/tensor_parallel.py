@@ -20,6 +20,7 @@ Writes tensor_parallel.csv/.md and tensor_parallel_host.csv/.md to --out.
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
     python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini --dtypes bfloat16,float32
     python benchmarks/tensor_parallel.py --checkpoint CKPT --out DIR        # a checkpoint written once beforehand
+    python benchmarks/tensor_parallel.py --out DIR --threads share,all      # the thread shares against none
     python benchmarks/tensor_parallel.py --smoke --out DIR                  # anywhere: a tiny model, two CPU ranks
 """
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import itertools
 import os
 import pathlib
 import statistics
@@ -43,10 +45,10 @@ from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_ch
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings
 from result_table import ResultTable
 
-FIELDS = ["model", "dtype", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
+FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
           "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
 PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "logits", "sample", "accept", "read_back", "update"]
-HOST_FIELDS = ["model", "dtype", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
+HOST_FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
 PROMPT = 256
 NEW_TOKENS = 4 * BLOCK
 
@@ -179,6 +181,25 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
     return results
 
 
+@contextlib.contextmanager
+def thread_pools(mode: str):
+    """Each rank's intra-op threads: the engine's shares ("share"), or every core for every rank ("all")."""
+    if mode not in ("share", "all"):
+        raise SystemExit(f"--threads takes share and all, got {mode!r}")
+    before, configured = torch.get_num_threads(), os.environ.pop("OMP_NUM_THREADS", None)
+    if mode == "all":
+        cores = len(os.sched_getaffinity(0))
+        os.environ["OMP_NUM_THREADS"] = str(cores)  # read by the engine for rank 0 and its workers
+        torch.set_num_threads(cores)  # one rank: no workers to share with
+    try:
+        yield
+    finally:
+        os.environ.pop("OMP_NUM_THREADS", None)
+        if configured is not None:
+            os.environ["OMP_NUM_THREADS"] = configured
+        torch.set_num_threads(before)
+
+
 def first_difference(a: list[list[int]], b: list[list[int]]) -> str:
     for request, (x, y) in enumerate(zip(a, b)):
         for position, (s, t) in enumerate(zip(x, y)):
@@ -203,6 +224,10 @@ def main(argv=None) -> int:
     parser.add_argument("--dtypes", default=None,
                         help="comma-separated engine dtypes (default: bfloat16 on a GPU, float32 on a CPU); float32 "
                              "runs with TF32 off on every rank")
+    parser.add_argument("--threads", default="share",
+                        help="comma-separated: share (each rank's thread pool takes its share of the cores, as the "
+                             "engine sets it) and/or all (every rank's pool takes every core, through "
+                             "OMP_NUM_THREADS: the oversubscribed host of an engine without the shares)")
     parser.add_argument("--checkpoint", type=pathlib.Path,
                         help="an existing checkpoint directory (e.g. python -m diffulex_backend.testing.checkpoint "
                              "--family llada --shape llada-8b --device cuda DIR) instead of writing a random one for "
@@ -237,23 +262,24 @@ def main(argv=None) -> int:
                                                          num_shards=None, device=device, **shape))
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
-            for dtype in dtypes:
-                runs = {size: run_engine(checkpoint, size, batches, args.smoke, device, dtype) for size in sizes}
+            for threads, dtype in itertools.product(args.threads.split(","), dtypes):
+                with thread_pools(threads):
+                    runs = {size: run_engine(checkpoint, size, batches, args.smoke, device, dtype) for size in sizes}
                 base = runs[sizes[0]]
                 for batch in batches:
                     for size in sizes:
                         result = runs[size][batch]
                         floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as forward.py
                         diff, rel = logit_difference(base[batch]["first_logits"], result["first_logits"])
-                        table.add(model=name, dtype=dtype, tp=size, batch=batch, step_ms=result["step_ms"],
+                        table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, step_ms=result["step_ms"],
                                   collective_ms=result["collective_ms"],
                                   speedup=base[batch]["step_ms"] / result["step_ms"],
                                   ideal_speedup=size / sizes[0], weight_floor_ms=floor_ms,
                                   step_vs_weight_floor=result["step_ms"] / floor_ms, logit_max_diff=diff,
                                   logit_rel_diff=rel, outputs=first_difference(base[batch]["tokens"], result["tokens"]),
                                   note=f"{device}, prompt {16 if args.smoke else PROMPT}, "
-                                       f"{result['threads']} threads on rank 0")
-                        host_table.add(model=name, dtype=dtype, tp=size, batch=batch, **result["host"])
+                                       f"{result['threads']} threads a rank")
+                        host_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **result["host"])
     table.write(args.out, argv)
     host_table.write(args.out, argv)
     return 0
