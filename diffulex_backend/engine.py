@@ -198,7 +198,6 @@ class DiffulexEngine:
         if req is None:
             return
         self.scheduler.finish(req)
-        self.runner.release(request_id)
         self.detokenizers.pop(request_id)
         self.logprob_records.pop(request_id, None)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, FinishReason.ABORT, time.monotonic()
@@ -209,8 +208,6 @@ class DiffulexEngine:
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         sched = self.last_schedule = self.scheduler.schedule()
-        for request_id in sched.preempted:
-            self.runner.release(request_id)
         if not sched.plans:
             return []
         result = self.runner.execute(sched)
@@ -268,7 +265,6 @@ class DiffulexEngine:
         if reason is not None:
             req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
             self.scheduler.finish(req)
-            self.runner.release(req.request_id)
             del self.requests[req.request_id], self.detokenizers[req.request_id]
             self.logprob_records.pop(req.request_id, None)
         return StepOutput(request_id=req.request_id, token_ids=ids, text=text, finished=reason is not None,

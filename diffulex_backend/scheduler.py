@@ -16,6 +16,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []  # admission order: the last one is preempted first
         self.num_preemptions = 0
+        self.released: list[str] = []  # for the next plan that runs (SchedulerOutput.released)
 
     def add(self, req: Request) -> None:
         self.waiting.append(req)
@@ -23,6 +24,7 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         budget = self.config.max_num_batched_tokens
+        num_preemptions = self.num_preemptions
         i = 0
         while i < len(self.running):
             req = self.running[i]
@@ -33,7 +35,6 @@ class Scheduler:
             while not self.kv_cache.can_allocate(req, plan.cache_need):
                 victim = self.running[-1]
                 self.preempt(victim)
-                out.preempted.append(victim.request_id)
                 if victim is req:
                     break
             if req.status != RequestStatus.RUNNING:
@@ -41,8 +42,14 @@ class Scheduler:
             out.plans.append(self._allocate(req, plan))
             budget -= plan.num_tokens
             i += 1
-        if out.preempted:
-            return out  # pages are short: admitting now would only preempt again
+        if self.num_preemptions == num_preemptions:  # else pages are short: admitting now would only preempt again
+            self._admit(out, budget)
+        if out.plans:  # a step with no plan does not run, and would not tell the runner
+            out.released, self.released = self.released, []
+        return out
+
+    def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        """Admit waiting requests, first in line first, while the request, token and page budgets allow."""
         held = []  # waiting for prompt pages a running request writes in this step (kv_cache.py)
         while self.waiting and len(self.running) < self.config.max_num_reqs and budget > 0:
             req = self.waiting[0]
@@ -63,7 +70,6 @@ class Scheduler:
             out.plans.append(self._allocate(req, plan))
             budget -= plan.num_tokens
         self.waiting.extendleft(reversed(held))  # first in line again, in their order
-        return out
 
     def _allocate(self, req: Request, plan: SeqPlan) -> SeqPlan:
         """Give the request the pages its plan touches; the plan then carries the grown page table."""
@@ -77,11 +83,14 @@ class Scheduler:
         self.kv_cache.free(req)
         req.reset_for_recompute()
         self.waiting.appendleft(req)
+        self.released.append(req.request_id)
         self.num_preemptions += 1
 
     def finish(self, req: Request) -> None:
+        """Free the request's pages now; the runner forgets it with the next plan."""
         if req in self.running:
             self.running.remove(req)
         elif req in self.waiting:
             self.waiting.remove(req)
         self.kv_cache.free(req)
+        self.released.append(req.request_id)
