@@ -4,21 +4,18 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
-import time
 from dataclasses import dataclass
-
-import numpy as np
 
 from . import strategies  # noqa: F401  (registers every strategy)
 from .config import Config
 from .kv_cache import KVCacheManager
 from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
-from .output import Detokenizer, LogprobRecord, RequestOutput, StepOutput
+from .output import Detokenizer, RequestDelta, RequestOutput, StepOutput
 from .plan import SchedulerOutput
 from .refusal import Refusal
 from .resolve import ResolvedRequest, resolve
 from .registry import STRATEGIES
-from .request import FinishReason, Request, RequestStatus
+from .request import FinishReason, Request
 from .sampling import SamplingParams
 from .tensor_parallel import TensorParallel
 from .workers import BroadcastRunner, WorkerGroup
@@ -99,7 +96,6 @@ class DiffulexEngine:
 
         self.requests: dict[str, Request] = {}
         self.detokenizers: dict[str, Detokenizer] = {}
-        self.logprob_records: dict[str, LogprobRecord] = {}  # of the requests that ask for log-probabilities
         self.last_schedule = SchedulerOutput()
         self._ids = itertools.count()
         self._seeds = random.Random(config.seed)
@@ -184,8 +180,6 @@ class DiffulexEngine:
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.req_cls(request_id, resolved, self.config, self.config.mask_token_id, self.model.arch.shifted)
-        if resolved.params.logprobs is not None:
-            self.logprob_records[request_id] = LogprobRecord(resolved.stop.max_tokens, resolved.params.logprobs)
         self.requests[request_id] = req
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, list(resolved.stop.strings),
                                                     resolved.stop.min_tokens)
@@ -197,11 +191,8 @@ class DiffulexEngine:
         req = self.requests.pop(request_id, None)
         if req is None:
             return
-        self.scheduler.finish(req)
-        self.runner.release(request_id)
+        self.scheduler.finish(req, FinishReason.ABORT)
         self.detokenizers.pop(request_id)
-        self.logprob_records.pop(request_id, None)
-        req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, FinishReason.ABORT, time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
@@ -209,71 +200,26 @@ class DiffulexEngine:
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
         sched = self.last_schedule = self.scheduler.schedule()
-        for request_id in sched.preempted:
-            self.runner.release(request_id)
         if not sched.plans:
             return []
         result = self.runner.execute(sched)
         self.num_forward_passes += 1
         self.num_forward_tokens += result.num_tokens
         self.model_flops += result.flops
-        reqs = {plan.request_id: self.requests[plan.request_id] for plan in sched.plans}
-        for plan in sched.plans:
-            reqs[plan.request_id].after_forward(plan)
-            self.kv_cache.register_prefix(reqs[plan.request_id])
-        for request_id, (kept, num_context_pages) in result.retained_pages.items():
-            self.kv_cache.keep_pages(reqs[request_id], kept, num_context_pages)
-        tokens = result.tokens.numpy()
-        mask = self.config.mask_token_id
-        for plan, block, at in result.blocks:
-            req, new = reqs[plan.request_id], tokens[at:at + block.end - block.start]
-            record = self.logprob_records.get(plan.request_id)
-            if record is not None:
-                record.update(block.start - req.gen_start, req.tokens[block.start:block.end], new, mask,
-                              result.logprobs, at)
-            req.tokens[block.start:block.end] = new
-            if result.predictions is not None:  # fed back as soft inputs (dmax)
-                reqs[plan.request_id].record_predictions(block.start, block.end, result.predictions, at)
-        outputs = []
-        for plan in sched.plans:
-            if not plan.blocks:
-                continue
-            req = reqs[plan.request_id]
-            old_end = req.committed_end
-            if req.commit_ready_blocks():
-                outputs.append(self._emit(req, old_end))
-        return outputs
+        return [self._output(delta) for delta in self.scheduler.update_from_output(sched, result)]
 
-    def _emit(self, req: Request, old_end: int) -> StepOutput:
-        new = req.tokens[old_end:req.committed_end]
-        stop, reason = req.stop, None
-        if stop.token_ids:
-            hits = np.flatnonzero(np.isin(new, stop.token_ids))
-            hits = hits[hits >= stop.min_tokens - (old_end - req.gen_start)]  # too early to stop
-            if hits.size:
-                new, reason = new[: hits[0]], FinishReason.STOP
-        ids = new.tolist()
-        if reason is None and req.num_committed >= stop.max_tokens:
-            reason = FinishReason.LENGTH
-        text, keep = self.detokenizers[req.request_id].add(ids, final=reason is not None)
+    def _output(self, delta: RequestDelta) -> StepOutput:
+        """The delta with its text. A stop string that matches in the text ends the request at fewer tokens."""
+        text, keep = self.detokenizers[delta.request_id].add(delta.token_ids, final=delta.finish_reason is not None)
         if keep is not None:
-            ids, reason = ids[:keep], FinishReason.STOP
-        record = self.logprob_records.get(req.request_id)
-        start = req.num_output_tokens
-        logprobs = {} if record is None else record.output(start, start + len(ids))
-        req.num_output_tokens += len(ids)
-        now = time.monotonic()
-        if req.first_token_time is None:
-            req.first_token_time = now
-        if reason is not None:
-            req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, now
-            self.scheduler.finish(req)
-            self.runner.release(req.request_id)
-            del self.requests[req.request_id], self.detokenizers[req.request_id]
-            self.logprob_records.pop(req.request_id, None)
-        return StepOutput(request_id=req.request_id, token_ids=ids, text=text, finished=reason is not None,
-                          finish_reason=reason, num_prompt_tokens=req.num_prompt_tokens,
-                          num_output_tokens=req.num_output_tokens, nfe=req.nfe, **logprobs)
+            delta = self.scheduler.stop_at(self.requests[delta.request_id], delta, keep)
+        if delta.finish_reason is not None:
+            del self.requests[delta.request_id], self.detokenizers[delta.request_id]
+        return StepOutput(request_id=delta.request_id, token_ids=delta.token_ids, text=text,
+                          finished=delta.finish_reason is not None, finish_reason=delta.finish_reason,
+                          num_prompt_tokens=delta.num_prompt_tokens, num_output_tokens=delta.num_output_tokens,
+                          nfe=delta.nfe, logprobs=delta.logprobs, top_ids=delta.top_ids,
+                          top_logprobs=delta.top_logprobs)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:

@@ -1,6 +1,8 @@
-"""What the engine hands back: per-step deltas, whole-request results, and the incremental detokenizer."""
+"""What the engine hands back: the scheduler's per-step token deltas, the per-step outputs with their text,
+whole-request results, and the incremental detokenizer."""
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -10,6 +12,32 @@ from .request import FinishReason
 
 if TYPE_CHECKING:
     from .runner import TokenLogprobs
+
+
+@dataclass
+class RequestDelta:
+    """What one step changed of one request, as the scheduler sees it: the tokens it committed for output, and
+    whether they end the request. Plain values; the text is made from them on the engine side."""
+
+    request_id: str
+    token_ids: list[int]  # newly committed, cut by the stop token and max_tokens rules
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_output_tokens: int  # total so far
+    nfe: int  # forward passes so far
+    # As StepOutput's: only for a request that asks for log-probabilities, aligned with token_ids.
+    logprobs: np.ndarray | None = None  # [n] float32
+    top_ids: np.ndarray | None = None  # [n, k] int64
+    top_logprobs: np.ndarray | None = None  # [n, k] float32
+
+    def cut(self, keep: int, num_output_tokens: int) -> RequestDelta:
+        """The delta's first `keep` tokens, ending the request with STOP (a stop string matched in them)."""
+        return dataclasses.replace(
+            self, token_ids=self.token_ids[:keep], finish_reason=FinishReason.STOP,
+            num_output_tokens=num_output_tokens,
+            logprobs=None if self.logprobs is None else self.logprobs[:keep],
+            top_ids=None if self.top_ids is None else self.top_ids[:keep],
+            top_logprobs=None if self.top_logprobs is None else self.top_logprobs[:keep])
 
 
 @dataclass

@@ -88,7 +88,9 @@ class SchedulerOutput:
     """The one hand-off from scheduler to runner: a plan per request in this forward."""
 
     plans: list[SeqPlan] = field(default_factory=list)
-    preempted: list[str] = field(default_factory=list)  # ids of the requests preempted to make room
+    # Requests finished, aborted or preempted since the last plan that ran: the runner forgets their state before
+    # this step. A preempted request recomputes from scratch; an id may come back as a new request.
+    released: list[str] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:

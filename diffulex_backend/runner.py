@@ -197,7 +197,7 @@ class ModelRunner:
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
         self.shift = 1 if model.arch.shifted else 0
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
-        # position after it once that position is no longer fed. By request id; release() drops an entry.
+        # position after it once that position is no longer fed. By request id; forget() drops an entry.
         self.carry_hidden: dict[str, torch.Tensor] = {}
         shape = kv_cache_shape(model, num_pages, config.page_size)
         self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if num_pages else None
@@ -218,6 +218,7 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.forget(sched.released)
         plans = sched.plans
         batch = self.build_batch(plans)
         hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
@@ -265,9 +266,11 @@ class ModelRunner:
         """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
         return None
 
-    def release(self, request_id: str) -> None:
-        """Forget a request's state: it finished, was aborted, or was preempted (it recomputes from scratch)."""
-        self.carry_hidden.pop(request_id, None)
+    def forget(self, request_ids: list[str]) -> None:
+        """Drop the state of requests that finished, were aborted, or were preempted (they recompute from
+        scratch): the plan's released ids, before its step."""
+        for request_id in request_ids:
+            self.carry_hidden.pop(request_id, None)
 
     def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
         return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory)

@@ -230,23 +230,17 @@ class WorkerGroup:
 
 
 class BroadcastRunner:
-    """Rank 0's runner under tensor parallelism: the engine's calls, forwarded to every rank. A release is sent with
-    the next step, in the same broadcast as its plan."""
+    """Rank 0's runner under tensor parallelism: each plan, broadcast to every rank, runs there and here. A plan
+    carries the ids whose state the runners forget (SchedulerOutput.released), so every rank forgets them alike."""
 
     def __init__(self, runner, workers: WorkerGroup):
         self.runner, self.workers = runner, workers
-        self.releases: list[str] = []
-
-    def release(self, request_id: str) -> None:
-        self.runner.release(request_id)
-        self.releases.append(request_id)
 
     def execute(self, sched):
         self.workers.check_alive()
-        releases, self.releases = self.releases, []
         workers = self.workers
         workers.in_step = False  # until this step ends on every rank
-        workers.call(workers.channel.broadcast, (releases, sched))
+        workers.call(workers.channel.broadcast, sched)
         result = workers.call(self.runner.execute, sched)
         workers.in_step = True
         return result
@@ -298,10 +292,7 @@ def serve(setup: WorkerSetup, store) -> None:
     model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
     runner, _ = build_runner(config, model, device, dtype, channel)
-    while (message := channel.broadcast()) is not None:
-        releases, sched = message
-        for request_id in releases:
-            runner.release(request_id)
+    while (sched := channel.broadcast()) is not None:
         runner.execute(sched)
 
 

@@ -174,15 +174,17 @@ class DiffusionGemmaRunner(ModelRunner):
         super().__init__(config, model, num_pages, acceptance, device, dtype)
         self.schedule = model.arch.schedule
         # The soft embeddings of each request's last step, [L, hidden] on the device: its next step's
-        # self-conditioning input. release() drops an entry.
+        # self-conditioning input. forget() drops an entry.
         self.soft: dict[str, torch.Tensor] = {}
 
-    def release(self, request_id: str) -> None:
-        super().release(request_id)
-        self.soft.pop(request_id, None)
+    def forget(self, request_ids: list[str]) -> None:
+        super().forget(request_ids)
+        for request_id in request_ids:
+            self.soft.pop(request_id, None)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
+        self.forget(sched.released)
         plans = sched.plans
         batch = self.build_batch(plans)
         input_ids, positions, meta = batch.to_device(self.device)

@@ -63,7 +63,7 @@ def plan(request_id: str, start: int, pages: list[int], seed: int = 1, tokens: i
 
 
 def assert_same(a: SchedulerOutput, b: SchedulerOutput) -> None:
-    assert a.preempted == b.preempted and len(a.plans) == len(b.plans)
+    assert a.released == b.released and len(a.plans) == len(b.plans)
     for x, y in zip(a.plans, b.plans):
         for field in dataclasses.fields(SeqPlan):
             mine, theirs = getattr(x, field.name), getattr(y, field.name)
@@ -78,7 +78,7 @@ def test_the_wire_form_rebuilds_every_plan_and_sends_a_request_s_records_only_wh
         SchedulerOutput(plans=[plan("a", 0, [3]), plan("b", 0, [4, 5], seed=2)]),
         SchedulerOutput(plans=[plan("a", 4, [3]), plan("b", 4, [4, 5], seed=2)]),  # nothing cached changed
         SchedulerOutput(plans=[plan("a", 8, [3, 9]), plan("c", 0, [6], seed=3)]),  # a gains a page; c is new
-        SchedulerOutput(plans=[plan("b", 8, [4, 5], seed=2)], preempted=["a"]),  # b skipped a step: sent whole
+        SchedulerOutput(plans=[plan("b", 8, [4, 5], seed=2)], released=["a", "c"]),  # b skipped a step: sent whole
         SchedulerOutput(),
         SchedulerOutput(plans=[plan("b", 12, [4, 5], seed=2, tokens=0)]),
     ]
