@@ -3,7 +3,8 @@
 Rank 0 is the engine's own process: the scheduler, the tokenizer and rank 0's share of the model. Ranks 1..N-1
 are worker processes started here (running `workers.main`); each holds its share of the model and
 runs the same runner, step for step:
-- each step rank 0 broadcasts the plan once, pickled, over a gloo group on the host;
+- each step rank 0 broadcasts the plan once, over a gloo group on the host, in its wire form (plan_wire.py: what
+  changed since the last step);
 - every rank runs the forward, whose collectives (NCCL on GPUs, gloo on CPU) put the shares together;
 - every rank gets the whole logits (compute_logits gathers them) and samples the same tokens from the same seeds,
   so nothing travels back to rank 0.
@@ -40,6 +41,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .model_setup import build_runner, load_rank_model, resolve_dtype
+from .plan_wire import PlanWire
 from .tensor_parallel import TensorParallel
 
 # The longest a collective may wait for another rank: a step, or a rank still loading its share at start.
@@ -230,17 +232,19 @@ class WorkerGroup:
 
 
 class BroadcastRunner:
-    """Rank 0's runner under tensor parallelism: each plan, broadcast to every rank, runs there and here. A plan
-    carries the ids whose state the runners forget (SchedulerOutput.released), so every rank forgets them alike."""
+    """Rank 0's runner under tensor parallelism: each plan, broadcast to every rank in its wire form, runs there and
+    here. A plan carries the ids whose state the runners forget (SchedulerOutput.released), so every rank forgets
+    them alike."""
 
     def __init__(self, runner, workers: WorkerGroup):
         self.runner, self.workers = runner, workers
+        self.wire = PlanWire()
 
     def execute(self, sched):
         self.workers.check_alive()
         workers = self.workers
         workers.in_step = False  # until this step ends on every rank
-        workers.call(workers.channel.broadcast, sched)
+        workers.call(workers.channel.broadcast, self.wire.encode(sched))
         result = workers.call(self.runner.execute, sched)
         workers.in_step = True
         return result
@@ -292,8 +296,9 @@ def serve(setup: WorkerSetup, store) -> None:
     model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
     runner, _ = build_runner(config, model, device, dtype, channel)
-    while (sched := channel.broadcast()) is not None:
-        runner.execute(sched)
+    wire = PlanWire()
+    while (message := channel.broadcast()) is not None:
+        runner.execute(wire.decode(message))
 
 
 def main() -> None:
