@@ -83,11 +83,13 @@ class StepProfiler:
         if self.state is not RecordingState.ARMED:
             return
         # Every thread's ranges, so that the response thread's `respond` shows beside the decoding thread's step.
-        self._profile = profile(activities=self.activities,
+        # A recording is one profiler cycle, so accumulating across cycles changes nothing; it keeps torch from
+        # warning that events are cleared between cycles.
+        self._profile = profile(activities=self.activities, acc_events=True,
                                 experimental_config=torch.profiler._ExperimentalConfig(profile_all_threads=True))
         try:
             self._profile.start()
-        except Exception:  # a profiler already running in this process (one a user started): serve on without
+        except Exception:  # a profiler that cannot start costs the recording, never the step
             logger.exception("starting the step profiler failed; no steps are recorded")
             self.state, self._profile = RecordingState.IDLE, None
             return
@@ -110,13 +112,7 @@ class StepProfiler:
 
     def _finish(self) -> None:
         self.state, recording, self._profile = RecordingState.IDLE, self._profile, None
-        self.num_recordings += 1
-        # The process id and a count keep apart the recordings of model instances sharing one folder.
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = self.profile_dir / f"diffulex-steps-{stamp}-pid{os.getpid()}-{self.num_recordings}.json"
-        while path.exists():
-            self.num_recordings += 1
-            path = self.profile_dir / f"diffulex-steps-{stamp}-pid{os.getpid()}-{self.num_recordings}.json"
+        path = self._trace_path()
         try:
             recording.stop()
             recording.export_chrome_trace(str(path))
@@ -124,3 +120,13 @@ class StepProfiler:
             logger.exception("writing the step trace %s failed", path)
             return
         logger.info("recorded %d engine steps into %s", self.num_recorded, path)
+
+    def _trace_path(self) -> Path:
+        """A file name no recording has taken: the process id keeps apart model instances sharing the folder, the
+        count this engine's recordings, and the time those of an earlier process with the same id."""
+        stamp = time.strftime("%Y%m%d-%H%M%S")
+        while True:
+            self.num_recordings += 1
+            path = self.profile_dir / f"diffulex-steps-{stamp}-pid{os.getpid()}-{self.num_recordings}.json"
+            if not path.exists():
+                return path

@@ -1,7 +1,7 @@
 """The engine on a decoding thread of its own, and the responses on a second thread.
 
 The engine is not thread-safe, so exactly one thread touches it: the decoding thread takes commands
-(submit, abort, stop) from a queue between steps and runs `engine.step()` while any request is
+(submit, abort, stop) from a queue between steps and runs `engine.profiled_step()` while any request is
 unfinished. Everything it learns goes onto an event queue, in order. The response thread turns events into
 responses, so a slow send never stalls decoding; it also polls every open request for cancellation and
 updates the metrics, because each of those is a round trip to the server process.
