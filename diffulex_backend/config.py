@@ -81,6 +81,9 @@ class Config:
     # scale per output channel (quantization.py); None: the checkpoint's own (an FP8 checkpoint loads as FP8).
     quantization: str | None = None
     fp8_lm_head: bool = False  # with quantization "fp8", the output head too (it stays in the model dtype otherwise)
+    # Where a request's profile_steps records its trace of the next steps (profiling.py); None refuses profile_steps,
+    # so that no client can fill a disk it was not given.
+    profile_dir: str | None = None
 
     def __post_init__(self):
         if isinstance(self.lora_modules, Mapping):  # one form from here on: the text config.pbtxt gives
@@ -194,6 +197,10 @@ class Config:
         check_bool("fp8_lm_head")
         if self.fp8_lm_head and self.quantization != "fp8":
             fail("fp8_lm_head", "false unless quantization is 'fp8' (it quantizes the output head with the rest)")
+        if self.profile_dir is not None and (not isinstance(self.profile_dir, (str, os.PathLike))
+                                             or not os.path.isdir(self.profile_dir)
+                                             or not os.access(self.profile_dir, os.W_OK | os.X_OK)):
+            fail("profile_dir", "a writable directory or null")
 
     def _refuse_other_strategies_options(self, strategy) -> None:
         """A setting that only other strategies read keeps its default here, or is refused by name."""

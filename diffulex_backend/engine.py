@@ -12,6 +12,7 @@ from .kv_cache import KVCacheManager
 from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
 from .output import Detokenizer, RequestDelta, RequestOutput, StepOutput
 from .plan import SchedulerOutput
+from .profiling import StepProfiler
 from .refusal import Refusal
 from .resolve import ResolvedRequest, resolve
 from .registry import STRATEGIES
@@ -48,6 +49,7 @@ class DiffulexEngine:
         self.config = config = Config(model=model, **kwargs)
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
+        self.profiler = StepProfiler(config.profile_dir, self.device)
         # Under tensor parallelism the other ranks start first, so they load their shares while this one does.
         self.workers = WorkerGroup(config, self.device) if config.tensor_parallel_size > 1 else None
         try:
@@ -122,8 +124,9 @@ class DiffulexEngine:
         return fn(*args) if self.workers is None else self.workers.call(fn, *args)
 
     def close(self) -> None:
-        """Stop the other ranks' processes (tensor parallelism); nothing to do on one rank. The engine serves no
-        step after this."""
+        """Write a step recording under way (profile_steps), and stop the other ranks' processes (tensor
+        parallelism). The engine serves no step after this."""
+        self.profiler.close()
         if self.workers is not None:
             self.workers.close()
 
@@ -164,6 +167,9 @@ class DiffulexEngine:
         if params.lora_name is not None and params.lora_name not in self.lora_slots:
             raise Refusal(f"sampling parameter 'lora_name' is {params.lora_name!r}, which names no adapter; "
                           f"registered (config field 'lora_modules'): {sorted(self.lora_slots)}", "lora_name")
+        if params.profile_steps is not None and self.config.profile_dir is None:
+            raise Refusal(f"sampling parameter 'profile_steps' is {params.profile_steps}, but config field "
+                          "'profile_dir' is not set: this engine records no traces", "profile_steps")
         pages = -(-(n + m) // self.config.page_size)
         if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
             raise Refusal(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}",
@@ -184,6 +190,8 @@ class DiffulexEngine:
         self.detokenizers[request_id] = Detokenizer(self.tokenizer, list(resolved.stop.strings),
                                                     resolved.stop.min_tokens)
         self.scheduler.add(req)
+        if resolved.params.profile_steps is not None:
+            self.profiler.request(resolved.params.profile_steps, request_id)
         return request_id
 
     def abort(self, request_id: str) -> None:
@@ -237,7 +245,7 @@ class DiffulexEngine:
 
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         while any(not r.is_finished for r in reqs):
-            deltas = self.step()
+            deltas = self.profiled_step()
             if not self.last_schedule.plans:
                 raise RuntimeError("no request could be scheduled: the KV cache or token budget is too small")
             for delta in deltas:
@@ -251,6 +259,14 @@ class DiffulexEngine:
         if bar is not None:
             bar.close()
         return [outs[r.request_id] for r in reqs]
+
+    def profiled_step(self) -> list[StepOutput]:
+        """step(), recorded when a request asked for it (profile_steps): what generate and the served loop run."""
+        self.profiler.before_step()
+        try:
+            return self.step()
+        finally:
+            self.profiler.after_step(engine_idle=not self.requests)
 
     def metrics(self) -> EngineMetrics:
         kv = self.kv_cache

@@ -31,6 +31,7 @@ from .layers.lora import LoraBatch
 from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
+from .profiling import step_range
 from .retention import RetentionStats, select_pages
 from .sampling import Confidence, SampleResult, greedy_over_shards, row_keys, sample_reference
 from .upload import upload
@@ -221,7 +222,8 @@ class ModelRunner:
         self.forget(sched.released)
         plans = sched.plans
         batch = self.build_batch(plans)
-        hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
+        with step_range("forward", self.device):  # on CUDA the launch; the kernels show under it in a trace
+            hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
         no_tokens = (torch.zeros(0, dtype=torch.int64), None, None)
@@ -359,24 +361,25 @@ class ModelRunner:
             seg_ints[:, 4],
         ], self.device)
 
-        if carry:
-            hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
-        model, mask = self.model, self.acceptance.mask_token_id
-        if self.samples_over_shards(blocks, exact_rows=banned is not None or logprob_rows is not None):
-            logits = model.compute_logits(hidden[logit_rows], gather=False)  # [A, this rank's vocabulary]
-            if 0 <= mask - model.vocab_start < logits.shape[1]:
-                logits[:, mask - model.vocab_start] = float("-inf")
-            result, current_logit = greedy_over_shards(logits, model.vocab_start, model.arch.vocab_size, current,
-                                                       confidence_kind, model.tp)
-        else:
-            logits = model.compute_logits(hidden[logit_rows])  # [A, vocab]
-            # Predicting the mask token would leave a position masked after "accepting" it, forever.
-            logits[:, mask] = float("-inf")
-            if banned is not None:  # min_tokens: EOS and stop tokens cannot be output yet at these positions
-                logits[banned] = float("-inf")
-            result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
-                            use_kernel=self.use_kernels, filtered=filtered)
-            current_logit = logits.gather(1, current[:, None]).squeeze(1)
+        with step_range("sample", self.device):
+            if carry:
+                hidden = torch.cat([hidden, torch.stack(carry).to(hidden.dtype)])
+            model, mask = self.model, self.acceptance.mask_token_id
+            if self.samples_over_shards(blocks, exact_rows=banned is not None or logprob_rows is not None):
+                logits = model.compute_logits(hidden[logit_rows], gather=False)  # [A, this rank's vocabulary]
+                if 0 <= mask - model.vocab_start < logits.shape[1]:
+                    logits[:, mask - model.vocab_start] = float("-inf")
+                result, current_logit = greedy_over_shards(logits, model.vocab_start, model.arch.vocab_size, current,
+                                                           confidence_kind, model.tp)
+            else:
+                logits = model.compute_logits(hidden[logit_rows])  # [A, vocab]
+                # Predicting the mask token would leave a position masked after "accepting" it, forever.
+                logits[:, mask] = float("-inf")
+                if banned is not None:  # min_tokens: EOS and stop tokens cannot be output yet at these positions
+                    logits[banned] = float("-inf")
+                result = sample(logits, temperature, keys, confidence_kind, top_k, top_p,
+                                use_kernel=self.use_kernels, filtered=filtered)
+                current_logit = logits.gather(1, current[:, None]).squeeze(1)
         batch = AcceptanceBatch(
             current=current,
             predicted=result.tokens,
@@ -391,7 +394,8 @@ class ModelRunner:
             seg_remask_threshold=seg_remask,
             seg_num_transfer=seg_num_transfer,
         )
-        tokens, top = self.accept(batch, logits, blocks)
+        with step_range("accept", self.device):
+            tokens, top = self.accept(batch, logits, blocks)
         wanted = [tokens]
         if top is not None:
             wanted += [top[0], top[1]]

@@ -33,6 +33,7 @@ FLOAT32_MAX = 3.4028234663852886e38
 MAX_STOP_STRINGS = 64
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGPROBS = 20  # most likely tokens a request may ask for at each output position (vLLM's default bound)
+MAX_PROFILE_STEPS = 1000  # the most engine steps one request may record, which bounds the trace file it writes
 
 
 @dataclass
@@ -60,6 +61,8 @@ class SamplingParams:
     head_select: bool | None = None  # how the kept pages are ranked; None: the engine's setting
     # None returns no log-probabilities; k returns each output token's and the k most likely tokens' at its position
     logprobs: int | None = None
+    # N records a trace of the engine's next N steps (profiling.py); needs the engine's profile_dir
+    profile_steps: int | None = None
 
     def __post_init__(self):
         def fail(name, allowed):
@@ -100,6 +103,9 @@ class SamplingParams:
             fail("retention_ratio", "a number in (0, 1] or null")
         if self.logprobs is not None and (not _is_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS):
             fail("logprobs", f"an integer in [0, {MAX_LOGPROBS}] or null")
+        if self.profile_steps is not None and (not _is_int(self.profile_steps)
+                                               or not 1 <= self.profile_steps <= MAX_PROFILE_STEPS):
+            fail("profile_steps", f"an integer in [1, {MAX_PROFILE_STEPS}] or null")
         if self.head_select is not None and not isinstance(self.head_select, bool):
             fail("head_select", "true, false or null")
         for name in ("accept_threshold", "remask_threshold", "edit_threshold"):

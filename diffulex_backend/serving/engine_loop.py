@@ -1,7 +1,7 @@
 """The engine on a decoding thread of its own, and the responses on a second thread.
 
 The engine is not thread-safe, so exactly one thread touches it: the decoding thread takes commands
-(submit, abort, stop) from a queue between steps and runs `engine.step()` while any request is
+(submit, abort, stop) from a queue between steps and runs `engine.profiled_step()` while any request is
 unfinished. Everything it learns goes onto an event queue, in order. The response thread turns events into
 responses, so a slow send never stalls decoding; it also polls every open request for cancellation and
 updates the metrics, because each of those is a round trip to the server process.
@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..profiling import step_range
 from .metrics import ServingMetrics
 
 if TYPE_CHECKING:
@@ -264,7 +265,7 @@ class EngineLoop:
                         return
                     self._apply(command, live)
                 if self._engine.has_unfinished_requests():
-                    outputs = self._engine.step()
+                    outputs = self._engine.profiled_step()
                     for out in outputs:
                         if out.finished:
                             live.pop(out.request_id, None)
@@ -398,7 +399,8 @@ class EngineLoop:
     def _handle(self, event, open_requests: dict[str, OpenRequest]) -> None:
         if isinstance(event, Stepped):
             self._metrics.update_engine(event.snapshot)
-            generated = sum(self._deliver(output, event.time, open_requests) for output in event.outputs)
+            with step_range("respond", self._engine.device):
+                generated = sum(self._deliver(output, event.time, open_requests) for output in event.outputs)
             if generated:  # one increment a step, not one per request: each is a round trip to the server
                 self._metrics.generation_tokens.increment(generated)
         elif isinstance(event, Opened):

@@ -4,7 +4,7 @@ Triton hands every parameter over as a string (`{"block_size": {"string_value": 
 be a field of `Config`, and each value is converted to that field's type here so that a typo fails the
 model load with a message naming the parameter, instead of reaching the engine as a string. An empty
 value leaves an optional field unset (the engine detects or derives it). A relative path (`model`, `lora_path`,
-and each path of `lora_modules`) is resolved against the model's directory in the repository.
+each path of `lora_modules`, and `profile_dir`) is resolved against the model's directory in the repository.
 
 A model instance that Triton places on a GPU (`instance_group` of `KIND_GPU`) runs its engine on that GPU:
 `on_instance_device` turns the settings into that instance's.
@@ -32,8 +32,9 @@ def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str 
     if "model" not in settings:
         raise ValueError("parameter 'model' in config.pbtxt must name a checkpoint directory")
     settings["model"] = _resolved(settings["model"], model_dir)
-    if "lora_path" in settings:
-        settings["lora_path"] = _resolved(settings["lora_path"], model_dir)
+    for name in ("lora_path", "profile_dir"):
+        if name in settings:
+            settings[name] = _resolved(settings[name], model_dir)
     if "lora_modules" in settings:  # name=path pairs, each path resolved like model's
         pairs = [item.partition("=") for item in settings["lora_modules"].split(",")]
         settings["lora_modules"] = ",".join(

@@ -35,6 +35,7 @@ from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.diffusion_gemma import DiffusionGemmaModel
 from ..plan import LogitBlock, SchedulerOutput, SeqPlan
+from ..profiling import step_range
 from ..refusal import Refusal
 from ..registry import Strategy, register_strategy
 from ..request import Request
@@ -210,15 +211,16 @@ class DiffusionGemmaRunner(ModelRunner):
         # A canvas starts as random tokens (the request holds placeholders until its first step ends).
         start = random_tokens(seeds, CANVAS_KEY, positions, 0, self.model.arch.vocab_size)
         input_ids = torch.where(fresh, start, input_ids)
-        hidden = self.model(input_ids, positions, meta, self.kv_cache, canvas=canvas,
-                            soft_embeds=soft)
+        with step_range("forward", self.device):
+            hidden = self.model(input_ids, positions, meta, self.kv_cache, canvas=canvas, soft_embeds=soft)
         blocks = [(p, b) for p in plans for b in p.blocks]
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
-        tokens, outcome = self._denoise(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64),
-                                                                               None)
+        with step_range("sample", self.device):  # DiffusionGemma's sampler decides the tokens itself: no accept
+            tokens, outcome = self._denoise(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64),
+                                                                                   None)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens,
                           flops=self.forward_flops(plans), predictions=outcome)
 

@@ -16,10 +16,11 @@ def completion(**fields) -> CompletionRequest:
 
 
 def test_openai_fields_and_extra_fields_become_the_models_sampling_parameters():
-    request = completion(max_tokens=7, temperature=0.5, top_p=0.9, stop="x", seed=3, min_tokens=2, lora_name="math")
+    request = completion(max_tokens=7, temperature=0.5, top_p=0.9, stop="x", seed=3, min_tokens=2, lora_name="math",
+                         profile_steps=4)
     (choice,) = triton_requests(request, completion_prompts(request))
     assert choice.sampling == {"max_tokens": 7, "temperature": 0.5, "top_p": 0.9, "stop": ["x"], "seed": 3,
-                               "min_tokens": 2, "lora_name": "math"}
+                               "min_tokens": 2, "lora_name": "math", "profile_steps": 4}
 
 
 def test_max_completion_tokens_wins_over_max_tokens():

@@ -57,6 +57,7 @@ INVALID = {
     "max_lora_rank": (True, "an integer >= 1"),
     "quantization": ("int4", "one of [None, 'fp8'] (null: the checkpoint's own weights)"),
     "fp8_lm_head": ("yes", "true or false"),
+    "profile_dir": (5, "a writable directory or null"),
 }
 
 

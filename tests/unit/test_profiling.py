@@ -1,0 +1,102 @@
+"""Profiling on demand: a request's profile_steps records a trace of the engine's next steps into profile_dir, one
+recording at a time, and is refused by name where no profile_dir was given."""
+from __future__ import annotations
+
+import json
+import re
+import time
+from pathlib import Path
+
+import pytest
+
+from diffulex_backend import SamplingParams
+from diffulex_backend.refusal import Refusal
+from engine_driver import run_requests, tiny_engine
+
+STEP_RANGES = ("forward", "sample", "accept")
+PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
+
+
+def traces(folder: Path) -> list[Path]:
+    return sorted(folder.glob("diffulex-steps-*.json"))
+
+
+def range_counts(trace: Path) -> dict[str, int]:
+    """How many times each step range appears in a Chrome trace."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = [e["name"] for e in events if e.get("ph") == "X"]
+    return {name: names.count(name) for name in STEP_RANGES}
+
+
+@pytest.fixture(scope="module")
+def engine(llada_checkpoint, tmp_path_factory):
+    return tiny_engine(llada_checkpoint, profile_dir=str(tmp_path_factory.mktemp("profiles")))
+
+
+def test_profile_steps_records_that_many_steps_and_serves_the_same_tokens(engine, llada_checkpoint):
+    folder = Path(engine.config.profile_dir)
+    before = traces(folder)
+    profiled = run_requests(engine, PROMPTS, [SamplingParams(max_tokens=16, profile_steps=3), SamplingParams(max_tokens=16)])
+    plain = run_requests(tiny_engine(llada_checkpoint), PROMPTS, SamplingParams(max_tokens=16))
+    assert [s.token_ids for s in profiled] == [s.token_ids for s in plain]
+    assert profiled[0].nfe > 3  # the recording stopped at its count, not with the requests
+    new = [t for t in traces(folder) if t not in before]
+    assert len(new) == 1
+    assert range_counts(new[0]) == {name: 3 for name in STEP_RANGES}
+
+
+def test_a_recording_ends_when_no_request_is_left(engine):
+    folder = Path(engine.config.profile_dir)
+    before = traces(folder)
+    [stream] = run_requests(engine, PROMPTS[:1], SamplingParams(max_tokens=8, profile_steps=1000))
+    [trace] = [t for t in traces(folder) if t not in before]
+    assert range_counts(trace) == {name: stream.nfe for name in STEP_RANGES}
+
+
+def test_a_request_asking_during_a_recording_is_served_and_starts_none(engine):
+    folder = Path(engine.config.profile_dir)
+    before = traces(folder)
+    streams = run_requests(engine, PROMPTS, [SamplingParams(max_tokens=8, profile_steps=2),
+                                            SamplingParams(max_tokens=8, profile_steps=5)])
+    assert all(s.finish_reason is not None for s in streams)
+    [trace] = [t for t in traces(folder) if t not in before]
+    assert range_counts(trace) == {name: 2 for name in STEP_RANGES}
+
+
+def test_recordings_in_one_second_never_share_a_file(engine):
+    folder = Path(engine.config.profile_dir)
+    before = traces(folder)
+    started = time.monotonic()
+    for _ in range(2):
+        run_requests(engine, PROMPTS[:1], SamplingParams(max_tokens=4, profile_steps=1))
+    new = [t for t in traces(folder) if t not in before]
+    assert len(new) == 2
+    if time.monotonic() - started < 1:  # the same stamp to the second: the names still differ
+        assert len({re.sub(r"-\d+\.json$", "", t.name) for t in new}) == 1
+
+
+def test_profile_steps_without_profile_dir_is_refused_by_name(llada_checkpoint):
+    engine = tiny_engine(llada_checkpoint)
+    with pytest.raises(Refusal) as caught:
+        engine.prepare_request([5, 6, 7], SamplingParams(max_tokens=8, profile_steps=4))
+    assert str(caught.value) == ("sampling parameter 'profile_steps' is 4, but config field 'profile_dir' is not set: "
+                                 "this engine records no traces")
+    assert caught.value.field == "profile_steps"
+
+
+@pytest.mark.parametrize("value", [0, -1, 10**9, 1001, 1.5, "3", True, float("nan")])
+def test_bad_profile_steps_are_refused_by_name(value):
+    with pytest.raises(Refusal) as caught:
+        SamplingParams(profile_steps=value)
+    assert str(caught.value) == f"sampling parameter 'profile_steps' must be an integer in [1, 1000] or null, got {value!r}"
+    assert caught.value.field == "profile_steps"
+
+
+@pytest.mark.parametrize("kind", ["missing", "a file"])
+def test_a_profile_dir_that_is_no_writable_directory_fails_the_load_by_name(llada_checkpoint, tmp_path, kind):
+    path = tmp_path / "nowhere"
+    if kind == "a file":
+        path.write_text("")
+    with pytest.raises(ValueError, match=re.escape(f"config field 'profile_dir' must be a writable directory or null, "
+                                                   f"got {str(path)!r}")):
+        tiny_engine(llada_checkpoint, profile_dir=str(path))
