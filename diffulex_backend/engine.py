@@ -12,7 +12,7 @@ from .kv_cache import KVCacheManager
 from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
 from .output import Detokenizer, RequestDelta, RequestOutput, StepOutput
 from .plan import SchedulerOutput
-from .profiling import StepProfiler
+from .profiling import StepProfiler, step_range
 from .refusal import Refusal
 from .resolve import ResolvedRequest, resolve
 from .registry import STRATEGIES
@@ -207,7 +207,8 @@ class DiffulexEngine:
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
-        sched = self.last_schedule = self.scheduler.schedule()
+        with step_range("schedule", self.device):
+            sched = self.last_schedule = self.scheduler.schedule()
         if not sched.plans:
             return []
         result = self.runner.execute(sched)

@@ -13,7 +13,7 @@ from diffulex_backend import SamplingParams
 from diffulex_backend.refusal import Refusal
 from engine_driver import run_requests, tiny_engine
 
-STEP_RANGES = ("forward", "sample", "accept")
+STEP_RANGES = ("schedule", "forward", "sample", "accept")
 PROMPTS = [[5, 6, 7, 8, 9], [10, 11, 12]]
 
 
