@@ -1,6 +1,7 @@
 """DiffulexEngine: requests in, committed tokens out, one scheduler step at a time."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import random
@@ -187,8 +188,6 @@ class DiffulexEngine:
             raise ValueError(f"request id {request_id!r} is already in use")
         req = self.req_cls(request_id, resolved, self.config, self.config.mask_token_id, self.model.arch.shifted)
         self.requests[request_id] = req
-        self.detokenizers[request_id] = Detokenizer(self.tokenizer, list(resolved.stop.strings),
-                                                    resolved.stop.min_tokens)
         self.scheduler.add(req)
         if resolved.params.profile_steps is not None:
             self.profiler.request(resolved.params.profile_steps, request_id)
@@ -200,13 +199,39 @@ class DiffulexEngine:
         if req is None:
             return
         self.scheduler.finish(req, FinishReason.ABORT)
-        self.detokenizers.pop(request_id)
+        self.detokenizers.pop(request_id, None)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.requests)
 
     # ---- the loop -----------------------------------------------------------------------------------------
     def step(self) -> list[StepOutput]:
+        """One step: each request's newly committed tokens with their text, made on this thread (the offline API).
+        A stop string that matches ends its request within this step."""
+        with self._profiled():
+            return [self._output(delta) for delta in self._step()]
+
+    def step_deltas(self) -> list[RequestDelta]:
+        """One step: each request's newly committed token ids, for a caller that makes the text on another thread
+        (the served model's response thread), so that detokenizing never holds up the device. Such a caller ends a
+        request on a stop string with abort(), and the request may run one step past the stop meanwhile."""
+        with self._profiled():
+            deltas = self._step()
+            for delta in deltas:
+                if delta.finish_reason is not None:
+                    del self.requests[delta.request_id]
+            return deltas
+
+    @contextlib.contextmanager
+    def _profiled(self):
+        """A step, recorded when a request asked for it (profile_steps)."""
+        self.profiler.before_step()
+        try:
+            yield
+        finally:
+            self.profiler.after_step(engine_idle=not self.requests)
+
+    def _step(self) -> list[RequestDelta]:
         with step_range("schedule", self.device):
             sched = self.last_schedule = self.scheduler.schedule()
         if not sched.plans:
@@ -215,20 +240,22 @@ class DiffulexEngine:
         self.num_forward_passes += 1
         self.num_forward_tokens += result.num_tokens
         self.model_flops += result.flops
-        return [self._output(delta) for delta in self.scheduler.update_from_output(sched, result)]
+        return self.scheduler.update_from_output(sched, result)
 
     def _output(self, delta: RequestDelta) -> StepOutput:
         """The delta with its text. A stop string that matches in the text ends the request at fewer tokens."""
-        text, keep = self.detokenizers[delta.request_id].add(delta.token_ids, final=delta.finish_reason is not None)
+        req = self.requests[delta.request_id]
+        detokenizer = self.detokenizers.get(delta.request_id)
+        if detokenizer is None:
+            detokenizer = self.detokenizers[delta.request_id] = Detokenizer(self.tokenizer, list(req.stop.strings),
+                                                                            req.stop.min_tokens)
+        text, keep = detokenizer.add(delta.token_ids, final=delta.finish_reason is not None)
         if keep is not None:
-            delta = self.scheduler.stop_at(self.requests[delta.request_id], delta, keep)
+            delta = self.scheduler.stop_at(req, delta, keep)
         if delta.finish_reason is not None:
-            del self.requests[delta.request_id], self.detokenizers[delta.request_id]
-        return StepOutput(request_id=delta.request_id, token_ids=delta.token_ids, text=text,
-                          finished=delta.finish_reason is not None, finish_reason=delta.finish_reason,
-                          num_prompt_tokens=delta.num_prompt_tokens, num_output_tokens=delta.num_output_tokens,
-                          nfe=delta.nfe, logprobs=delta.logprobs, top_ids=delta.top_ids,
-                          top_logprobs=delta.top_logprobs)
+            del self.requests[delta.request_id]
+            self.detokenizers.pop(delta.request_id)
+        return StepOutput.of(delta, text)
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
@@ -246,7 +273,7 @@ class DiffulexEngine:
 
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         while any(not r.is_finished for r in reqs):
-            deltas = self.profiled_step()
+            deltas = self.step()
             if not self.last_schedule.plans:
                 raise RuntimeError("no request could be scheduled: the KV cache or token budget is too small")
             for delta in deltas:
@@ -260,14 +287,6 @@ class DiffulexEngine:
         if bar is not None:
             bar.close()
         return [outs[r.request_id] for r in reqs]
-
-    def profiled_step(self) -> list[StepOutput]:
-        """step(), recorded when a request asked for it (profile_steps): what generate and the served loop run."""
-        self.profiler.before_step()
-        try:
-            return self.step()
-        finally:
-            self.profiler.after_step(engine_idle=not self.requests)
 
     def metrics(self) -> EngineMetrics:
         kv = self.kv_cache

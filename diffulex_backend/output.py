@@ -58,6 +58,14 @@ class StepOutput:
     top_ids: np.ndarray | None = None  # [n, k] int64, most likely first
     top_logprobs: np.ndarray | None = None  # [n, k] float32
 
+    @classmethod
+    def of(cls, delta: RequestDelta, text: str) -> StepOutput:
+        """A request's delta with its text."""
+        return cls(request_id=delta.request_id, token_ids=delta.token_ids, text=text,
+                   finished=delta.finish_reason is not None, finish_reason=delta.finish_reason,
+                   num_prompt_tokens=delta.num_prompt_tokens, num_output_tokens=delta.num_output_tokens,
+                   nfe=delta.nfe, logprobs=delta.logprobs, top_ids=delta.top_ids, top_logprobs=delta.top_logprobs)
+
 
 @dataclass
 class RequestOutput:

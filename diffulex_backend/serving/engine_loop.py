@@ -1,10 +1,15 @@
 """The engine on a decoding thread of its own, and the responses on a second thread.
 
 The engine is not thread-safe, so exactly one thread touches it: the decoding thread takes commands
-(submit, abort, stop) from a queue between steps and runs `engine.profiled_step()` while any request is
+(submit, abort, stop) from a queue between steps and runs `engine.step_deltas()` while any request is
 unfinished. Everything it learns goes onto an event queue, in order. The response thread turns events into
 responses, so a slow send never stalls decoding; it also polls every open request for cancellation and
 updates the metrics, because each of those is a round trip to the server process.
+
+The text is made on the response thread too: the engine hands over token ids, and each request's incremental
+detokenizer turns them into text and matches its stop strings there, off the thread that drives the device. A stop
+string that matches ends the request's stream at once, with the tokens through the match, and aborts the request in
+the engine, which may run it one step more meanwhile (that step's tokens are not sent).
 
 Requests arrive prepared (engine.prepare_request, on Triton's thread), so what could fail for one request alone
 has been checked. A request that cannot join the engine, or whose response cannot be built or sent, ends with an
@@ -34,12 +39,14 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from ..output import Detokenizer, StepOutput
 from ..profiling import step_range
 from .metrics import ServingMetrics
 
 if TYPE_CHECKING:
-    from .. import Diffulex, EngineMetrics, StepOutput
-    from ..resolve import ResolvedRequest
+    from .. import Diffulex, EngineMetrics
+    from ..output import RequestDelta
+    from ..resolve import ResolvedRequest, StopRule
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +121,7 @@ class Opened:
     request_id: str
     stream: ResponseStream
     arrival_time: float
+    stop: StopRule  # the stop strings and min_tokens the response thread matches in the text
     snapshot: EngineMetrics
 
 
@@ -126,7 +134,7 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Stepped:
-    outputs: list[StepOutput]
+    deltas: list[RequestDelta]
     snapshot: EngineMetrics
     time: float
 
@@ -153,6 +161,7 @@ class OpenRequest:
 
     stream: ResponseStream
     arrival_time: float
+    text: Detokenizer
     cancelling: bool = False  # the client cancelled; an abort is on its way to the engine
     counted_prompt: bool = False
     got_first_token: bool = False
@@ -265,11 +274,11 @@ class EngineLoop:
                         return
                     self._apply(command, live)
                 if self._engine.has_unfinished_requests():
-                    outputs = self._engine.profiled_step()
-                    for out in outputs:
-                        if out.finished:
-                            live.pop(out.request_id, None)
-                    self._events.put(Stepped(outputs, self._engine.metrics(), time.monotonic()))
+                    deltas = self._engine.step_deltas()
+                    for delta in deltas:
+                        if delta.finish_reason is not None:
+                            live.pop(delta.request_id, None)
+                    self._events.put(Stepped(deltas, self._engine.metrics(), time.monotonic()))
         except Exception as err:  # the engine's state is unknown now: stop decoding rather than guess
             logger.exception("the engine failed")
             self._fail(FailureCause.ENGINE,
@@ -292,7 +301,8 @@ class EngineLoop:
                 self._events.put(Rejected(command.stream, ErrorKind.INTERNAL, f"{type(err).__name__}: {err}"))
                 return
             live[command.request_id] = command.stream
-            self._events.put(Opened(command.request_id, command.stream, command.arrival_time, self._engine.metrics()))
+            self._events.put(Opened(command.request_id, command.stream, command.arrival_time, command.prepared.stop,
+                                    self._engine.metrics()))
         elif isinstance(command, Abort) and command.request_id in live:
             self._engine.abort(command.request_id)
             del live[command.request_id]
@@ -400,11 +410,12 @@ class EngineLoop:
         if isinstance(event, Stepped):
             self._metrics.update_engine(event.snapshot)
             with step_range("respond", self._engine.device):
-                generated = sum(self._deliver(output, event.time, open_requests) for output in event.outputs)
+                generated = sum(self._deliver(delta, event.time, open_requests) for delta in event.deltas)
             if generated:  # one increment a step, not one per request: each is a round trip to the server
                 self._metrics.generation_tokens.increment(generated)
         elif isinstance(event, Opened):
-            open_requests[event.request_id] = OpenRequest(event.stream, event.arrival_time)
+            text = Detokenizer(self._engine.tokenizer, list(event.stop.strings), event.stop.min_tokens)
+            open_requests[event.request_id] = OpenRequest(event.stream, event.arrival_time, text)
             self._metrics.update_engine(event.snapshot)
         elif isinstance(event, Aborted):
             self._metrics.update_engine(event.snapshot)
@@ -434,15 +445,23 @@ class EngineLoop:
         except Exception:
             logger.exception("reporting the failure failed")
 
-    def _deliver(self, output: StepOutput, now: float, open_requests: dict[str, OpenRequest]) -> int:
-        """Send what the output is due; returns the generated tokens it delivered."""
-        request = open_requests.get(output.request_id)
+    def _deliver(self, delta: RequestDelta, now: float, open_requests: dict[str, OpenRequest]) -> int:
+        """Make the delta's text and send what it is due; returns the generated tokens it delivered. A request whose
+        stream has ended (a stop string matched in an earlier step) gets nothing more."""
+        request = open_requests.get(delta.request_id)
         if request is None:
             return 0
+        finished = delta.finish_reason is not None
         if request.cancelling:
-            if output.finished:  # it finished before the abort arrived, so no Aborted event will come
-                del open_requests[output.request_id]
+            if finished:  # it finished before the abort arrived, so no Aborted event will come
+                del open_requests[delta.request_id]
                 self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+            return 0
+        try:
+            output = self._with_text(request, delta)
+        except Exception as err:
+            logger.exception("making the text of a response failed")
+            self._fail_request(delta.request_id, open_requests, err)
             return 0
         try:
             self._observe(request, output, now)
@@ -452,14 +471,28 @@ class EngineLoop:
             request.stream.send_output(output)
         except Exception as err:
             logger.exception("sending a response failed")
-            del open_requests[output.request_id]
-            self._commands.put(Abort(output.request_id))  # free its pages
-            self._end_with_error(request.stream, ErrorKind.INTERNAL,
-                                 f"building the response failed: {type(err).__name__}: {err}")
+            self._fail_request(delta.request_id, open_requests, err)
             return 0
         if output.finished:
-            del open_requests[output.request_id]
+            del open_requests[delta.request_id]
         return len(output.token_ids)
+
+    def _with_text(self, request: OpenRequest, delta: RequestDelta) -> StepOutput:
+        """The delta with its text; a stop string that matches ends it at the tokens through the match, and aborts
+        the request in the engine unless this step already finished it."""
+        text, keep = request.text.add(delta.token_ids, final=delta.finish_reason is not None)
+        if keep is None:
+            return StepOutput.of(delta, text)
+        if delta.finish_reason is None:
+            self._commands.put(Abort(delta.request_id))  # frees its pages; its Aborted event finds no open stream
+        return StepOutput.of(delta.cut(keep, delta.num_output_tokens - (len(delta.token_ids) - keep)), text)
+
+    def _fail_request(self, request_id: str, open_requests: dict[str, OpenRequest], err: Exception) -> None:
+        """One request's response could not be made or sent: it ends with INTERNAL, and the engine drops it."""
+        request = open_requests.pop(request_id)
+        self._commands.put(Abort(request_id))  # free its pages
+        self._end_with_error(request.stream, ErrorKind.INTERNAL,
+                             f"building the response failed: {type(err).__name__}: {err}")
 
     def _observe(self, request: OpenRequest, output: StepOutput, now: float) -> None:
         metrics = self._metrics

@@ -29,7 +29,7 @@ class TritonPythonModel:
             EngineLoop._enter_device = enter_device
         self.adapter = TritonAdapter(pb_utils, args)
         if name.endswith("_decoder"):
-            engine, step = self.adapter._engine, self.adapter._engine.step
+            engine, step = self.adapter._engine, self.adapter._engine.step_deltas  # the served loop's step
             steps = []
 
             def dying_step():
@@ -38,7 +38,7 @@ class TritonPythonModel:
                     raise ThreadKilled("killed mid-step")
                 return step()
 
-            engine.step = dying_step
+            engine.step_deltas = dying_step
         elif name.endswith("_responder"):
             self.adapter._metrics.generation_tokens = DyingCounter()
 

@@ -10,10 +10,10 @@ class TritonPythonModel:
 
         self.adapter = TritonAdapter(pb_utils, args)
 
-        def step():
+        def step_deltas():
             raise RuntimeError("device lost")
 
-        self.adapter._engine.step = step  # before any request can reach the decoding thread
+        self.adapter._engine.step_deltas = step_deltas  # the served loop's step; before any request can reach the decoding thread
 
     def execute(self, requests):
         self.adapter.execute(requests)

@@ -14,13 +14,13 @@ class TritonPythonModel:
 
         self.adapter = TritonAdapter(pb_utils, args)
         engine = self.adapter._engine
-        step = engine.step
+        step = engine.step_deltas  # the served loop's step
 
         def slow_step():
             time.sleep(STEP_DELAY_S)
             return step()
 
-        engine.step = slow_step  # before any request can reach the decoding thread
+        engine.step_deltas = slow_step  # before any request can reach the decoding thread
 
     def execute(self, requests):
         self.adapter.execute(requests)

@@ -22,6 +22,8 @@ class RecordingStream:
 
     def __init__(self, fail_sends: bool = False):
         self.token_ids: list[int] = []
+        self.text = ""
+        self.finish_reason = None
         self.error: tuple[ErrorKind, str] | None = None
         self.fail_sends = fail_sends
         self.done = threading.Event()
@@ -33,7 +35,9 @@ class RecordingStream:
         if self.fail_sends:
             raise RuntimeError("cannot encode")
         self.token_ids += output.token_ids
+        self.text += output.text
         if output.finished:
+            self.finish_reason = output.finish_reason
             self.done.set()
 
     def send_error(self, kind: ErrorKind, message: str) -> None:
@@ -71,11 +75,11 @@ class EngineFailingAtStep(Diffulex):
         self.failing_step = failing_step
         self.num_steps = 0
 
-    def step(self):
+    def step_deltas(self):  # what the served loop steps with
         self.num_steps += 1
         if self.num_steps == self.failing_step:
             raise RuntimeError("device lost")
-        return super().step()
+        return super().step_deltas()
 
 
 def start_loop(engine, **kwargs) -> tuple[EngineLoop, ServingMetrics]:
@@ -103,6 +107,39 @@ def test_a_response_that_cannot_be_sent_ends_with_internal_and_frees_its_pages(c
     assert streams[0].error is None and streams[2].error is None
     assert served.metrics().kv_pages_used == 0 and not served.has_unfinished_requests()
     assert metrics.kv_pages_used.value == 0
+
+
+def test_stop_strings_match_on_the_response_thread_and_end_requests_as_in_process(checkpoint, engine):
+    """The decoding thread hands over token ids only; the response thread makes the text, and a stop string that
+    matches there ends the stream with what the in-process engine outputs, and frees the request's pages."""
+    unstopped = engine.generate(["first", "second"], SamplingParams(max_tokens=24, ignore_eos=True))
+    assert all(len(out.text) > 8 for out in unstopped)  # room for a stop string inside the output
+    params = [SamplingParams(max_tokens=24, ignore_eos=True, stop=[out.text[len(out.text) // 2:][:2]])
+              for out in unstopped]
+    expected = engine.generate(["first", "second"], params)
+    assert all(out.finish_reason.value == "stop" for out in expected)
+    served = Diffulex(str(checkpoint), **TEST_SETTINGS)
+    decoding_threads = []
+    decode = served.tokenizer.decode
+
+    def recording_decode(*args, **kwargs):
+        decoding_threads.append(threading.current_thread().name)
+        return decode(*args, **kwargs)
+
+    served.tokenizer.decode = recording_decode
+    loop, metrics = start_loop(served)
+    streams = [RecordingStream(), RecordingStream()]
+    for prompt, p, stream in zip(["first", "second"], params, streams):
+        loop.submit(served.prepare_request(prompt, p), stream)
+    wait_all(streams)
+    deadline = time.monotonic() + 30  # each stop's abort reaches the engine after the step under way
+    while served.has_unfinished_requests() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    loop.stop()
+    assert [(s.token_ids, s.text, s.finish_reason) for s in streams] == \
+        [(out.token_ids, out.text, out.finish_reason) for out in expected]
+    assert decoding_threads and set(decoding_threads) == {"diffulex-responses"}
+    assert served.metrics().kv_pages_used == 0 and not served.has_unfinished_requests()
 
 
 def test_an_engine_failure_ends_open_requests_and_refuses_new_ones(checkpoint):
@@ -220,11 +257,11 @@ class EngineDyingAtStep(Diffulex):
         self.dying_step = dying_step
         self.num_steps = 0
 
-    def step(self):
+    def step_deltas(self):  # what the served loop steps with
         self.num_steps += 1
         if self.num_steps == self.dying_step:
             raise ThreadKilled("killed mid-step")
-        return super().step()
+        return super().step_deltas()
 
 
 def test_a_decoding_thread_that_dies_ends_open_requests_and_fails_the_loop(checkpoint):
