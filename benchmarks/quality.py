@@ -54,6 +54,7 @@ class Setting:
     steps: int | None = None  # vanilla: denoising steps per block
     accept_threshold: float | None = None  # threshold strategies
     retention_ratio: float | None = None  # sparse attention: prompt pages kept, pages of one token each
+    quantization: str | None = None  # "fp8": weights quantized at load (on a CPU, the float reference of the fp8 path)
 
     @property
     def label(self) -> str:
@@ -64,6 +65,8 @@ class Setting:
                                                              else "")
         if self.retention_ratio is not None:
             label += f" retention={self.retention_ratio} (pages of 1 token)"
+        if self.quantization is not None:
+            label += f" {self.quantization} weights"
         return label
 
 
@@ -81,6 +84,12 @@ def all_settings() -> list[Setting]:
     # step (steps = block_size) leaves all but the first token of an answer to the sparse steps.
     for model in ("demo-sdar", "demo-llada"):
         settings += [Setting(model, "multi_bd", steps=BLOCK_SIZE, retention_ratio=r) for r in RETENTION_RATIOS]
+    # FP8 weights (W8A8, per-channel weight scales, per-token activation scales), beside their bf16 rows above.
+    settings += [Setting("demo-llada", "vanilla", steps=BLOCK_SIZE, quantization="fp8")]
+    settings += [Setting("demo-llada", "fast_dllm", accept_threshold=t, quantization="fp8") for t in (0.7, 0.9)]
+    for model in ("demo-sdar", "demo-llada"):
+        settings += [Setting(model, "multi_bd", buffer_size=b, accept_threshold=t, quantization="fp8")
+                     for b in (1, 3) for t in (0.7, 0.9)]
     return settings
 
 
@@ -103,6 +112,7 @@ def run_setting(setting: Setting, problems: list[Problem], device: str, max_num_
         **({} if setting.steps is None else {"sampling_mode": "topk"}),
         retention_ratio=1.0 if setting.retention_ratio is None else setting.retention_ratio,
         max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_reqs * max_model_len, device=device,
+        quantization=setting.quantization,
         **({} if setting.accept_threshold is None else {"accept_threshold": setting.accept_threshold}),
     )
     params = SamplingParams(max_tokens=GEN_LENGTH, steps=setting.steps)
@@ -176,6 +186,8 @@ def group_label(setting: Setting) -> str:
                                                      else "")
     if setting.retention_ratio is not None:
         label += f" steps={setting.steps}, retention (ratio marked)"
+    if setting.quantization is not None:
+        label += f", {setting.quantization} weights"
     return label
 
 
