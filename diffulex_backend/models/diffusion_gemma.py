@@ -32,6 +32,8 @@ takes neither a window nor head_dim 512, so the runner refuses the fused kernels
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import json
 import math
 from dataclasses import dataclass
@@ -113,10 +115,16 @@ class DiffusionGemmaArch(ModelArch):
             return self.num_global_kv_heads, self.global_head_dim
         return self.num_kv_heads, self.head_dim
 
+    @functools.cached_property
+    def kv_columns(self) -> tuple[slice, ...]:
+        """Each layer's columns of a cache row, which holds one token's K (or V) of every layer at its own width."""
+        widths = [h * d for h, d in map(self.layer_shape, range(self.num_layers))]
+        return tuple(slice(end - width, end) for width, end in zip(widths, itertools.accumulate(widths)))
+
     @property
     def kv_width(self) -> int:
-        """Values one token's K (or V) takes in the widest layer: the cache's row width."""
-        return max(h * d for h, d in map(self.layer_shape, range(self.num_layers)))
+        """Values one token's K (or V) takes over every layer: the cache's row width."""
+        return self.kv_columns[-1].stop
 
     def _params(self, routed_experts: int) -> int:
         total = self.vocab_size * self.hidden_size * (1 if self.tie_word_embeddings else 2)
@@ -212,7 +220,7 @@ def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     canvas, and the whole canvas). A sequence's rows start at its context length and no block id is below it,
     so cached tokens before context_len - window + 1 are never read: a sliding layer reads only the pages that
     hold its window. The caches are [pages, page_size, kv_heads, head_dim] views that may be strided (one cache
-    row holds the widest layer), so slots are indexed by (page, offset)."""
+    row holds every layer), so slots are indexed by (page, offset)."""
     page = None if k_cache is None else k_cache.shape[1]
     if k_cache is not None:
         keep = meta.slot_mapping >= 0
@@ -466,8 +474,15 @@ class DiffusionGemmaModel(DecoderLM):
         return layout
 
     def kv_cache_shape(self, num_pages: int, page_size: int) -> tuple[int, ...]:
-        """One row per token per layer, as wide as the widest layer's K (or V); each layer views its part."""
-        return (2, self.arch.num_layers, num_pages, page_size, 1, self.arch.kv_width)
+        """One row per token, holding its K (or V) of every layer, each at the layer's own width: the full layers'
+        shape (KV heads, head size) differs from the sliding ones', and a cache as wide as the widest layer in
+        every layer would leave the narrower layers' share of it unused."""
+        return (2, num_pages, page_size, self.arch.kv_width)
+
+    def layer_cache(self, kv_cache: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer's K and V caches: [pages, page_size, kv_heads, head_dim] views of its columns of the rows."""
+        columns, shape = self.arch.kv_columns[layer], self.arch.layer_shape(layer)
+        return kv_cache[0, :, :, columns].unflatten(-1, shape), kv_cache[1, :, :, columns].unflatten(-1, shape)
 
     # --- forward -------------------------------------------------------------------------------------------
     def forward(self, input_ids, positions, meta, kv_cache, soft=None, lora=None, canvas: torch.Tensor | None = None,
@@ -486,11 +501,7 @@ class DiffusionGemmaModel(DecoderLM):
             conditioned = self.self_conditioning(hidden, soft_embeds.to(hidden.dtype))
             hidden = torch.where(canvas[:, None], conditioned, hidden)
         for index, layer in enumerate(self.layers):
-            k_cache = v_cache = None
-            if kv_cache is not None:
-                kvh, d = arch.layer_shape(index)
-                k_cache = kv_cache[0, index, :, :, 0, :kvh * d].unflatten(-1, (kvh, d))
-                v_cache = kv_cache[1, index, :, :, 0, :kvh * d].unflatten(-1, (kvh, d))
+            k_cache, v_cache = (None, None) if kv_cache is None else self.layer_cache(kv_cache, index)
             cos, sin = angles[arch.layer_types[index]]
             hidden = layer(hidden, cos, sin, meta, k_cache, v_cache, canvas)
         return self.norm(hidden)

@@ -235,10 +235,30 @@ def test_sliding_layers_never_read_pages_outside_their_window(checkpoint):
     outside = req.page_table[:first_read // page]
     for layer, kind in enumerate(arch.layer_types):
         if kind == "sliding_attention":
-            llm.runner.kv_cache[:, layer, outside] = float("nan")
+            for cache in llm.model.layer_cache(llm.runner.kv_cache, layer):
+                cache[outside] = float("nan")
     while llm.has_unfinished_requests():
         tokens += [t for delta in llm.step() for t in delta.token_ids]
     assert len(outside) >= 5 and tokens == clean
+
+
+def test_each_layer_caches_its_own_width_and_no_layer_writes_another_s_columns(checkpoint):
+    """The cache row holds every layer's K (or V) at the layer's own shape, the full layers' differing from the
+    sliding ones'. Poisoning every column but one layer's changes nothing that layer reads: its views are its
+    columns alone."""
+    llm = engine(checkpoint)
+    arch, cache = llm.model.arch, llm.runner.kv_cache
+    shapes = [arch.layer_shape(layer) for layer in range(arch.num_layers)]
+    assert len(set(shapes)) > 1  # the premise: layers of more than one shape
+    assert cache.shape == (2, llm.kv_cache.num_pages, llm.config.page_size, sum(h * d for h, d in shapes))
+    for layer, (heads, size) in enumerate(shapes):
+        k, v = llm.model.layer_cache(cache, layer)
+        assert k.shape == v.shape == (llm.kv_cache.num_pages, llm.config.page_size, heads, size)
+        cache.fill_(float("nan"))
+        k.fill_(1.0)
+        v.fill_(2.0)
+        assert not k.isnan().any() and not v.isnan().any()
+        assert int((~cache.isnan()).sum()) == 2 * k.numel()  # no other layer's columns were written
 
 
 # --- decoding --------------------------------------------------------------------------------------------------
