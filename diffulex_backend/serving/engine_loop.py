@@ -6,10 +6,9 @@ unfinished. Everything it learns goes onto an event queue, in order. The respons
 responses, so a slow send never stalls decoding; it also polls every open request for cancellation and
 updates the metrics, because each of those is a round trip to the server process.
 
-The text is made on the response thread too: the engine hands over token ids, and each request's incremental
-detokenizer turns them into text and matches its stop strings there, off the thread that drives the device. A stop
-string that matches ends the request's stream at once, with the tokens through the match, and aborts the request in
-the engine, which may run it one step more meanwhile (that step's tokens are not sent).
+The text is made on the response thread too (open_requests.py): the engine hands over token ids, and each
+request's incremental detokenizer turns them into text and matches its stop strings there, off the thread that
+drives the device.
 
 Requests arrive prepared (engine.prepare_request, on Triton's thread), so what could fail for one request alone
 has been checked. A request that cannot join the engine, or whose response cannot be built or sent, ends with an
@@ -35,13 +34,14 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from ..output import Detokenizer, StepOutput
 from ..profiling import step_range
 from .metrics import ServingMetrics
+from .open_requests import OpenRequests
+from .streams import ErrorKind, FailureCause, ResponseStream
 
 if TYPE_CHECKING:
     from .. import Diffulex, EngineMetrics
@@ -51,26 +51,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 LEAVING_MESSAGE = "the server is shutting down or unloading this model"
-CANCEL_POLLS_PER_TICK = 8
-
-
-class ErrorKind(enum.Enum):
-    INVALID_ARG = enum.auto()
-    CANCELLED = enum.auto()
-    INTERNAL = enum.auto()
-    UNAVAILABLE = enum.auto()
-
-
-class ResponseStream(Protocol):
-    """Where one request's responses go (a Triton response sender inside the server)."""
-
-    def is_cancelled(self) -> bool: ...
-
-    def send_output(self, output: StepOutput) -> None:
-        """Send what this engine output is due; the output's `finished` flag makes it the final response."""
-
-    def send_error(self, kind: ErrorKind, message: str) -> None:
-        """Send an error as the final response."""
 
 
 # The error counter's cause for an error that no failure of the loop explains (metrics.ERROR_CAUSES).
@@ -83,11 +63,6 @@ class LoopState(enum.Enum):
     LEAVING = enum.auto()  # the server is shutting down or unloading the model: open requests were ended
     FAILED = enum.auto()  # the engine or one of the loop's threads failed; nothing more is decoded
     STOPPED = enum.auto()
-
-
-class FailureCause(enum.Enum):
-    ENGINE = "engine_failure"  # engine.step() or engine.abort() raised
-    THREAD_DEATH = "thread_death"  # a thread of the loop ended without being told to
 
 
 # Commands, to the decoding thread.
@@ -155,18 +130,6 @@ class Stopped:
     pass
 
 
-@dataclass
-class OpenRequest:
-    """The response thread's record of a request the engine holds."""
-
-    stream: ResponseStream
-    arrival_time: float
-    text: Detokenizer
-    cancelling: bool = False  # the client cancelled; an abort is on its way to the engine
-    counted_prompt: bool = False
-    got_first_token: bool = False
-
-
 class EngineLoop:
     def __init__(self, engine: Diffulex, metrics: ServingMetrics, *, cancel_poll_interval_s: float = 0.02,
                  on_failure: Callable[[FailureCause, str], None] = lambda cause, message: None,
@@ -177,7 +140,6 @@ class EngineLoop:
         self._on_failure = on_failure
         self._server_is_leaving = server_is_leaving  # asked while requests are open (server_watch.py)
         self._server_check_interval_s = server_check_interval_s
-        self._next_cancel_poll = 0  # where the next round of cancellation polls starts among the open requests
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._events: queue.SimpleQueue = queue.SimpleQueue()
         # Guards the state against submits racing a failure or a stop, so no Submit is left unanswered in
@@ -358,7 +320,8 @@ class EngineLoop:
     def _run_responses(self) -> None:
         """The response thread: any way out but a Stopped event fails the loop, and the decoding thread answers the
         requests this one held."""
-        open_requests: dict[str, OpenRequest] = {}
+        open_requests = OpenRequests(self._metrics, self._engine.tokenizer, lambda request_id:
+                                     self._commands.put(Abort(request_id)), self._end_with_error)
         try:
             self._respond(open_requests)
             return
@@ -366,7 +329,7 @@ class EngineLoop:
             logger.critical("the response thread stopped", exc_info=True)
             cause = f"{type(err).__name__}: {err}"
         message = f"the response thread stopped and this model can no longer serve: {cause}"
-        open_streams = {request_id: request.stream for request_id, request in open_requests.items()}
+        open_streams = open_requests.streams()
         with self._lock:
             self._failure = message
             if self._state in (LoopState.RUNNING, LoopState.LEAVING):
@@ -379,7 +342,7 @@ class EngineLoop:
             self._answer_all(open_streams, FailureCause.THREAD_DEATH)
         self._report_failure(FailureCause.THREAD_DEATH, message)
 
-    def _respond(self, open_requests: dict[str, OpenRequest]) -> None:
+    def _respond(self, open_requests: OpenRequests) -> None:
         next_poll = time.monotonic() + self._cancel_poll_interval_s
         next_server_check = time.monotonic() + self._server_check_interval_s
         while True:
@@ -390,15 +353,14 @@ class EngineLoop:
             except queue.Empty:
                 event = None
             if isinstance(event, Stopped):
-                for request in open_requests.values():
-                    self._end_with_error(request.stream, ErrorKind.UNAVAILABLE, "the model is being unloaded")
+                open_requests.end_all(ErrorKind.UNAVAILABLE, "the model is being unloaded")
                 return
             try:  # whatever goes wrong with one event, this thread must live on to answer the others
                 if event is not None:
                     self._handle(event, open_requests)
                 if time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self._cancel_poll_interval_s
-                    self._poll_cancellations(open_requests)
+                    open_requests.poll_cancellations(_is_cancelled)
                 if open_requests and time.monotonic() >= next_server_check:
                     next_server_check = time.monotonic() + self._server_check_interval_s
                     if self._server_is_leaving():
@@ -406,28 +368,23 @@ class EngineLoop:
             except Exception:
                 logger.exception("handling %r failed", event)
 
-    def _handle(self, event, open_requests: dict[str, OpenRequest]) -> None:
+    def _handle(self, event, open_requests: OpenRequests) -> None:
         if isinstance(event, Stepped):
             self._metrics.update_engine(event.snapshot)
             with step_range("respond", self._engine.device):
-                generated = sum(self._deliver(delta, event.time, open_requests) for delta in event.deltas)
+                generated = sum(open_requests.deliver(delta, event.time) for delta in event.deltas)
             if generated:  # one increment a step, not one per request: each is a round trip to the server
                 self._metrics.generation_tokens.increment(generated)
         elif isinstance(event, Opened):
-            text = Detokenizer(self._engine.tokenizer, list(event.stop.strings), event.stop.min_tokens)
-            open_requests[event.request_id] = OpenRequest(event.stream, event.arrival_time, text)
+            open_requests.open(event.request_id, event.stream, event.arrival_time, event.stop)
             self._metrics.update_engine(event.snapshot)
         elif isinstance(event, Aborted):
             self._metrics.update_engine(event.snapshot)
-            request = open_requests.pop(event.request_id, None)
-            if request is not None:
-                self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+            open_requests.aborted(event.request_id)
         elif isinstance(event, Rejected):
             self._end_with_error(event.stream, event.kind, event.message)
         elif isinstance(event, Failed):
-            for request in open_requests.values():
-                self._end_with_error(request.stream, ErrorKind.INTERNAL, event.message, event.cause)
-            open_requests.clear()
+            open_requests.end_all(ErrorKind.INTERNAL, event.message, event.cause)
             self._report_failure(event.cause, event.message)
 
     def _end_with_error(self, stream: ResponseStream, kind: ErrorKind, message: str,
@@ -445,70 +402,7 @@ class EngineLoop:
         except Exception:
             logger.exception("reporting the failure failed")
 
-    def _deliver(self, delta: RequestDelta, now: float, open_requests: dict[str, OpenRequest]) -> int:
-        """Make the delta's text and send what it is due; returns the generated tokens it delivered. A request whose
-        stream has ended (a stop string matched in an earlier step) gets nothing more."""
-        request = open_requests.get(delta.request_id)
-        if request is None:
-            return 0
-        finished = delta.finish_reason is not None
-        if request.cancelling:
-            if finished:  # it finished before the abort arrived, so no Aborted event will come
-                del open_requests[delta.request_id]
-                self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
-            return 0
-        try:
-            output = self._with_text(request, delta)
-        except Exception as err:
-            logger.exception("making the text of a response failed")
-            self._fail_request(delta.request_id, open_requests, err)
-            return 0
-        try:
-            self._observe(request, output, now)
-        except Exception:
-            logger.exception("updating metrics failed")
-        try:
-            request.stream.send_output(output)
-        except Exception as err:
-            logger.exception("sending a response failed")
-            self._fail_request(delta.request_id, open_requests, err)
-            return 0
-        if output.finished:
-            del open_requests[delta.request_id]
-        return len(output.token_ids)
-
-    def _with_text(self, request: OpenRequest, delta: RequestDelta) -> StepOutput:
-        """The delta with its text; a stop string that matches ends it at the tokens through the match, and aborts
-        the request in the engine unless this step already finished it."""
-        text, keep = request.text.add(delta.token_ids, final=delta.finish_reason is not None)
-        if keep is None:
-            return StepOutput.of(delta, text)
-        if delta.finish_reason is None:
-            self._commands.put(Abort(delta.request_id))  # frees its pages; its Aborted event finds no open stream
-        return StepOutput.of(delta.cut(keep, delta.num_output_tokens - (len(delta.token_ids) - keep)), text)
-
-    def _fail_request(self, request_id: str, open_requests: dict[str, OpenRequest], err: Exception) -> None:
-        """One request's response could not be made or sent: it ends with INTERNAL, and the engine drops it."""
-        request = open_requests.pop(request_id)
-        self._commands.put(Abort(request_id))  # free its pages
-        self._end_with_error(request.stream, ErrorKind.INTERNAL,
-                             f"building the response failed: {type(err).__name__}: {err}")
-
-    def _observe(self, request: OpenRequest, output: StepOutput, now: float) -> None:
-        metrics = self._metrics
-        if not request.counted_prompt:
-            request.counted_prompt = True
-            metrics.prompt_tokens.increment(output.num_prompt_tokens)
-        if output.token_ids:
-            if not request.got_first_token:
-                request.got_first_token = True
-                metrics.time_to_first_token.observe(now - request.arrival_time)
-        if output.finished:
-            metrics.request_latency.observe(now - request.arrival_time)
-            if output.nfe:
-                metrics.tokens_per_forward.observe(output.num_output_tokens / output.nfe)
-
-    def _leave(self, open_requests: dict[str, OpenRequest]) -> None:
+    def _leave(self, open_requests: OpenRequests) -> None:
         """The server is going away: end every open request now, rather than let it be cut off mid-stream, and
         refuse new ones; their pages are freed by the aborts."""
         with self._lock:
@@ -516,26 +410,7 @@ class EngineLoop:
                 self._state = LoopState.LEAVING
         logger.warning("the server is shutting down or unloading the model: ending %d open requests",
                        len(open_requests))
-        for request_id, request in open_requests.items():
-            self._commands.put(Abort(request_id))
-            self._end_with_error(request.stream, ErrorKind.UNAVAILABLE, LEAVING_MESSAGE)
-        open_requests.clear()
-
-    def _poll_cancellations(self, open_requests: dict[str, OpenRequest]) -> None:
-        """Poll the next CANCEL_POLLS_PER_TICK open requests, in turn: each poll is a round trip to the server
-        process, so polling every open request every tick would cost a step's worth of round trips at a large
-        batch (docs/performance.md, "Served against in-process", has the counts). A cancelled request is still
-        noticed within (open requests / CANCEL_POLLS_PER_TICK) ticks."""
-        ids = list(open_requests)
-        if not ids:
-            return
-        start = self._next_cancel_poll % len(ids)
-        for request_id in (ids[start:] + ids[:start])[:CANCEL_POLLS_PER_TICK]:
-            request = open_requests[request_id]
-            if not request.cancelling and _is_cancelled(request.stream):
-                request.cancelling = True
-                self._commands.put(Abort(request_id))
-        self._next_cancel_poll = start + CANCEL_POLLS_PER_TICK
+        open_requests.end_all(ErrorKind.UNAVAILABLE, LEAVING_MESSAGE, abort=True)
 
 
 def _is_cancelled(stream: ResponseStream) -> bool:

@@ -18,12 +18,13 @@ import torch
 
 from .. import Diffulex, StepOutput
 from ..sampling import SamplingParams
-from .engine_loop import EngineLoop, ErrorKind, FailureCause, LoopState
+from .engine_loop import EngineLoop, LoopState
 from .engine_settings import engine_settings, on_instance_device
 from .metrics import ServingMetrics
 from .request_parsing import INPUT_NAMES, ParsedRequest, parse_request
 from .response_building import ResponseAssembler
 from .server_watch import HttpLeaveProbe, ServerWatch, explicit_model_control, http_endpoint, parent_server_args
+from .streams import ErrorKind, FailureCause
 from .stub_watchdog import CLEAN, RELOAD, RELOAD_AT_START
 
 # Where compiled Triton kernels are kept between loads, unless TRITON_CACHE_DIR says otherwise.
