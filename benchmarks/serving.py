@@ -72,15 +72,7 @@ from diffulex_backend.serving.metrics import ServingMetrics
 from diffulex_backend.serving.request_parsing import parse_request
 from diffulex_backend.serving.response_building import ResponseAssembler
 from diffulex_backend.serving.triton_adapter import KERNEL_CACHE_DIR
-from diffulex_backend.testing.checkpoint import (
-    MASK_TOKEN_ID,
-    RELEASED_SHAPES,
-    build_random_model,
-    random_config,
-    write_byte_tokenizer,
-    write_random_checkpoint,
-    write_weights,
-)
+from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, RELEASED_SHAPES, write_random_checkpoint
 from diffulex_backend.tokenizer import load_tokenizer
 
 MODEL = "diffulex"
@@ -107,24 +99,16 @@ SMOKE = Plan(shape="tiny", batches=(1, 2), prompt_len=16, new_tokens=16, repeats
 
 # ---- checkpoint, settings, prompts --------------------------------------------------------------------------
 def write_checkpoint(directory: Path, shape: str, device: torch.device) -> Path:
-    """A random-weight LLaDA checkpoint. On a GPU the weights are drawn there (an 8B model drawn on the CPU takes
-    minutes); the layout is write_random_checkpoint's, in bf16."""
+    """A random-weight LLaDA checkpoint in bf16, its weights drawn on `device` (an 8B model drawn on the CPU takes
+    minutes)."""
     if shape == "tiny":
         return write_random_checkpoint(directory, "llada")
     arguments = dict(RELEASED_SHAPES[shape])
     model_name = arguments.pop("model_name")
-    if device.type != "cuda":
-        return write_random_checkpoint(directory, model_name, dtype=torch.bfloat16, num_shards=4, **arguments)
-    config = random_config(model_name, **arguments)
-    config["torch_dtype"] = "bfloat16"
-    model = build_random_model(model_name, config, dtype=torch.bfloat16, device=device, seed=0)
-    directory.mkdir(parents=True, exist_ok=True)
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_weights(model, directory, num_shards=4)
-    write_byte_tokenizer(directory, model.arch.max_position_embeddings)
-    del model
+    written = write_random_checkpoint(directory, model_name, dtype=torch.bfloat16, num_shards=4, device=device,
+                                      **arguments)
     free_memory()
-    return directory
+    return written
 
 
 PARAMETER = re.compile(r'\{ key: "(\w+)", value: \{ string_value: "([^"]*)" \} \}')
