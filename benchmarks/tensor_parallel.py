@@ -45,8 +45,8 @@ from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_ch
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings
 from result_table import ResultTable
 
-FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup", "weight_floor_ms",
-          "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
+FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup",
+          "weight_floor_ms", "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
 PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "logits", "sample", "accept", "read_back", "update"]
 HOST_FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
 PROMPT = 256
@@ -87,33 +87,35 @@ class HostClock:
 
     @contextlib.contextmanager
     def attached(self, engine):
-        runner = engine.runner.runner if hasattr(engine.runner, "workers") else engine.runner
-        engine.scheduler.schedule = self.wrap("schedule", engine.scheduler.schedule)
-        if engine.workers is not None:
-            channel = engine.workers.channel
-            channel.broadcast = self.wrap("broadcast", channel.broadcast)
-        runner.build_batch = self.wrap("build_batch", runner.build_batch)
-        runner.forward = self.wrap("forward_launch", runner.forward)
-        runner.accept = self.wrap("accept", runner.accept)
-        compute_logits = runner.model.compute_logits
+        """The engine's phases timed while the block runs; every wrapper is an attribute of the instance it times
+        (or of the runner module), removed at the end."""
+        runner = engine.runner.runner if engine.workers is not None else engine.runner
+        methods = [(engine.scheduler, "schedule", "schedule"), (runner, "build_batch", "build_batch"),
+                   (runner, "forward", "forward_launch"), (runner, "accept", "accept"),
+                   (runner.model, "compute_logits", "logits")]
+        if engine.workers is not None:  # the plan's wire form and its broadcast
+            methods += [(engine.runner.wire, "encode", "broadcast"), (engine.workers.channel, "broadcast", "broadcast")]
+        for owner, name, phase in methods:
+            setattr(owner, name, self.wrap(phase, getattr(owner, name)))
+        logits = runner.model.compute_logits
 
-        def logits(*args, **kwargs):
-            out = self.wrap("logits", compute_logits)(*args, **kwargs)
+        def first_logits(*args, **kwargs):
+            out = logits(*args, **kwargs)
             if self.first_logits is None and out.shape[0]:
                 self.first_logits = out.detach().to("cpu", torch.float32, copy=True)
             return out
 
-        runner.model.compute_logits = logits
-        module_functions = {name: getattr(runner_module, name) for name in ("read_back", "sample", "greedy_over_shards")}
-        runner_module.read_back = self.wrap("read_back", module_functions["read_back"])
-        runner_module.sample = self.wrap("sample", module_functions["sample"])
-        runner_module.greedy_over_shards = self.wrap("sample", module_functions["greedy_over_shards"])
+        runner.model.compute_logits = first_logits
+        functions = {name: getattr(runner_module, name) for name in ("read_back", "sample", "greedy_over_shards")}
+        for name, phase in (("read_back", "read_back"), ("sample", "sample"), ("greedy_over_shards", "sample")):
+            setattr(runner_module, name, self.wrap(phase, functions[name]))
         try:
             yield self
         finally:
-            for name, fn in module_functions.items():
+            for name, fn in functions.items():
                 setattr(runner_module, name, fn)
-            del runner.model.compute_logits  # back to the class's method
+            for owner, name, _ in methods:
+                delattr(owner, name)  # back to the class's method
 
     def per_step(self, step_seconds: list[float]) -> dict[str, float]:
         steps = len(step_seconds)
@@ -271,8 +273,8 @@ def main(argv=None) -> int:
                         result = runs[size][batch]
                         floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as forward.py
                         diff, rel = logit_difference(base[batch]["first_logits"], result["first_logits"])
-                        table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, step_ms=result["step_ms"],
-                                  collective_ms=result["collective_ms"],
+                        table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch,
+                                  step_ms=result["step_ms"], collective_ms=result["collective_ms"],
                                   speedup=base[batch]["step_ms"] / result["step_ms"],
                                   ideal_speedup=size / sizes[0], weight_floor_ms=floor_ms,
                                   step_vs_weight_floor=result["step_ms"] / floor_ms, logit_max_diff=diff,

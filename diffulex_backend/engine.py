@@ -214,7 +214,8 @@ class DiffulexEngine:
     def step_deltas(self) -> list[RequestDelta]:
         """One step: each request's newly committed token ids, for a caller that makes the text on another thread
         (the served model's response thread), so that detokenizing never holds up the device. Such a caller ends a
-        request on a stop string with abort(), and the request may run one step past the stop meanwhile."""
+        request on a stop string with abort(): the request runs on until the abort reaches the engine between two
+        steps, one step more when that caller keeps up."""
         with self._profiled():
             deltas = self._step()
             for delta in deltas:

@@ -5,8 +5,9 @@ trace JSON in that folder (open it in Perfetto or chrome://tracing). The recordi
 out of requests, so the file is written once the requests that were decoding have finished. One recording runs at a
 time: a request that asks while one is armed or under way is served as usual and starts none (the log says so).
 
-Every step carries the ranges forward, sample and accept (runner.py) and respond (serving/engine_loop.py), named
-alike in the trace and, on CUDA, in Nsight Systems.
+Every step carries the ranges schedule (engine.py), forward, sample and accept (runner.py) and respond
+(serving/engine_loop.py), named alike in the trace and, on CUDA, in Nsight Systems. The response thread's respond
+trails the decoding thread's step, so the last recorded step's respond falls after the recording.
 """
 from __future__ import annotations
 

@@ -83,13 +83,17 @@ def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, 
 class Channel:
     """Rank 0 -> every rank: pickled objects over the control group.
 
-    An object travels in one broadcast of a buffer that every rank holds, its size in the first 8 bytes: a step's
-    plan costs one round of the group, not two (a size, then the bytes). An object that does not fit sends the rest
-    in a second broadcast, and every rank, having read its size, grows its buffer to hold the next one whole."""
+    An object travels in one broadcast of a fixed buffer that every rank holds, its size in the first 8 bytes: a
+    step's plan costs one round of the group, not two (a size, then the bytes). What does not fit follows in a
+    second broadcast of its own size. The buffer stays as it is: it is broadcast whole every step, so one large
+    plan (a long prefill) must not make every later step send that much."""
 
     HEADER = 8  # bytes: the pickled object's size, int64
+    # Holds a decode step's plan of 64 requests over 4096-token contexts in its wire form (53 KB), and costs a few
+    # microseconds more than a small buffer over the loopback that the control group uses.
+    CAPACITY = 1 << 16
 
-    def __init__(self, group, rank: int, capacity: int = 1 << 14):
+    def __init__(self, group, rank: int, capacity: int = CAPACITY):
         self.group, self.rank = group, rank
         self.options = dist.BroadcastOptions()
         self.options.rootRank = 0
@@ -110,7 +114,6 @@ class Channel:
             rest = payload[room:] if self.rank == 0 else torch.empty(size - room, dtype=torch.uint8)
             self._send(rest)
             whole = torch.cat([whole, rest])
-            self.buffer = torch.zeros(1 << (size + self.HEADER - 1).bit_length(), dtype=torch.uint8)
         return obj if self.rank == 0 else pickle.loads(whole.numpy().tobytes())
 
     def _send(self, tensor: torch.Tensor) -> None:
@@ -158,18 +161,23 @@ class WorkerGroup:
         self.store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=COLLECTIVE_TIMEOUT, wait_for_workers=False)
         env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
         threads = rank_threads(size)
+        self.processes: list[subprocess.Popen] = []
+        self._closer = weakref.finalize(self, stop_processes, self.processes)
+        for rank in range(1, size):
+            try:
+                process = subprocess.Popen([python_executable(), "-c",
+                                            "from diffulex_backend.workers import main; main()"],
+                                           stdin=subprocess.PIPE, env=env)
+                self.processes.append(process)
+                process.stdin.write(pickle.dumps(WorkerSetup(config, rank, size, self.store.port, str(device),
+                                                             threads)))
+                process.stdin.close()
+            except BaseException:
+                self._closer()
+                raise
         # This process is rank 0: its pool shrinks to its share while the engine runs, and close() gives it back.
         self.process_threads = torch.get_num_threads()
         torch.set_num_threads(threads)
-        self.processes: list[subprocess.Popen] = []
-        for rank in range(1, size):
-            process = subprocess.Popen([python_executable(), "-c", "from diffulex_backend.workers import main; main()"],
-                                       stdin=subprocess.PIPE, env=env)
-            setup = WorkerSetup(config, rank, size, self.store.port, str(device), threads)
-            process.stdin.write(pickle.dumps(setup))
-            process.stdin.close()
-            self.processes.append(process)
-        self._closer = weakref.finalize(self, stop_processes, self.processes)
         # Whether every rank waits for the next plan: then close() may tell them to stop. After any failure a rank
         # may sit in another collective than rank 0's, and only killing it cannot hang.
         self.in_step = False

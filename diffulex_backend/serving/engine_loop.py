@@ -12,7 +12,7 @@ drives the device.
 
 Requests arrive prepared (engine.prepare_request, on Triton's thread), so what could fail for one request alone
 has been checked. A request that cannot join the engine, or whose response cannot be built or sent, ends with an
-INTERNAL error and is aborted in the engine; the others carry on. An exception from `engine.step()` cannot be
+INTERNAL error and is aborted in the engine; the others carry on. An exception from `engine.step_deltas()` cannot be
 pinned on one request: it fails the loop, every open request ends with an INTERNAL error, new requests are
 refused with UNAVAILABLE, and `on_failure` is told (the model's watchdog then reloads it). While requests are
 open, the response thread also asks `server_is_leaving` twice a second: once the server shuts down or unloads the

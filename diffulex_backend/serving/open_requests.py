@@ -3,8 +3,8 @@
 
 The decoding thread hands over token ids only, so the text is made here, off the thread that drives the device. A
 stop string that matches ends the request's stream at once, with the tokens through the match, and aborts the
-request in the engine, which may run it one step more meanwhile; that step's tokens find no open request and are
-not sent.
+request in the engine. The decoding thread takes the abort between two steps, so the request runs one step more
+when this thread keeps up with it, more when it trails; those steps' tokens find no open request and are not sent.
 """
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ class ErrorKind(enum.Enum):
 
 
 class FailureCause(enum.Enum):
-    ENGINE = "engine_failure"  # engine.step() or engine.abort() raised
+    ENGINE = "engine_failure"  # engine.step_deltas() or engine.abort() raised
     THREAD_DEATH = "thread_death"  # a thread of the loop ended without being told to
 
 
