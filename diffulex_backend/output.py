@@ -30,11 +30,12 @@ class RequestDelta:
     top_ids: np.ndarray | None = None  # [n, k] int64
     top_logprobs: np.ndarray | None = None  # [n, k] float32
 
-    def cut(self, keep: int, num_output_tokens: int) -> RequestDelta:
-        """The delta's first `keep` tokens, ending the request with STOP (a stop string matched in them)."""
+    def cut(self, keep: int) -> RequestDelta:
+        """The delta's first `keep` tokens, ending the request with STOP (a stop string matched in them); the
+        tokens left out are not counted as output."""
         return dataclasses.replace(
             self, token_ids=self.token_ids[:keep], finish_reason=FinishReason.STOP,
-            num_output_tokens=num_output_tokens,
+            num_output_tokens=self.num_output_tokens - (len(self.token_ids) - keep),
             logprobs=None if self.logprobs is None else self.logprobs[:keep],
             top_ids=None if self.top_ids is None else self.top_ids[:keep],
             top_logprobs=None if self.top_logprobs is None else self.top_logprobs[:keep])

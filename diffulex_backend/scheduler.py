@@ -163,12 +163,13 @@ class Scheduler:
     def stop_at(self, req: Request, delta: RequestDelta, keep: int) -> RequestDelta:
         """A stop string ends the request after the first `keep` tokens of its delta (the text side matches stop
         strings): the rest of the delta is not output. Returns the delta cut there."""
-        req.num_output_tokens -= len(delta.token_ids) - keep
+        delta = delta.cut(keep)
+        req.num_output_tokens = delta.num_output_tokens
         if req.is_finished:  # by max_tokens or a stop token, in the same block
             req.finish_reason = FinishReason.STOP
         else:
             self.finish(req, FinishReason.STOP)
-        return delta.cut(keep, req.num_output_tokens)
+        return delta
 
     def finish(self, req: Request, reason: FinishReason) -> None:
         """End the request: its pages are freed now, and the runner forgets it with the next plan."""

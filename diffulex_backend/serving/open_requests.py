@@ -131,7 +131,7 @@ class OpenRequests:
             return StepOutput.of(delta, text)
         if delta.finish_reason is None:
             self._abort(delta.request_id)  # frees its pages; its Aborted event finds no open request
-        return StepOutput.of(delta.cut(keep, delta.num_output_tokens - (len(delta.token_ids) - keep)), text)
+        return StepOutput.of(delta.cut(keep), text)
 
     def _fail(self, request_id: str, err: Exception) -> None:
         """One request's response could not be made or sent: it ends with INTERNAL, and the engine drops it."""
