@@ -182,18 +182,41 @@ def dream(arch: ModelArch) -> dict:
 
 
 def dream_reasoner(arch: ModelArch) -> dict:
-    """Dream's keys, with the reasoner's head, attention bias, block size and causal-LM classes."""
+    eos = arch.eos_token_ids[0] if arch.eos_token_ids else None
     return {
-        **dream(arch),
         "architectures": ["DreamForCausalLM"],
         "attention_bias": False,
+        "attention_dropout": 0.0,
         "auto_map": {
             "AutoConfig": "configuration_dream.DreamConfig",
             "AutoModelForCausalLM": "modeling_dream.DreamForCausalLM",
         },
         "block_size": arch.block_size or DREAM_REASONER_BLOCK_SIZE,
+        "bos_token_id": eos,
+        "eos_token_id": eos,
         "head_dim": arch.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": arch.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": arch.intermediate_size,
+        "mask_token_id": arch.mask_token_id,
+        "max_position_embeddings": arch.max_position_embeddings,
+        "max_window_layers": arch.num_layers,
+        "model_type": "Dream",
+        "num_attention_heads": arch.num_heads,
+        "num_hidden_layers": arch.num_layers,
+        "num_key_value_heads": arch.num_kv_heads,
+        "pad_token_id": eos,
+        "rms_norm_eps": arch.rms_norm_eps,
+        "rope_scaling": None,
+        "rope_theta": arch.rope_theta,
+        "sliding_window": None,
+        "tie_word_embeddings": arch.tie_word_embeddings,
+        "torch_dtype": "bfloat16",
         "transformers_version": "4.51.3",
+        "use_cache": False,
+        "use_sliding_window": False,
+        "vocab_size": arch.vocab_size,
     }
 
 
