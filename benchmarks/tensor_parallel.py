@@ -127,13 +127,14 @@ class HostClock:
 
 
 def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, device: torch.device,
-               dtype: str) -> dict[int, dict]:
-    """One engine at `size` ranks, each batch in turn; per batch its timing, tokens and first decode logits."""
+               dtype: str, **settings) -> dict[int, dict]:
+    """One engine at `size` ranks, each batch in turn; per batch its timing, tokens and first decode logits.
+    `settings` go to the engine beside the benchmark's own."""
     prompt, new_tokens = (16, 2 * BLOCK) if smoke else (PROMPT, NEW_TOKENS)
     most = max(batches)
     engine = Diffulex(checkpoint, tensor_parallel_size=size, block_size=BLOCK, page_size=32, sampling_mode="topk",
                       enable_prefix_caching=False, max_num_reqs=most, max_model_len=prompt + new_tokens,
-                      max_num_batched_tokens=most * (prompt + 2 * BLOCK), dtype=dtype, device=str(device))
+                      max_num_batched_tokens=most * (prompt + 2 * BLOCK), dtype=dtype, device=str(device), **settings)
     results = {}
     try:
         for batch in batches:
@@ -282,8 +283,9 @@ def main(argv=None) -> int:
                                   note=f"{device}, prompt {16 if args.smoke else PROMPT}, "
                                        f"{result['threads']} threads a rank")
                         host_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **result["host"])
-    table.write(args.out, argv)
-    host_table.write(args.out, argv)
+                # Written after every setting: a run cut off by a time limit keeps the rows it measured.
+                table.write(args.out, argv)
+                host_table.write(args.out, argv)
     return 0
 
 

@@ -33,6 +33,8 @@ LOG2_E = 1.4426950408889634
 MIN_SPLIT_CHUNK = 128
 MAX_SPLITS = 64  # the merge holds every split of a row in registers
 HEAD_DIMS = (64, 128)  # the head sizes the kernel is built and tested for
+# Shared memory one program of an H100 may hold (227 KiB); a launch whose tiles need more fails before it runs.
+SHARED_MEMORY_BYTES = 232448
 
 
 @triton.jit
@@ -185,6 +187,20 @@ class AttentionLaunch:
     num_stages: int
 
 
+# Dream-7B's GQA group over a 32-token block (7 heads x 32 tokens) in one tile.
+WIDE = AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
+
+
+def shared_memory_bytes(launch: AttentionLaunch, head_dim: int, element_size: int) -> int:
+    """What a program's tiles take in shared memory: its Q tile and `num_stages` buffers of K and V tiles, as
+    Triton allocates them (within a few hundred bytes)."""
+    return element_size * head_dim * (launch.block_m + 2 * launch.block_n * launch.num_stages)
+
+
+def fits(launch: AttentionLaunch, head_dim: int, element_size: int) -> bool:
+    return shared_memory_bytes(launch, head_dim, element_size) <= SHARED_MEMORY_BYTES
+
+
 def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, num_warps: int) -> int:
     """How many chunks to cut the cached context into when the launch cannot fill `num_sms` multiprocessors.
 
@@ -211,8 +227,10 @@ def plan_launch(
     # A GQA group wider than 128 rows (Dream-7B: 7 heads x 32 tokens) in one 256-row tile reads each K/V tile
     # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits
     # (`benchmarks/kernels.py --sections attention_sweep` compares it with 128-row tiles at batch 64).
-    if num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms:
-        return AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
+    # In float32 at head size 128 its tiles outgrow shared memory: 128-row tiles serve there.
+    if (num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms
+            and fits(WIDE, query.shape[2], query.element_size())):
+        return WIDE
     # Otherwise one sequence's block in one tile where it fits, within an MMA-friendly tile.
     block_m = min(128, max(16, triton.next_power_of_2(rows)))
     # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which leaves
@@ -225,14 +243,14 @@ def plan_launch(
     return AttentionLaunch(block_m=block_m, block_n=64, num_splits=num_splits, num_warps=num_warps, num_stages=2)
 
 
-def launch_variants() -> tuple[AttentionLaunch, ...]:
-    """Every launch `plan_launch` can return, with one split count standing for all (the attention kernel takes
-    the count as a runtime argument; only the merge compiles per power of two of it)."""
+def launch_variants(head_dim: int, element_size: int) -> tuple[AttentionLaunch, ...]:
+    """Every launch `plan_launch` can return for this head size and element size, with one split count standing
+    for all (the attention kernel takes the count as a runtime argument; only the merge compiles per power of two
+    of it)."""
     unsplit = [AttentionLaunch(block_m=m, block_n=64, num_splits=1, num_warps=4, num_stages=2) for m in (16, 32, 64, 128)]
     split = [AttentionLaunch(block_m=m, block_n=64, num_splits=2, num_warps=8 if m >= 128 else 4, num_stages=2)
              for m in (16, 32, 64, 128)]
-    wide = AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_stages=3)
-    return (*unsplit, *split, wide)
+    return (*unsplit, *split, *([WIDE] if fits(WIDE, head_dim, element_size) else []))
 
 
 @dataclass(frozen=True)
@@ -261,7 +279,7 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
     query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     key = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
     cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
-    for launch in launch_variants():
+    for launch in launch_variants(head_dim, query.element_size()):
         if launch.num_splits == 1:
             paged_attention(query, key, key, None, None, batch, 1.0, launch=launch)
             paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 from dataclasses import dataclass
 
@@ -10,8 +11,8 @@ import torch
 
 import diffulex_kernels
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
-from diffulex_kernels.attention import (AttentionLaunch, choose_num_splits, compile_launches, launch_variants,
-                                        plan_launch)
+from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, choose_num_splits,
+                                        compile_launches, launch_variants, plan_launch, shared_memory_bytes)
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
 
 # Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
@@ -191,7 +192,7 @@ def test_256_row_tiles_match_reference(num_splits):
 def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
     # Dream-7B's group of 7 heads over a 32-token block is 224 rows: one tile, so each K/V tile is read once.
     # Planned on the CPU, whose one "multiprocessor" every batch fills.
-    query, key = torch.empty(32, 28, 128), torch.empty(32, 4, 128)
+    query, key = torch.empty(32, 28, 128, dtype=torch.bfloat16), torch.empty(32, 4, 128, dtype=torch.bfloat16)
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor([0, 32], dtype=torch.int32), context_lens=torch.tensor([512], dtype=torch.int32),
         page_tables=torch.zeros(1, 34, dtype=torch.int32), slot_mapping=torch.zeros(32, dtype=torch.int64),
@@ -201,6 +202,20 @@ def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
     assert plan_launch(query, key, meta, num_splits=1).block_m == 256
     split = plan_launch(query, key, meta, num_splits=4)
     assert (split.block_m, split.num_splits, split.num_warps) == (128, 4, 8)
+    # In float32 the 256-row tile needs 320 KiB of shared memory, past an H100's 227: two 128-row tiles instead.
+    assert plan_launch(query.float(), key.float(), meta).block_m == 128
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_every_launch_fits_an_h100_s_shared_memory(dtype, head_dim):
+    """A launch whose tiles outgrow shared memory fails on the GPU alone, when the engine starts; the bound is
+    checked here for every launch the runner compiles, in every dtype it serves."""
+    element_size = torch.empty(0, dtype=dtype).element_size()
+    for launch in launch_variants(head_dim, element_size):
+        assert shared_memory_bytes(launch, head_dim, element_size) <= SHARED_MEMORY_BYTES, launch
+    # The one launch left out: float32 at head size 128, which an H100 refused for needing 328,192 bytes.
+    assert (WIDE in launch_variants(head_dim, element_size)) == (element_size * head_dim < 512)
 
 
 def test_a_sequence_with_dropped_pages_reads_its_kept_pages_only():
@@ -241,10 +256,12 @@ def test_a_sequence_with_dropped_pages_reads_its_kept_pages_only():
 def test_every_launch_plan_launch_picks_is_one_the_runner_compiles_ahead():
     """The runner compiles `launch_variants()` when it is built; a launch outside them would compile while
     requests wait. Split counts stand for one another: the kernel takes the count at run time."""
-    variants = set(launch_variants())
-    for heads, kv_heads in [(1, 1), (4, 1), (7, 1), (32, 8), (28, 4)]:
+    for dtype, head_dim, (heads, kv_heads) in itertools.product(
+            [torch.bfloat16, torch.float32], HEAD_DIMS, [(1, 1), (4, 1), (7, 1), (32, 8), (28, 4)]):
+        variants = set(launch_variants(head_dim, torch.empty(0, dtype=dtype).element_size()))
         for tokens in [1, 2, 5, 16, 17, 31, 33, 64, 65, 129, 300]:
-            query, key = torch.empty(tokens, heads, 64), torch.empty(tokens, kv_heads, 64)
+            query = torch.empty(tokens, heads, head_dim, dtype=dtype)
+            key = torch.empty(tokens, kv_heads, head_dim, dtype=dtype)
             meta = AttentionMetadata(
                 cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
                 context_lens=torch.tensor([4096], dtype=torch.int32), page_tables=torch.zeros(1, 256, dtype=torch.int32),
@@ -256,7 +273,8 @@ def test_every_launch_plan_launch_picks_is_one_the_runner_compiles_ahead():
                 assert normalised in variants, (heads, kv_heads, tokens, num_splits, launch)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128])
-def test_compiling_every_launch_ahead_runs_each_one(head_dim):
-    compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
+def test_compiling_every_launch_ahead_runs_each_one(head_dim, dtype):
+    compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
                      device=torch.device(DEVICE))
