@@ -40,24 +40,24 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return getattr(torch, name)
 
 
-def resolve_attention(name: str, device: torch.device, head_dim: int, family_takes_kernels: bool = True):
+def resolve_attention(name: str, device: torch.device, head_dims: tuple[int, ...],
+                      kernel_head_dims: tuple[int, ...] = (64, 128)):
     """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
-    the model's family and head size, else the torch reference."""
-    if name == "torch" or (name == "auto" and (device.type != "cuda" or not family_takes_kernels)):
+    every head size of the model's layers (`head_dims`): those its family's Triton path is built for
+    (`kernel_head_dims`), else the torch reference."""
+    if name == "torch" or (name == "auto" and device.type != "cuda"):
         return paged_attention_reference
-    if not family_takes_kernels:
-        raise ValueError("config field 'attention_backend' is 'triton', whose kernels do not serve this model's "
-                         "attention (its sliding window and head sizes); use 'torch' or 'auto'")
     if device.type != "cuda":
         raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
-    from diffulex_kernels.attention import HEAD_DIMS, paged_attention
+    from diffulex_kernels.attention import paged_attention
 
-    if head_dim in HEAD_DIMS:
+    if set(head_dims) <= set(kernel_head_dims):
         return paged_attention
     if name == "auto":
         return paged_attention_reference
-    raise ValueError(f"config field 'attention_backend' is 'triton', whose kernels take head_dim {HEAD_DIMS}; "
-                     f"this model's is {head_dim}: use 'torch' or 'auto'")
+    shown = head_dims[0] if len(head_dims) == 1 else head_dims
+    raise ValueError(f"config field 'attention_backend' is 'triton', whose kernels take head_dim {kernel_head_dims}; "
+                     f"this model's is {shown}: use 'torch' or 'auto'")
 
 
 def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.dtype,
@@ -88,11 +88,13 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
 
 
 def select_attention(model, attention_backend: str, device: torch.device) -> None:
-    attention_fn = resolve_attention(attention_backend, device, model.arch.head_dim, model.TRITON_ATTENTION)
+    head_dims = tuple(sorted({layer.attn.head_dim for layer in model.layers}))
+    attention_fn = resolve_attention(attention_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
     for layer in model.layers:
         layer.attn.attention_fn = attention_fn
-    # The Triton attention comes with the rest of the Triton kernels (fused norms, RoPE, sampler, graphs).
-    model.fused_kernels = attention_fn is not paged_attention_reference
+    # Where the family has one, the Triton attention comes with the rest of its Triton path (fused norms, RoPE,
+    # sampler, graphs).
+    model.fused_kernels = model.FUSED_FORWARD and attention_fn is not paged_attention_reference
 
 
 def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:

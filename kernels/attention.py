@@ -7,6 +7,13 @@ of the group. The program streams the sequence's cached context `[0, context_len
 all visible, then the in-forward keys of the sequence under the block mask (`block_ids[key] <= block_ids[query]`),
 with an online softmax in float32 (base 2: the scale carries log2(e)).
 
+A sliding window (DiffusionGemma's sliding layers) hides from a query of block id b every key at a position at or
+before b - window. Every row's block id is at least the sequence's context length, so the program starts its context
+loop at context_len - window + 1: pages wholly outside the window are never read.
+
+Head sizes up to 128 take tiles of up to 128 rows by 64 keys; 256 and 512 (Gemma's two) take narrower tiles, so
+that a program's accumulator stays in registers and its K/V buffers in shared memory.
+
 Split-KV: when (q tiles x sequences x kv heads) cannot fill the GPU and contexts are long, the cached context
 is cut into `num_splits` chunks, each program writes an unnormalised partial (acc, max, sum) per row, and a
 second kernel merges the partials. Split 0 also takes the in-forward keys. The number of splits depends only on
@@ -32,7 +39,7 @@ LOG2_E = 1.4426950408889634
 # Below this many cached tokens per split, another split costs more (its partial round trip) than it saves.
 MIN_SPLIT_CHUNK = 128
 MAX_SPLITS = 64  # the merge holds every split of a row in registers
-HEAD_DIMS = (64, 128)  # the head sizes the kernel is built and tested for
+HEAD_DIMS = (64, 128, 256, 512)  # the head sizes the kernel is built and tested for
 # Shared memory one program of an H100 may hold (227 KiB); a launch whose tiles need more fails before it runs.
 SHARED_MEMORY_BYTES = 232448
 
@@ -52,17 +59,17 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2):
 
 
 # Token and split counts change with every batch: specialized on them, each new length class would compile again.
-@triton.jit(do_not_specialize=["num_tokens", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "window"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cache_page, stride_cache_slot, stride_cache_head, stride_page_table,
-    num_kv_heads, num_tokens, num_heads, num_splits, scale_log2,
+    num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -90,13 +97,19 @@ def _paged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     keys = tl.arange(0, BLOCK_N)
+    # The first position any row may see: a key at or before q_block - window is outside the row's window.
+    window_edge = q_block - window
 
+    context_len = 0
     if HAS_CACHE:
         context_len = tl.load(context_lens_ptr + seq)
+        ctx_first = 0
+        if HAS_WINDOW:
+            ctx_first = tl.maximum(context_len - window + 1, 0)
         # This sequence's own context in num_splits chunks of whole key tiles. The grid is sized for the longest
         # context a CUDA graph may see; cutting each sequence's real context keeps every split busy at any length.
-        context_chunk = tl.cdiv(tl.cdiv(context_len, num_splits), BLOCK_N) * BLOCK_N
-        ctx_begin = split * context_chunk
+        context_chunk = tl.cdiv(tl.cdiv(context_len - ctx_first, num_splits), BLOCK_N) * BLOCK_N
+        ctx_begin = ctx_first + split * context_chunk
         ctx_end = tl.minimum(context_len, ctx_begin + context_chunk)
         page_row = page_tables_ptr + seq.to(tl.int64) * stride_page_table
         for start in range(ctx_begin, ctx_end, BLOCK_N):
@@ -107,7 +120,10 @@ def _paged_attention_kernel(
             cache_offset = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
             k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
             v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, key_valid[None, :], scale_log2)
+            visible = key_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > window_edge[:, None])
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -124,6 +140,8 @@ def _paged_attention_kernel(
         ).to(DOT_DTYPE)
         k_block = tl.load(block_ids_ptr + q_start + key_token, mask=key_valid, other=2147483647)
         visible = k_block[None, :] <= q_block[:, None]
+        if HAS_WINDOW:
+            visible = visible & ((context_len + key_token)[None, :] > window_edge[:, None])
         acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2)
 
     if SPLIT:
@@ -133,7 +151,7 @@ def _paged_attention_kernel(
         tl.store(part_max_ptr + row_index, m_i, mask=row_valid)
         tl.store(part_sum_ptr + row_index, l_i, mask=row_valid)
     else:
-        # Every query row sees at least its own key, so l_i > 0 on valid rows.
+        # Every query row sees at least its own key (inside its window too), so l_i > 0 on valid rows.
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + (q_start + token)[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
@@ -201,6 +219,38 @@ def fits(launch: AttentionLaunch, head_dim: int, element_size: int) -> bool:
     return shared_memory_bytes(launch, head_dim, element_size) <= SHARED_MEMORY_BYTES
 
 
+@dataclass(frozen=True)
+class TileLimits:
+    """The tiles a head size takes: the accumulator [block_m, head_dim] in float32 stays within 128 registers a
+    thread of four warps (128 rows at head size 128, 32 at 512), and past 128 the key tiles narrow to 32 so that
+    their buffers fit shared memory."""
+
+    max_block_m: int
+    block_n: int
+    num_stages: int
+    wide_warps: bool  # every launch runs 8 warps (head sizes past 128)
+
+    @staticmethod
+    def of(head_dim: int, element_size: int) -> "TileLimits":
+        max_block_m = min(128, 128 * 128 // head_dim)
+        block_n = 64 if head_dim <= 128 else 32
+        stages = 2
+        if not fits(AttentionLaunch(max_block_m, block_n, 1, 4, stages), head_dim, element_size):
+            stages = 1  # float32 at head size 512
+        return TileLimits(max_block_m, block_n, stages, wide_warps=head_dim > 128)
+
+    def launch(self, block_m: int, num_splits: int) -> AttentionLaunch:
+        # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which
+        # leaves room for more programs per multiprocessor.
+        num_warps = 8 if self.wide_warps or (num_splits > 1 and block_m >= 128) else 4
+        return AttentionLaunch(block_m, self.block_n, num_splits, num_warps, self.num_stages)
+
+
+def max_splits(head_dim: int) -> int:
+    """The merge holds every split of a row's [head_dim] partial in registers: fewer splits at wider heads."""
+    return MAX_SPLITS * 128 // max(128, head_dim)
+
+
 def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, num_warps: int) -> int:
     """How many chunks to cut the cached context into when the launch cannot fill `num_sms` multiprocessors.
 
@@ -228,29 +278,28 @@ def plan_launch(
     # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits
     # (`benchmarks/kernels.py --sections attention_sweep` compares it with 128-row tiles at batch 64).
     # In float32 at head size 128 its tiles outgrow shared memory: 128-row tiles serve there.
+    head_dim, element_size = query.shape[2], query.element_size()
     if (num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms
-            and fits(WIDE, query.shape[2], query.element_size())):
+            and head_dim <= 128 and fits(WIDE, head_dim, element_size)):
         return WIDE
     # Otherwise one sequence's block in one tile where it fits, within an MMA-friendly tile.
-    block_m = min(128, max(16, triton.next_power_of_2(rows)))
-    # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which leaves
-    # room for more programs per multiprocessor.
-    split_warps = 8 if block_m >= 128 else 4
+    limits = TileLimits.of(head_dim, element_size)
+    block_m = min(limits.max_block_m, max(16, triton.next_power_of_2(rows)))
     if num_splits is None:
         base_programs = triton.cdiv(rows, block_m) * num_seqs * num_kv_heads
+        split_warps = limits.launch(block_m, num_splits=2).num_warps
         num_splits = choose_num_splits(base_programs, meta.max_context_len, num_sms, split_warps)
-    num_warps = split_warps if num_splits > 1 else 4
-    return AttentionLaunch(block_m=block_m, block_n=64, num_splits=num_splits, num_warps=num_warps, num_stages=2)
+    return limits.launch(block_m, num_splits)
 
 
 def launch_variants(head_dim: int, element_size: int) -> tuple[AttentionLaunch, ...]:
     """Every launch `plan_launch` can return for this head size and element size, with one split count standing
     for all (the attention kernel takes the count as a runtime argument; only the merge compiles per power of two
     of it)."""
-    unsplit = [AttentionLaunch(block_m=m, block_n=64, num_splits=1, num_warps=4, num_stages=2) for m in (16, 32, 64, 128)]
-    split = [AttentionLaunch(block_m=m, block_n=64, num_splits=2, num_warps=8 if m >= 128 else 4, num_stages=2)
-             for m in (16, 32, 64, 128)]
-    return (*unsplit, *split, *([WIDE] if fits(WIDE, head_dim, element_size) else []))
+    limits = TileLimits.of(head_dim, element_size)
+    rows = [m for m in (16, 32, 64, 128) if m <= limits.max_block_m]
+    wide = head_dim <= 128 and fits(WIDE, head_dim, element_size)
+    return (*(limits.launch(m, 1) for m in rows), *(limits.launch(m, 2) for m in rows), *([WIDE] if wide else []))
 
 
 @dataclass(frozen=True)
@@ -285,7 +334,7 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch)
             continue
         splits = 2
-        while splits <= MAX_SPLITS:
+        while splits <= max_splits(head_dim):
             paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits))
             splits *= 2
 
@@ -302,6 +351,7 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, heads, head_dim], e.g. a CUDA graph's static buffer
     launch: AttentionLaunch | None = None,  # default: plan_launch(query, key, meta)
     kv_stored: bool = False,  # the caller already stored the in-forward K/V (rotary.rotate_and_store_kv)
+    window: int | None = None,  # a sliding window: a query of block id b sees keys at positions > b - window
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
@@ -331,7 +381,11 @@ def paged_attention(
         k_cache = v_cache = key  # never read: HAS_CACHE=False compiles the context loop away
         page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
 
-    num_splits = max(1, min(launch.num_splits, MAX_SPLITS, triton.cdiv(max_context_len, launch.block_n)))
+    if window is not None:
+        if window < 1:
+            raise ValueError(f"paged_attention: window must be at least 1, got {window}")
+        max_context_len = min(max_context_len, window)  # the cached keys a window lets one sequence read
+    num_splits = max(1, min(launch.num_splits, max_splits(head_dim), triton.cdiv(max_context_len, launch.block_n)))
     split = num_splits > 1
     if split:
         part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, device=query.device, dtype=torch.float32)
@@ -350,10 +404,10 @@ def paged_attention(
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
         *cache_strides, meta.page_tables.stride(0),
-        num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E,
+        num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
+        HAS_WINDOW=window is not None, USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](

@@ -40,14 +40,18 @@ def store_kv(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
 ) -> None:
-    """Copy each token's K/V into cache slot `slot_mapping[t]` (flat over pages); tokens at -1 are skipped."""
+    """Copy each token's K/V into cache slot `slot_mapping[t]` (flat over pages); tokens at -1 are skipped. The
+    caches may be column views of wider rows, as long as a slot's heads are contiguous."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kv: key and value need a contiguous head_dim")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("store_kv: k_cache and v_cache must be contiguous")
+    # A slot is flat over pages; a cache may be a column view of wider rows (DiffusionGemma's per-layer caches).
+    if not all(cache.stride() == k_cache.stride() and cache.stride(-1) == 1 and cache.stride(2) == head_dim
+               and cache.stride(0) == cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
+        raise ValueError("store_kv: k_cache and v_cache need the same strides, contiguous heads and slots "
+                         "evenly strided across pages")
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -177,7 +177,10 @@ class DecoderLM(nn.Module):
     # Run `layers.fused_forward` (Triton kernels, CUDA only) instead of the torch modules; the engine turns it
     # on when the Triton attention backend is selected.
     fused_kernels: bool = False
-    TRITON_ATTENTION = True  # the Triton attention kernel (and the fused path with it) serves this family
+    # The head sizes the Triton path serves (the attention kernel, and the RoPE and K/V store kernels of the fused
+    # forward), and whether the fused forward, the sampler kernel and CUDA graphs come with the kernel attention.
+    KERNEL_HEAD_DIMS = (64, 128)
+    FUSED_FORWARD = True
 
     def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()

@@ -26,8 +26,9 @@ The parts, from transformers' modeling_diffusion_gemma.py and Diffulex's diffusi
 
 Where this does not reuse the shared layers: the decoder layer (sandwich norms, layer scalar, a MoE beside the
 MLP) and the attention (no fused qkv, K = V on full layers, a window, two head shapes) are written here; RMSNorm
-and the rotate-half RoPE are the shared ones. The attention is the torch path only: the Triton attention kernel
-takes neither a window nor head_dim 512, so the runner refuses the fused kernels for this family.
+and the rotate-half RoPE are the shared ones. On a GPU the attention is the Triton kernel (`attention_backend`
+auto or triton), which takes the window and both head sizes; `window_attention` below is its torch reference and
+the CPU path. The fused forward, whose kernels are built for DecoderLM's layers, does not serve this family.
 """
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import apply_rotary
 from diffulex_backend.arch import ModelArch
@@ -274,7 +275,8 @@ class GemmaAttention(nn.Module):
         self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
         self.eps = arch.rms_norm_eps
-        self.attention_fn = None  # set by the engine for every family; this one always runs window_attention
+        # Set by the engine: the Triton kernel, or the torch reference (which stands for window_attention here).
+        self.attention_fn = None
 
     def forward(self, x, cos, sin, meta, k_cache, v_cache):
         t = x.shape[0]
@@ -283,7 +285,11 @@ class GemmaAttention(nn.Module):
         raw_v = raw_k if self.v_proj is None else self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
         k, v = self.k_norm(raw_k), rms(raw_v, self.eps)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        return self.o_proj(window_attention(q, k, v, k_cache, v_cache, meta, self.window).reshape(t, -1))
+        if self.attention_fn is None or self.attention_fn is paged_attention_reference:
+            out = window_attention(q, k, v, k_cache, v_cache, meta, self.window)
+        else:
+            out = self.attention_fn(q, k, v, k_cache, v_cache, meta, 1.0, window=self.window)
+        return self.o_proj(out.reshape(t, -1))
 
 
 class GemmaMLP(nn.Module):
@@ -382,7 +388,10 @@ class DiffusionGemmaModel(DecoderLM):
     DEFAULT_STRATEGY = "diffusion_gemma"
     DECODING_STRATEGIES = ("diffusion_gemma",)  # no mask token: the masked strategies cannot decode it
     IGNORED_WEIGHT_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")  # text only
-    TRITON_ATTENTION = False  # sliding windows and 512-wide heads: the torch attention serves it
+    # The Triton attention kernel serves both layer kinds (its window, head sizes 256 and 512); the rest of the
+    # forward is the torch modules, without CUDA graphs.
+    KERNEL_HEAD_DIMS = (64, 128, 256, 512)
+    FUSED_FORWARD = False
 
     def __init__(self, arch: DiffusionGemmaArch, attention_fn=None, tp: TensorParallel = TensorParallel()):
         nn.Module.__init__(self)

@@ -278,3 +278,67 @@ def test_every_launch_plan_launch_picks_is_one_the_runner_compiles_ahead():
 def test_compiling_every_launch_ahead_runs_each_one(head_dim, dtype):
     compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
                      device=torch.device(DEVICE))
+
+
+def strided_caches(batch: Batch, columns_before: int) -> Batch:
+    """The batch's caches as column views of wider rows, as DiffusionGemma's per-layer caches are (one cache row
+    holds every layer's K or V): the kernel reads them through their strides."""
+    pages, page_size, kv_heads, head_dim = batch.k_cache.shape
+
+    def widen(cache: torch.Tensor) -> torch.Tensor:
+        rows = torch.zeros(pages, page_size, columns_before + kv_heads * head_dim + 8, dtype=cache.dtype,
+                           device=cache.device)
+        view = rows[:, :, columns_before:columns_before + kv_heads * head_dim].unflatten(-1, (kv_heads, head_dim))
+        view.copy_(cache)
+        return view
+
+    return dataclasses.replace(batch, k_cache=widen(batch.k_cache), v_cache=widen(batch.v_cache))
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("window", [1, 6, 40, 100_000])
+def test_a_sliding_window_matches_diffusion_gemma_s_attention_and_reads_no_page_outside_it(window, num_splits):
+    """DiffusionGemma's sliding layers: the kernel against the model's torch attention (scale 1, strided caches).
+    Every page wholly before a sequence's window holds NaN: a single read of one would poison the output."""
+    from diffulex_backend.models.diffusion_gemma import window_attention
+
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = strided_caches(make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                                      pattern="blocks", seed=window + num_splits), columns_before=64)
+    batch.query = batch.query * 64**-0.5  # scale 1, as Gemma's normed queries take it, at a moderate temperature
+    page_size = batch.k_cache.shape[1]
+    for seq, context_len in enumerate(batch.meta.context_lens_host):
+        first = max(0, context_len - window + 1)
+        for logical in range(first // page_size):
+            page = int(batch.meta.page_tables[seq, logical])
+            batch.k_cache[page], batch.v_cache[page] = float("nan"), float("nan")
+    k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = window_attention(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, window)
+    out = diffulex_kernels.paged_attention(
+        batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, 1.0,
+        out=poisoned_like(batch.query), window=window,
+        launch=plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits))
+    assert torch.isfinite(out).all(), "the kernel read a page outside the window, or left rows unwritten"
+    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
+    assert torch.equal(batch.k_cache.nan_to_num(), k_cache_ref.nan_to_num())
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("head_dim", [256, 512])
+def test_gemma_s_wide_heads_match_reference(head_dim, num_splits):
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=head_dim + num_splits)
+    launch = plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits)
+    assert launch in {dataclasses.replace(v, num_splits=launch.num_splits)
+                      for v in launch_variants(head_dim, batch.query.element_size())}
+    assert_matches_reference(batch, num_splits)
+
+
+def test_a_window_below_one_is_refused():
+    heads, kv_heads = HEAD_SHAPES[1]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=1)
+    with pytest.raises(ValueError, match=r"^paged_attention: window must be at least 1, got 0$"):
+        diffulex_kernels.paged_attention(batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache,
+                                         batch.meta, 1.0, window=0)

@@ -57,7 +57,9 @@ def checkpoints(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("families")
     paths = {family: write_random_checkpoint(root / family, family, **SHAPE)
              for family in {family for family, _, _ in MODELS.values()} - {"diffusion_gemma"}}
-    paths["diffusion_gemma"] = write_random_diffusion_gemma_checkpoint(root / "diffusion_gemma", seed=1, **SHAPE)
+    # Head sizes 64 and 128, both the attention kernel's: on a GPU both layer kinds run it, window and all.
+    paths["diffusion_gemma"] = write_random_diffusion_gemma_checkpoint(root / "diffusion_gemma", seed=1,
+                                                                       global_head_dim=128, **SHAPE)
     paths["adapter"] = write_peft_adapter(root / "adapter", paths["llada"], ["q_proj", "k_proj", "v_proj", "attn_out",
                                                                              "ff_proj", "up_proj", "ff_out"],
                                           rank=4, seed=1)

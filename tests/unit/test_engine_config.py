@@ -198,13 +198,24 @@ def test_explicit_cpu_device_and_torch_attention_give_the_automatic_choice(llada
 def test_auto_attention_takes_the_kernels_on_a_gpu_only_for_the_head_sizes_they_serve():
     from diffulex_backend.attention import paged_attention_reference
     from diffulex_backend.model_setup import resolve_attention
+    from diffulex_backend.models.decoder_lm import DecoderLM
+    from diffulex_backend.models.diffusion_gemma import DiffusionGemmaModel
     from diffulex_kernels.attention import HEAD_DIMS, paged_attention
 
     cuda, cpu = torch.device("cuda"), torch.device("cpu")  # only compared by type: nothing runs on them here
-    assert resolve_attention("auto", cuda, HEAD_DIMS[-1]) is paged_attention
-    assert resolve_attention("auto", cuda, 16) is paged_attention_reference  # a tiny model on a GPU still serves
-    assert resolve_attention("auto", cpu, HEAD_DIMS[-1]) is paged_attention_reference
-    assert resolve_attention("torch", cuda, HEAD_DIMS[-1]) is paged_attention_reference
+    fused, gemma = DecoderLM.KERNEL_HEAD_DIMS, DiffusionGemmaModel.KERNEL_HEAD_DIMS
+    assert set(fused) < set(gemma) == set(HEAD_DIMS)
+    assert resolve_attention("auto", cuda, (128,), fused) is paged_attention
+    assert resolve_attention("auto", cuda, (16,), fused) is paged_attention_reference  # a tiny model still serves
+    # Wider heads take the kernel where only the attention is the kernel's (DiffusionGemma's two layer kinds).
+    assert resolve_attention("auto", cuda, (256,), fused) is paged_attention_reference
+    assert resolve_attention("auto", cuda, (256, 512), gemma) is paged_attention
+    assert resolve_attention("auto", cuda, (16, 512), gemma) is paged_attention_reference
+    assert resolve_attention("auto", cpu, (128,), fused) is paged_attention_reference
+    assert resolve_attention("torch", cuda, (128,), fused) is paged_attention_reference
     with raises_exactly("config field 'attention_backend' is 'triton', whose kernels take head_dim (64, 128); "
                         "this model's is 16: use 'torch' or 'auto'"):
-        resolve_attention("triton", cuda, 16)
+        resolve_attention("triton", cuda, (16,), fused)
+    with raises_exactly("config field 'attention_backend' is 'triton', whose kernels take head_dim "
+                        "(64, 128, 256, 512); this model's is (16, 512): use 'torch' or 'auto'"):
+        resolve_attention("triton", cuda, (16, 512), gemma)

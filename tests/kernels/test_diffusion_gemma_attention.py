@@ -1,0 +1,57 @@
+"""DiffusionGemma's layers on the Triton attention kernel: its sliding window and both head sizes (64 for the
+sliding layers, 128 for the full ones here; 256 and 512 in the released model) reach the kernel, with scale 1, and
+the forward matches the model's torch attention over the paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.testing.diffusion_gemma_checkpoint import write_random_diffusion_gemma_checkpoint
+from diffulex_kernels.attention import paged_attention
+from kernel_cases import DEVICE, relative_error
+
+CANVAS = 8
+SETTINGS = dict(model_name="diffusion_gemma", block_size=CANVAS, page_size=4, max_model_len=128,
+                max_num_batched_tokens=64, num_kv_pages=64, dtype="float32", device=str(DEVICE))
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return str(write_random_diffusion_gemma_checkpoint(
+        tmp_path_factory.mktemp("gemma") / "ckpt", seed=3, head_dim=64, global_head_dim=128, sliding_window=6))
+
+
+def final_hidden_states(llm: Diffulex, prompt: list[int], forwards: int) -> list[torch.Tensor]:
+    """The final norm's output of the first `forwards` forwards of one request: the prompt's, then canvas steps
+    over its cached context."""
+    captured: list[torch.Tensor] = []
+    handle = llm.model.norm.register_forward_hook(lambda module, args, out: captured.append(out.detach().clone()))
+    try:
+        llm.add_request(prompt, SamplingParams(max_tokens=CANVAS, seed=3, ignore_eos=True))
+        while len(captured) < forwards and llm.has_unfinished_requests():
+            llm.step()
+    finally:
+        handle.remove()
+    return captured[:forwards]
+
+
+def test_the_kernel_serves_both_layer_kinds_as_the_torch_attention_does(checkpoint):
+    prompt = list(range(40, 70))  # five windows: the sliding layers read only the cache's last pages
+    reference = Diffulex(checkpoint, **SETTINGS, attention_backend="torch")
+    expected = final_hidden_states(reference, prompt, forwards=3)
+    kernel = Diffulex(checkpoint, **SETTINGS, attention_backend="torch")
+    for layer in kernel.model.layers:  # on a CPU the engine refuses 'triton'; the interpreter runs the kernel
+        layer.attn.attention_fn = paged_attention
+    got = final_hidden_states(kernel, prompt, forwards=3)
+    assert len(got) == len(expected) == 3
+    for out, ref in zip(got, expected):
+        # float32: the GPU's kernel multiplies in TF32; a wrong scale or a missing window is off by the whole.
+        assert relative_error(out, ref) < 1e-2
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="'auto' takes the kernels on a GPU only; the CPU case is above")
+def test_auto_takes_the_kernel_for_diffusion_gemma_on_a_gpu(checkpoint):
+    llm = Diffulex(checkpoint, **SETTINGS)
+    assert {layer.attn.attention_fn for layer in llm.model.layers} == {paged_attention}
+    assert not llm.model.fused_kernels  # the rest of the forward is the torch modules
