@@ -45,16 +45,16 @@ SHARED_MEMORY_BYTES = 232448
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2):
+def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION: tl.constexpr):
     """Fold one key tile into the running (acc, max, sum). k, v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N]."""
-    qk = tl.dot(q, tl.trans(k)) * scale_log2
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
     qk = tl.where(visible, qk, float("-inf"))
     # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -69,7 +69,7 @@ def _paged_attention_kernel(
     num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -123,7 +123,7 @@ def _paged_attention_kernel(
             visible = key_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > window_edge[:, None])
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2)
+            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -142,7 +142,7 @@ def _paged_attention_kernel(
         visible = k_block[None, :] <= q_block[:, None]
         if HAS_WINDOW:
             visible = visible & ((context_len + key_token)[None, :] > window_edge[:, None])
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION)
 
     if SPLIT:
         # Partials are [splits, tokens, heads(, head_dim)] in float32; the merge kernel reads them.
@@ -339,6 +339,12 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             splits *= 2
 
 
+def _precision(query: torch.Tensor) -> str:
+    """float32 multiplies in float32: an engine runs in float32 for exactness (a TF32 product's 10-bit mantissa,
+    at Gemma's attention scale of 1, moves its softmax weights by percents). Half types multiply exactly anyway."""
+    return "ieee" if query.dtype == torch.float32 else "tf32"
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, heads, head_dim]
     key: torch.Tensor,  # [T, kv_heads, head_dim]
@@ -407,7 +413,7 @@ def paged_attention(
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
+        HAS_WINDOW=window is not None, PRECISION=_precision(query), USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
