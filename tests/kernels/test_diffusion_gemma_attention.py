@@ -12,8 +12,9 @@ from diffulex_kernels.attention import paged_attention
 from kernel_cases import DEVICE, relative_error
 
 CANVAS = 8
+# Prompts prefilled 16 tokens a forward: the second forward reads the first's cache through the window.
 SETTINGS = dict(model_name="diffusion_gemma", block_size=CANVAS, page_size=4, max_model_len=128,
-                max_num_batched_tokens=64, num_kv_pages=64, dtype="float32", device=str(DEVICE))
+                max_num_batched_tokens=16, num_kv_pages=64, dtype="float32", device=str(DEVICE))
 
 
 @pytest.fixture(scope="module")
@@ -22,32 +23,36 @@ def checkpoint(tmp_path_factory):
         tmp_path_factory.mktemp("gemma") / "ckpt", seed=3, head_dim=64, global_head_dim=128, sliding_window=6))
 
 
-def final_hidden_states(llm: Diffulex, prompt: list[int], forwards: int) -> list[torch.Tensor]:
-    """The final norm's output of the first `forwards` forwards of one request: the prompt's, then canvas steps
-    over its cached context."""
-    captured: list[torch.Tensor] = []
-    handle = llm.model.norm.register_forward_hook(lambda module, args, out: captured.append(out.detach().clone()))
+def final_hidden_states(llm: Diffulex, prompt: list[int], forwards: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(input ids, the final norm's output) of the first `forwards` forwards of one request: its prompt's chunks,
+    before any token is sampled, so that both engines feed the same ids."""
+    captured = []
+    model = llm.model
+    pre = model.register_forward_pre_hook(lambda module, args: captured.append([args[0].detach().clone()]))
+    post = model.norm.register_forward_hook(lambda module, args, out: captured[-1].append(out.detach().clone()))
     try:
         llm.add_request(prompt, SamplingParams(max_tokens=CANVAS, seed=3, ignore_eos=True))
         while len(captured) < forwards and llm.has_unfinished_requests():
             llm.step()
     finally:
-        handle.remove()
-    return captured[:forwards]
+        pre.remove()
+        post.remove()
+    return [tuple(pair) for pair in captured[:forwards]]
 
 
 def test_the_kernel_serves_both_layer_kinds_as_the_torch_attention_does(checkpoint):
     prompt = list(range(40, 70))  # five windows: the sliding layers read only the cache's last pages
     reference = Diffulex(checkpoint, **SETTINGS, attention_backend="torch")
-    expected = final_hidden_states(reference, prompt, forwards=3)
+    expected = final_hidden_states(reference, prompt, forwards=2)
     kernel = Diffulex(checkpoint, **SETTINGS, attention_backend="torch")
     for layer in kernel.model.layers:  # on a CPU the engine refuses 'triton'; the interpreter runs the kernel
         layer.attn.attention_fn = paged_attention
-    got = final_hidden_states(kernel, prompt, forwards=3)
-    assert len(got) == len(expected) == 3
-    for out, ref in zip(got, expected):
-        # float32: the GPU's kernel multiplies in TF32; a wrong scale or a missing window is off by the whole.
-        assert relative_error(out, ref) < 1e-2
+    got = final_hidden_states(kernel, prompt, forwards=2)
+    assert len(got) == len(expected) == 2
+    for (ids, out), (ref_ids, ref) in zip(got, expected):
+        assert torch.equal(ids, ref_ids)
+        # float32 in float32 on both sides; a wrong scale or a missing window is off by the whole.
+        assert relative_error(out, ref) < 1e-3
 
 
 @pytest.mark.skipif(DEVICE.type != "cuda", reason="'auto' takes the kernels on a GPU only; the CPU case is above")
