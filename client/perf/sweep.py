@@ -50,8 +50,10 @@ def perf_analyzer_env() -> dict[str, str]:
 
 def run_perf_analyzer(url: str, model: str, input_data: Path, concurrency: int, requests_per_window: int,
                       export_path: Path, stability_percentage: float, max_trials: int) -> subprocess.CompletedProcess:
-    """One concurrency level. perf_analyzer refuses to overwrite an export, so an old one is removed."""
-    export_path.unlink(missing_ok=True)
+    """One concurrency level. perf_analyzer refuses to overwrite an export, so an old one is removed.
+
+    perf_analyzer has been seen to exit 0 with its measurements printed and an empty export (on a loaded 2-core
+    host): such a run is made once more, and a second empty export is a failure (exit 1) that says so."""
     command = [
         perf_analyzer_path(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
         "--input-data", str(input_data), "--concurrency-range", str(concurrency),
@@ -59,7 +61,13 @@ def run_perf_analyzer(url: str, model: str, input_data: Path, concurrency: int, 
         "--stability-percentage", str(stability_percentage), "--max-trials", str(max_trials),
         "--profile-export-file", str(export_path),
     ]
-    return subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env())
+    for _ in range(2):
+        export_path.unlink(missing_ok=True)
+        result = subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env())
+        if result.returncode != 0 or (export_path.exists() and export_path.stat().st_size > 0):
+            return result
+    return subprocess.CompletedProcess(command, 1, result.stdout,
+                                       result.stderr + f"\nperf_analyzer exited 0 twice without writing {export_path}")
 
 
 def server_answers(client: DiffulexClient) -> bool:

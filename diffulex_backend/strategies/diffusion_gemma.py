@@ -18,7 +18,7 @@ whatever it is batched with; a preempted request restarts its canvas from step 0
 settings come from the checkpoint's generation_config.json (models/diffusion_gemma.py `DenoiseSchedule`); a
 request's own sampling settings that do not apply (temperature, top_k, thresholds, ...) are refused by name.
 
-The step is eager: the forward runs the torch modules (models/diffusion_gemma.py says why), without CUDA graphs;
+The step is eager: the forward runs the torch modules, with the Triton attention kernel on a GPU, without CUDA graphs;
 the sampler is batched over every canvas of the step on the device, with one device-to-host copy at its end.
 """
 from __future__ import annotations
