@@ -31,3 +31,18 @@ def test_matmul_benchmark_smoke_run_compares_every_case_with_cublas(tmp_path):
         ratio = float(row["engine_vs_cublas"])
         assert math.isfinite(ratio) and ratio > 0
         assert ratio == pytest.approx(float(row["engine_ms"]) / float(row["cublas_ms"]), rel=0.01)
+
+
+def test_attention_benchmark_smoke_run_gives_every_backend_a_row_per_case_and_the_kernel_matches_torch(tmp_path):
+    run_smoke("attention.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "attention.csv")
+    cases = {(row["phase"], row["batch"], row["tokens"], row["context"]) for row in rows}
+    assert len(cases) == 8 and len(rows) == 3 * len(cases)  # two prompt lengths and two contexts, batch 1 and 2
+    for row in rows:
+        floor = max(float(row["compute_floor_ms"]), float(row["memory_floor_ms"]))
+        if row["backend"] == "flash_attn_4" and row["note"] == "not installed":  # CI has no flash-attn-4
+            assert math.isnan(float(row["ms"]))
+            continue
+        assert float(row["vs_floor"]) == pytest.approx(float(row["ms"]) / floor, rel=0.01)
+        # bf16 under the interpreter: the kernel agrees with torch's attention to its rounding.
+        assert float(row["rel_err_vs_sdpa"]) < 1.5e-2

@@ -1,0 +1,177 @@
+"""Attention alone, per backend, against its floors: prefill of long prompts, and one diffusion block over a cached
+context, at LLaDA-8B's and Dream-7B's head layouts in bf16.
+
+Phases (the masks the engine's strategies use):
+  - prefill: a prompt of T tokens a sequence, no cache, bidirectional (multi_bd's and D2F's prompt);
+  - block: a 32-token block a sequence over C cached tokens, which it sees whole, and itself bidirectionally.
+Backends, each timed alike (the median of calls launched from Python with the L2 cache cleared before each):
+  - triton: the engine's kernel (`diffulex_kernels.paged_attention`) over the paged cache;
+  - torch_sdpa: torch's scaled_dot_product_attention over contiguous [batch, heads, tokens, head_dim] tensors
+    (torch picks its flash, cuDNN or memory-efficient kernel): the reference a Hopper-tuned kernel should reach;
+  - flash_attn_4: FlashAttention's CuTe-DSL kernels (`flash_attn.cute`, the flash-attn-4 package), varlen, over the
+    paged cache for blocks, where the package is installed; otherwise its rows say so.
+Every row gives ms, the compute floor (4 x query-key pairs x heads x head_dim flops / the bf16 matmul rate), the
+memory floor (Q, K and V read once and the output written, over the copy bandwidth), the time over the larger floor,
+and the output's relative error against torch_sdpa's. Both ceilings are measured in the same run.
+Writes attention.csv/.md to --out.
+
+    python benchmarks/attention.py --out DIR        # on a GPU: 1k-32k prompts, blocks over 512-32k contexts
+    python benchmarks/attention.py --smoke --out DIR   # anywhere: tiny shapes (CPU: the kernel under the interpreter)
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import pathlib
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from kernels import (BLOCK_LEN, FULL_MODELS, PAGE_SIZE, SMOKE_MODELS, ModelShape, attention_inputs,  # noqa: E402
+                     device_header, measure_ceilings, randn, time_eager_ms)
+import diffulex_kernels  # noqa: E402
+from diffulex_backend.attention import AttentionMetadata  # noqa: E402
+from result_table import ResultTable  # noqa: E402
+
+FIELDS = ["phase", "model", "batch", "tokens", "context", "backend", "ms", "compute_floor_ms", "memory_floor_ms",
+          "vs_floor", "rel_err_vs_sdpa", "note"]
+BACKENDS = ("triton", "torch_sdpa", "flash_attn_4")
+
+
+def flash_attn_4():
+    """flash_attn.cute's varlen entry point, or None where the package is not installed."""
+    try:
+        from flash_attn.cute import flash_attn_varlen_func
+    except ImportError:
+        return None
+    return flash_attn_varlen_func
+
+
+def prefill_case(model: ModelShape, batch: int, tokens: int, device: torch.device):
+    """`batch` prompts of `tokens` tokens, no cache, every token seeing the whole prompt."""
+    total = batch * tokens
+    cu = tuple(range(0, total + 1, tokens))
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
+        context_lens=torch.zeros(batch, dtype=torch.int32, device=device),
+        page_tables=torch.zeros(batch, 1, dtype=torch.int32, device=device),
+        slot_mapping=torch.full((total,), -1, dtype=torch.int64, device=device),
+        block_ids=torch.zeros(total, dtype=torch.int32, device=device),  # one block: bidirectional
+        max_seqlen_q=tokens, max_context_len=0, cu_seqlens_q_host=cu, context_lens_host=(0,) * batch)
+    d = model.head_dim
+    t = dict(query=randn(total, model.heads, d, device=device), key=randn(total, model.kv_heads, d, device=device),
+             value=randn(total, model.kv_heads, d, device=device), k_cache=None, v_cache=None)
+    bytes_moved = 2 * total * d * 2 * (model.heads + model.kv_heads)  # q, k, v read, out written, bf16
+    flops = 4 * model.heads * d * batch * tokens * tokens
+    return t, meta, bytes_moved, flops
+
+
+def sdpa_inputs(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int):
+    """[batch, heads, tokens, head_dim] views for torch: each sequence's cached context (gathered through its page
+    table) followed by its fed tokens."""
+    q = t["query"].view(batch, -1, model.heads, model.head_dim).transpose(1, 2)
+    k, v = t["key"].view(batch, -1, model.kv_heads, model.head_dim), t["value"].view(batch, -1, model.kv_heads,
+                                                                                       model.head_dim)
+    context = meta.context_lens_host[0]
+    if context:
+        pages = meta.page_tables[:, :(context + PAGE_SIZE - 1) // PAGE_SIZE].long()
+        cached_k = t["k_cache"][pages].flatten(1, 2)[:, :context]
+        cached_v = t["v_cache"][pages].flatten(1, 2)[:, :context]
+        k, v = torch.cat([cached_k, k], dim=1), torch.cat([cached_v, v], dim=1)
+    return q.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
+
+
+def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int, phase: str, fa4):
+    """Per backend: (ms, output in [tokens, heads, head_dim], note)."""
+    scale = model.head_dim ** -0.5
+    results = {}
+    q, k, v = sdpa_inputs(model, t, meta, batch)
+    gqa = model.heads != model.kv_heads
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=gqa)
+
+    results["torch_sdpa"] = (time_eager_ms(sdpa), sdpa().transpose(1, 2).reshape(t["query"].shape), "")
+    args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
+    results["triton"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*args)),
+                         diffulex_kernels.paged_attention(*args), "")
+    if fa4 is None:
+        results["flash_attn_4"] = (float("nan"), None, "not installed")
+        return results
+    try:
+        if phase == "prefill":
+            cu = meta.cu_seqlens_q
+            call = lambda: fa4(t["query"], t["key"], t["value"], cu_seqlens_q=cu, cu_seqlens_k=cu,  # noqa: E731
+                               max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_seqlen_q, softmax_scale=scale,
+                               causal=False)
+        else:
+            # The block's K/V are in the cache (the triton call above stored them): the block attends to
+            # context + 32 cached keys, all visible.
+            seen = meta.context_lens + BLOCK_LEN
+            call = lambda: fa4(t["query"], t["k_cache"], t["v_cache"], cu_seqlens_q=meta.cu_seqlens_q,  # noqa: E731
+                               seqused_k=seen, max_seqlen_q=BLOCK_LEN,
+                               max_seqlen_k=meta.max_context_len + BLOCK_LEN, page_table=meta.page_tables,
+                               softmax_scale=scale, causal=False)
+        out = call()
+        out = out[0] if isinstance(out, tuple) else out
+        results["flash_attn_4"] = (time_eager_ms(call), out, "")
+    except Exception as error:  # a shape or layout the package refuses: the row says which
+        results["flash_attn_4"] = (float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}")
+    return results
+
+
+def relative_error(out: torch.Tensor | None, ref: torch.Tensor) -> float:
+    if out is None:
+        return float("nan")
+    out, ref = out.double(), ref.double()
+    return float((out - ref).norm() / ref.norm())
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, required=True)
+    parser.add_argument("--smoke", action="store_true", help="tiny shapes, batch 1 and 2")
+    parser.add_argument("--prompts", default="1024,4096,16384,32768", help="prefill tokens a sequence")
+    parser.add_argument("--prefill-batches", default="1,8")
+    parser.add_argument("--contexts", default="512,2048,8192,32768", help="cached tokens under a block")
+    parser.add_argument("--block-batches", default="1,8,64")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    models = SMOKE_MODELS if args.smoke else FULL_MODELS
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    prompts, prefill_batches = ([16, 40], [1, 2]) if args.smoke else (ints(args.prompts), ints(args.prefill_batches))
+    contexts, block_batches = ([0, 40], [1, 2]) if args.smoke else (ints(args.contexts), ints(args.block_batches))
+    ceilings = measure_ceilings(device, args.smoke)
+    print(device_header(device, ceilings), flush=True)
+    fa4 = flash_attn_4()
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = ResultTable("attention", FIELDS)
+    cases = [("prefill", m, b, n) for m, n, b in itertools.product(models, prompts, prefill_batches)]
+    cases += [("block", m, b, c) for m, c, b in itertools.product(models, contexts, block_batches)]
+    for phase, model, batch, size in cases:
+        if phase == "prefill":
+            t, meta, bytes_moved, flops = prefill_case(model, batch, size, device)
+            tokens, context = size, 0
+        else:
+            t, meta, bytes_moved, flops = attention_inputs(model, batch, size, device)
+            tokens, context = BLOCK_LEN, size
+        results = run_backends(model, t, meta, batch, phase, fa4)
+        compute_ms = 1e3 * flops / ceilings.matmul_rate
+        memory_ms = 1e3 * bytes_moved / ceilings.bandwidth
+        reference = results["torch_sdpa"][1]
+        for backend in BACKENDS:
+            ms, out, note = results[backend]
+            table.add(phase=phase, model=model.name, batch=batch, tokens=tokens, context=context, backend=backend,
+                      ms=ms, compute_floor_ms=compute_ms, memory_floor_ms=memory_ms,
+                      vs_floor=ms / max(compute_ms, memory_ms), rel_err_vs_sdpa=relative_error(out, reference),
+                      note=note or str(device))
+        del t, meta, results
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        table.write(args.out, argv)  # after every case: a run cut off keeps what it measured
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
