@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from .acceptance import AcceptanceBatch, AcceptanceRule
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, paged_attention_reference
 from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
@@ -209,13 +209,19 @@ class ModelRunner:
         self.token_merge = self.make_token_merge()
         if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
             self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
-        if self.use_kernels:  # else the first steps of each size compile them, while requests wait
-            from diffulex_kernels.attention import compile_launches as compile_attention
+        # Else the first steps of each size compile them, while requests wait.
+        if self.use_kernels:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
             compile_sampler(model.arch.vocab_size, dtype, device)
-            attn = model.layers[0].attn
-            compile_attention(attn.num_heads, attn.num_kv_heads, model.arch.head_dim, config.page_size, dtype, device)
+        if model.layers[0].attn.attention_fn not in (None, paged_attention_reference):  # the attention kernel
+            from diffulex_kernels.attention import compile_launches as compile_attention
+
+            # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
+            for heads, kv_heads, head_dim, window in sorted(
+                    {(a.num_heads, a.num_kv_heads, a.head_dim, a.window) for a in (l.attn for l in model.layers)},
+                    key=str):
+                compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

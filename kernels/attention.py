@@ -221,9 +221,13 @@ def fits(launch: AttentionLaunch, head_dim: int, element_size: int) -> bool:
 
 @dataclass(frozen=True)
 class TileLimits:
-    """The tiles a head size takes: the accumulator [block_m, head_dim] in float32 stays within 128 registers a
-    thread of four warps (128 rows at head size 128, 32 at 512), and past 128 the key tiles narrow to 32 so that
-    their buffers fit shared memory."""
+    """The tiles a head size and dtype take.
+
+    Half types multiply on the tensor cores: the accumulator [block_m, head_dim] in float32 stays within 128
+    registers a thread of four warps (128 rows at head size 128, 32 at 512), and past 128 the key tiles narrow to 32
+    so that their buffers fit shared memory. float32 multiplies in float32 (`_precision`), which Hopper does on its
+    FMA units with every operand in registers: the tiles are small enough that ptxas (sm_90a) spills nothing or a
+    few hundred bytes, where a 128 x 64 tile at head size 128 spilled 150 KB a thread."""
 
     max_block_m: int
     block_n: int
@@ -232,11 +236,13 @@ class TileLimits:
 
     @staticmethod
     def of(head_dim: int, element_size: int) -> "TileLimits":
+        if element_size >= 4:
+            return TileLimits(max(16, 2048 // head_dim), 32 if head_dim <= 128 else 16, 2, wide_warps=head_dim > 128)
         max_block_m = min(128, 128 * 128 // head_dim)
         block_n = 64 if head_dim <= 128 else 32
         stages = 2
         if not fits(AttentionLaunch(max_block_m, block_n, 1, 4, stages), head_dim, element_size):
-            stages = 1  # float32 at head size 512
+            stages = 1
         return TileLimits(max_block_m, block_n, stages, wide_warps=head_dim > 128)
 
     def launch(self, block_m: int, num_splits: int) -> AttentionLaunch:
@@ -244,6 +250,11 @@ class TileLimits:
         # leaves room for more programs per multiprocessor.
         num_warps = 8 if self.wide_warps or (num_splits > 1 and block_m >= 128) else 4
         return AttentionLaunch(block_m, self.block_n, num_splits, num_warps, self.num_stages)
+
+
+def takes_wide(head_dim: int, element_size: int) -> bool:
+    """Whether the 256-row tile serves: half types (float32 multiplies on the FMA units) up to head size 128."""
+    return element_size < 4 and head_dim <= 128 and fits(WIDE, head_dim, element_size)
 
 
 def max_splits(head_dim: int) -> int:
@@ -267,9 +278,11 @@ def choose_num_splits(base_programs: int, max_context_len: int, num_sms: int, nu
 
 
 def plan_launch(
-    query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata, *, num_splits: int | None = None
+    query: torch.Tensor, key: torch.Tensor, meta: AttentionMetadata, *, num_splits: int | None = None,
+    window: int | None = None,
 ) -> AttentionLaunch:
-    """The launch `paged_attention` uses by default; `num_splits` forces split-KV on (> 1) or off (1)."""
+    """The launch `paged_attention` uses by default; `num_splits` forces split-KV on (> 1) or off (1). A window
+    bounds the cached keys a sequence reads, and so the splits worth making."""
     group = query.shape[1] // key.shape[1]
     rows = meta.max_seqlen_q * group
     num_seqs, num_kv_heads = meta.cu_seqlens_q.shape[0] - 1, key.shape[1]
@@ -277,10 +290,9 @@ def plan_launch(
     # A GQA group wider than 128 rows (Dream-7B: 7 heads x 32 tokens) in one 256-row tile reads each K/V tile
     # once instead of twice. It needs 8 warps and pays only when the batch fills the GPU without splits
     # (`benchmarks/kernels.py --sections attention_sweep` compares it with 128-row tiles at batch 64).
-    # In float32 at head size 128 its tiles outgrow shared memory: 128-row tiles serve there.
     head_dim, element_size = query.shape[2], query.element_size()
-    if (num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms
-            and head_dim <= 128 and fits(WIDE, head_dim, element_size)):
+    if num_splits in (None, 1) and 128 < rows <= 256 and num_seqs * num_kv_heads >= num_sms and takes_wide(
+            head_dim, element_size):
         return WIDE
     # Otherwise one sequence's block in one tile where it fits, within an MMA-friendly tile.
     limits = TileLimits.of(head_dim, element_size)
@@ -288,7 +300,8 @@ def plan_launch(
     if num_splits is None:
         base_programs = triton.cdiv(rows, block_m) * num_seqs * num_kv_heads
         split_warps = limits.launch(block_m, num_splits=2).num_warps
-        num_splits = choose_num_splits(base_programs, meta.max_context_len, num_sms, split_warps)
+        context = meta.max_context_len if window is None else min(meta.max_context_len, window)
+        num_splits = choose_num_splits(base_programs, context, num_sms, split_warps)
     return limits.launch(block_m, num_splits)
 
 
@@ -298,7 +311,7 @@ def launch_variants(head_dim: int, element_size: int) -> tuple[AttentionLaunch, 
     of it)."""
     limits = TileLimits.of(head_dim, element_size)
     rows = [m for m in (16, 32, 64, 128) if m <= limits.max_block_m]
-    wide = head_dim <= 128 and fits(WIDE, head_dim, element_size)
+    wide = takes_wide(head_dim, element_size)
     return (*(limits.launch(m, 1) for m in rows), *(limits.launch(m, 2) for m in rows), *([WIDE] if wide else []))
 
 
@@ -317,9 +330,10 @@ class _EmptyBatch:
 
 
 def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                     device: torch.device) -> None:
+                     device: torch.device, window: int | None = None) -> None:
     """Runs every launch variant once, with and without a cache, and the merge at every power of two of splits,
-    so that no prompt length or context length compiles a kernel while requests wait."""
+    so that no prompt length or context length compiles a kernel while requests wait. A windowed layer's launches
+    are variants of their own (`window`)."""
     int32 = dict(dtype=torch.int32, device=device)
     batch = _EmptyBatch(cu_seqlens_q=torch.tensor([0, 1], **int32), context_lens=torch.zeros(1, **int32),
                         page_tables=torch.zeros(1, 1, **int32),
@@ -330,12 +344,13 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
     cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
     for launch in launch_variants(head_dim, query.element_size()):
         if launch.num_splits == 1:
-            paged_attention(query, key, key, None, None, batch, 1.0, launch=launch)
-            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch)
+            paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, window=window)
+            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch, window=window)
             continue
         splits = 2
         while splits <= max_splits(head_dim):
-            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits))
+            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits),
+                            window=window)
             splits *= 2
 
 
@@ -357,7 +372,10 @@ def paged_attention(
     out: torch.Tensor | None = None,  # [T, heads, head_dim], e.g. a CUDA graph's static buffer
     launch: AttentionLaunch | None = None,  # default: plan_launch(query, key, meta)
     kv_stored: bool = False,  # the caller already stored the in-forward K/V (rotary.rotate_and_store_kv)
-    window: int | None = None,  # a sliding window: a query of block id b sees keys at positions > b - window
+    # A sliding window: a query of block id b sees keys at positions > b - window. Every query's block id is at
+    # least its sequence's context length (DiffusionGemma's rows are), which lets the context loop start at the
+    # window of the earliest row.
+    window: int | None = None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
@@ -374,7 +392,7 @@ def paged_attention(
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    launch = plan_launch(query, key, meta) if launch is None else launch
+    launch = plan_launch(query, key, meta, window=window) if launch is None else launch
 
     has_cache = k_cache is not None
     if has_cache:

@@ -23,6 +23,8 @@ class SelfAttention(nn.Module):
     """Under tensor parallelism this rank's heads only (column-parallel q/k/v, row-parallel o_proj): the output
     is summed over ranks."""
 
+    window: int | None = None  # every key of the context is seen (DiffusionGemma's sliding layers have one)
+
     def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.tp = tp
