@@ -7,7 +7,8 @@ token per block per step, so random weights cannot change how much a step decode
   - the logits of the first decode forward against the baseline's, over the columns rank 0 holds: the largest
     absolute difference, and that over the largest baseline logit. In float32 (TF32 off on every rank) a logic
     error shows as a difference of the logits' own size, rounding as one near 1e-6;
-  - ms per decode step (engine.step, after every prompt's prefill), the median over the timed steps;
+  - ms per decode step (engine.step_deltas, after every prompt's prefill: the served model's step, whose text is
+    made on its response thread, so that detokenizing is not counted), the median over the timed steps;
   - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels on GPUs, gloo ops on a CPU);
   - the speed-up over the baseline, beside the ideal one (the size ratio: at batch 1 a step streams the weights,
     and each rank streams 1/N of them);
@@ -145,10 +146,10 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
             with clock.attached(engine):
                 ids = [engine.add_request(p, params) for p in prompts]
                 requests = [engine.requests[i] for i in ids]
-                engine.step()  # every prompt's prefill
+                engine.step_deltas()  # every prompt's prefill
                 warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
                 for _ in range(warm):
-                    engine.step()
+                    engine.step_deltas()
                 times = []
                 activities = [torch.profiler.ProfilerActivity.CPU]
                 if device.type == "cuda":
@@ -156,16 +157,16 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
                 with torch.profiler.profile(activities=activities) as profile:
                     while engine.has_unfinished_requests():
                         start = time.perf_counter()
-                        engine.step()
+                        engine.step_deltas()
                         times.append(time.perf_counter() - start)
                 # Host phases are timed apart from the profiler, which slows the host: a second request set.
                 ids = [engine.add_request(p, params) for p in prompts]
                 for _ in range(1 + warm):
-                    engine.step()
+                    engine.step_deltas()
                 clock.on, host_times = True, []
                 while engine.has_unfinished_requests():
                     start = time.perf_counter()
-                    engine.step()
+                    engine.step_deltas()
                     host_times.append(time.perf_counter() - start)
                 clock.on = False
             results[batch] = dict(
