@@ -218,9 +218,9 @@ class ModelRunner:
             from diffulex_kernels.attention import compile_launches as compile_attention
 
             # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
-            for heads, kv_heads, head_dim, window in sorted(
-                    {(a.num_heads, a.num_kv_heads, a.head_dim, a.window) for a in (l.attn for l in model.layers)},
-                    key=str):
+            layouts = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.window)
+                       for layer in model.layers}
+            for heads, kv_heads, head_dim, window in layouts:
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window)
 
     @torch.inference_mode()

@@ -238,12 +238,8 @@ class TileLimits:
     def of(head_dim: int, element_size: int) -> "TileLimits":
         if element_size >= 4:
             return TileLimits(max(16, 2048 // head_dim), 32 if head_dim <= 128 else 16, 2, wide_warps=head_dim > 128)
-        max_block_m = min(128, 128 * 128 // head_dim)
-        block_n = 64 if head_dim <= 128 else 32
-        stages = 2
-        if not fits(AttentionLaunch(max_block_m, block_n, 1, 4, stages), head_dim, element_size):
-            stages = 1
-        return TileLimits(max_block_m, block_n, stages, wide_warps=head_dim > 128)
+        return TileLimits(min(128, 128 * 128 // head_dim), 64 if head_dim <= 128 else 32, 2,
+                          wide_warps=head_dim > 128)
 
     def launch(self, block_m: int, num_splits: int) -> AttentionLaunch:
         # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which
@@ -389,6 +385,8 @@ def paged_attention(
         raise ValueError(f"paged_attention: head_dim {head_dim} is not supported {HEAD_DIMS}")
     if query.stride(-1) != 1 or key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("paged_attention: query, key and value need a contiguous head_dim")
+    if window is not None and window < 1:  # refused before anything is stored
+        raise ValueError(f"paged_attention: window must be at least 1, got {window}")
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
@@ -406,8 +404,6 @@ def paged_attention(
         page_size, cache_strides, max_context_len = 16, (0, 0, 0), 0
 
     if window is not None:
-        if window < 1:
-            raise ValueError(f"paged_attention: window must be at least 1, got {window}")
         max_context_len = min(max_context_len, window)  # the cached keys a window lets one sequence read
     num_splits = max(1, min(launch.num_splits, max_splits(head_dim), triton.cdiv(max_context_len, launch.block_n)))
     split = num_splits > 1
@@ -431,7 +427,8 @@ def paged_attention(
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, PRECISION=_precision(query), USE_PDL=use_pdl(query), num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
+        HAS_WINDOW=window is not None, PRECISION=_precision(query), USE_PDL=use_pdl(query),
+        num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:
         _merge_splits_kernel[(num_tokens, num_heads)](
