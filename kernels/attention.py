@@ -226,8 +226,8 @@ class TileLimits:
     Half types multiply on the tensor cores: the accumulator [block_m, head_dim] in float32 stays within 128
     registers a thread of four warps (128 rows at head size 128, 32 at 512), and past 128 the key tiles narrow to 32
     so that their buffers fit shared memory. float32 multiplies in float32 (`_precision`), which Hopper does on its
-    FMA units with every operand in registers: the tiles are small enough that ptxas (sm_90a) spills nothing or a
-    few hundred bytes, where a 128 x 64 tile at head size 128 spilled 150 KB a thread."""
+    FMA units with every operand in registers: the tiles are small enough that ptxas (sm_90a) spills under a
+    kilobyte a thread, where a 128 x 64 tile at head size 128 spills 150 KB (tools/attention_spills.py)."""
 
     max_block_m: int
     block_n: int
