@@ -210,8 +210,9 @@ WIDE = AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_s
 
 
 def shared_memory_bytes(launch: AttentionLaunch, head_dim: int, element_size: int) -> int:
-    """What a program's tiles take in shared memory: its Q tile and `num_stages` buffers of K and V tiles, as
-    Triton allocates them (within a few hundred bytes)."""
+    """An upper bound on what a program's tiles take in shared memory: its Q tile and `num_stages` buffers of K and
+    V tiles. Within 512 bytes of the compiler's figure for the 256-row tile, looser for smaller ones (the compiled
+    figures: tools/attention_spills.py)."""
     return element_size * head_dim * (launch.block_m + 2 * launch.block_n * launch.num_stages)
 
 
