@@ -154,9 +154,20 @@ genai-perf: setup
 # A GPU machine without a network gets the server runtime from `make gpu-runtime`, run here first, in .gpu-runtime.
 GPU_CHECK_ARGS ?=
 
-.PHONY: gpu-check gpu-runtime
+# flash-attn's Hopper kernels (attention_backend flash_attn, which `auto` takes for prompts on a GPU of compute
+# capability 9.0 or newer), and the CuTe DSL they compile with at run time, for an image with CUDA 13 torch. The
+# image already holds the rest they need (torch, einops, cuda-bindings). `make setup-gpu` installs them into the
+# GPU machine's Python (PYTHON=); `make gpu-runtime` packs them for one without a network.
+FLASH_ATTN_PACKAGES := flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 nvidia-cutlass-dsl-libs-base==4.8.1 \
+	nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 apache-tvm-ffi==0.1.15.post2 \
+	torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5
+
+.PHONY: gpu-check gpu-runtime setup-gpu
 gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 gpu-runtime: setup
-	$(BIN)/python tools/pack_gpu_runtime.py pack
+	$(BIN)/python tools/pack_gpu_runtime.py pack --flash-attn "$(FLASH_ATTN_PACKAGES)"
+
+setup-gpu:
+	$(PYTHON) -m pip install --no-deps $(FLASH_ATTN_PACKAGES)

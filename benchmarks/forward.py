@@ -188,7 +188,7 @@ class RandomWeightEngine(DiffulexEngine):
         super().__init__(model_dir, **kwargs)
 
     def _load_model(self, tp):
-        select_attention(self.prebuilt, self.config.attention_backend, self.device)
+        select_attention(self.prebuilt, self.config.attention_backend, self.device, self.dtype)
         return self.prebuilt, {}
 
 

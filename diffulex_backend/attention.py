@@ -16,12 +16,19 @@ includes the in-forward tokens of the same step, so the store may happen before 
 
 This module is the reference (torch) implementation and the CPU path. Kernels implement the same functions
 with the same metadata; `attention_backend` picks one.
+
+A forward whose sequences all start with no cached context, each a prompt that sees itself fully or causally and
+at most one block after it (a prompt's first forward, for every strategy but a block-causal prompt's), is two
+dense varlen attentions: `AttentionMetadata.dense` says how, and a dense kernel (flash_attention.py) may take it.
 """
 from __future__ import annotations
 
+import dataclasses
+import enum
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -30,6 +37,86 @@ class AttentionObserver(Protocol):
     """What a forward's attention reports its queries to, layer by layer (retention.RetentionStats)."""
 
     def add(self, query: torch.Tensor, k_cache: torch.Tensor, meta: "AttentionMetadata", scale: float) -> None: ...
+
+
+class HeadMask(enum.Enum):
+    """How a dense head's tokens see each other: all of them (block ids all equal), or those up to themselves (block
+    ids increasing)."""
+
+    FULL = "full"
+    CAUSAL = "causal"
+
+
+@dataclass(frozen=True)
+class DenseAttention:
+    """A forward with no cached context whose every sequence is a dense head (HeadMask), then at most one trailing
+    group of equal block ids (a block after its prompt) that sees the whole sequence. Two dense varlen attentions
+    compute it: the heads among themselves, and the tails over their whole sequences. Row indices and cumulative
+    lengths are host arrays; `to(device)` uploads them once per forward."""
+
+    head_mask: HeadMask
+    head_rows: np.ndarray | torch.Tensor | None  # [H] rows of the heads; None when there are no tails (every row)
+    cu_head: np.ndarray | torch.Tensor  # [B + 1] int32
+    max_head: int
+    tail_rows: np.ndarray | torch.Tensor | None  # [T - H]; None when no sequence has a tail
+    cu_tail: np.ndarray | torch.Tensor | None  # [B + 1] int32, zero-length for a sequence without a tail
+    max_tail: int
+
+    def to(self, device: torch.device) -> "DenseAttention":
+        def up(array):
+            return None if array is None else torch.from_numpy(array).to(device, non_blocking=True)
+
+        return dataclasses.replace(self, head_rows=up(self.head_rows), cu_head=up(self.cu_head),
+                                   tail_rows=up(self.tail_rows), cu_tail=up(self.cu_tail))
+
+
+def _head_of(ids: np.ndarray) -> tuple[HeadMask | None, int] | None:
+    """One sequence's dense head: (its mask, or None when one token makes it either; its length), or None when
+    the sequence's mask is not a dense head with at most one trailing group."""
+    steps = np.diff(ids)
+    if (steps < 0).any():
+        return None
+    if len(ids) == 1:
+        return None, 1
+    if not steps.any():
+        return HeadMask.FULL, len(ids)
+    if (steps > 0).all():
+        return HeadMask.CAUSAL, len(ids)
+    head = int(np.searchsorted(ids, ids[-1]))  # where the trailing group of equal ids begins
+    if head == 1:
+        return None, 1
+    head_steps = steps[:head - 1]
+    if not head_steps.any():
+        return HeadMask.FULL, head
+    if (head_steps > 0).all():
+        return HeadMask.CAUSAL, head
+    return None
+
+
+def dense_attention_of(block_ids: list[np.ndarray], max_context_len: int) -> DenseAttention | None:
+    """The forward's DenseAttention from each sequence's block ids, or None when its mask is anything else (a
+    cached context, blocks in flight, a block-causal prompt)."""
+    if max_context_len > 0:
+        return None
+    heads = [_head_of(ids) for ids in block_ids]
+    if None in heads:
+        return None
+    masks = {mask for mask, _ in heads if mask is not None}
+    if len(masks) > 1:  # one dense launch takes one mask
+        return None
+    head_mask = masks.pop() if masks else HeadMask.FULL
+    lengths = np.array([len(ids) for ids in block_ids], dtype=np.int64)
+    head_lens = np.array([length for _, length in heads], dtype=np.int64)
+    cu_head = np.concatenate([[0], np.cumsum(head_lens)]).astype(np.int32)
+    if (head_lens == lengths).all():
+        return DenseAttention(head_mask, None, cu_head, int(head_lens.max()), None, None, 0)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    row_seq = np.repeat(np.arange(len(lengths)), lengths)
+    in_head = np.arange(int(lengths.sum())) - starts[row_seq] < head_lens[row_seq]
+    tail_lens = lengths - head_lens
+    return DenseAttention(head_mask, np.flatnonzero(in_head), cu_head, int(head_lens.max()),
+                          np.flatnonzero(~in_head), np.concatenate([[0], np.cumsum(tail_lens)]).astype(np.int32),
+                          int(tail_lens.max()))
 
 
 @dataclass
@@ -46,6 +133,9 @@ class AttentionMetadata:
     context_lens_host: tuple[int, ...] = ()
     # Set on the one eager forward that measures attention for page retention (retention.py); None otherwise.
     retention_stats: AttentionObserver | None = None
+    # Set by the host on an eager forward whose mask is dense (DenseAttention); None otherwise, and always in a
+    # CUDA graph, whose kernels must serve every batch that replays it.
+    dense: DenseAttention | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -84,9 +174,11 @@ def paged_attention_reference(
     v_cache: torch.Tensor | None,
     meta: AttentionMetadata,
     scale: float,
+    *,
+    kv_stored: bool = False,  # the caller already stored the in-forward K/V
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store, then attend. One loop over sequences; everything inside is batched over tokens and heads."""
-    if k_cache is not None:
+    if k_cache is not None and not kv_stored:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     heads, kv_heads = query.shape[1], key.shape[1]
     group = heads // kv_heads

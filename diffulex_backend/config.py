@@ -22,7 +22,7 @@ QUANTIZATIONS = ("fp8",)  # the weight quantizations `quantization` names (quant
 MAX_TENSOR_PARALLEL = 64
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
-ATTENTION_BACKENDS = ("auto", "torch", "triton")
+ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # dmax_topk: DMax's mixture of the top-k tokens and the mask embedding; iter_smooth_topk: the token's own
 # embedding plus the weighted top-k embeddings (Diffulex's second token-merge mode).
 TOKEN_MERGE_MODES = ("dmax_topk", "iter_smooth_topk")
@@ -46,7 +46,9 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool | None = None  # None: on where the strategy allows it (multi_bd)
     enforce_eager: bool = False
-    attention_backend: str = "auto"  # "auto": triton kernels on GPU (head_dim 64 or 128), else torch
+    # "auto": on a GPU the Triton kernels where they take the model's head sizes, with flash-attn for prompts where
+    # it is installed and serves the model (flash_attention.py); else torch
+    attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU
     accept_threshold: float = 0.9

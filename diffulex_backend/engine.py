@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from . import strategies  # noqa: F401  (registers every strategy)
 from .config import Config
 from .kv_cache import KVCacheManager
-from .model_setup import build_runner, load_rank_model, resolve_device, resolve_dtype
+from .model_setup import attention_backend_name, build_runner, load_rank_model, resolve_device, resolve_dtype
 from .output import Detokenizer, RequestDelta, RequestOutput, StepOutput
 from .plan import SchedulerOutput
 from .profiling import StepProfiler, step_range
@@ -113,7 +113,7 @@ class DiffulexEngine:
         settings = {name: "" if getattr(config, name) is None else str(getattr(config, name))
                     for name in Config.field_names()}
         settings.update(device=str(self.device), dtype=str(self.dtype).removeprefix("torch."),
-                        num_kv_pages=str(self.kv_cache.num_pages), attention_backend="triton" if self.model.fused_kernels else "torch")
+                        num_kv_pages=str(self.kv_cache.num_pages), attention_backend=attention_backend_name(self.model))
         return settings
 
     def _load_model(self, tp: TensorParallel):

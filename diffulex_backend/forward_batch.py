@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, DenseAttention, dense_attention_of
 from .plan import SeqPlan
 
 
@@ -94,6 +94,7 @@ class ForwardBatch:
     # Soft inputs (dmax; SeqPlan.soft_ids), padded to layout.num_tokens rows with weight 0, or None.
     soft_ids: torch.Tensor | None = None  # [layout.num_tokens, K] int64
     soft_coef: torch.Tensor | None = None  # [layout.num_tokens, K + 1] float32
+    dense: DenseAttention | None = None  # the attention as two dense ones, where it is (attention.py); host arrays
 
     @functools.cached_property
     def inputs(self) -> list[torch.Tensor]:
@@ -156,6 +157,7 @@ class ForwardBatch:
             slot_mapping=batch.slot_mapping, block_ids=batch.block_ids,
             max_seqlen_q=self.max_seqlen_q, max_context_len=self.max_context_len,
             cu_seqlens_q_host=tuple(self.cu_seqlens_q.tolist()), context_lens_host=tuple(self.context_lens.tolist()),
+            dense=None if self.dense is None else self.dense.to(device),
         )
         return batch.input_ids, batch.positions, meta
 
@@ -168,9 +170,11 @@ def ranges(starts: list[int], ends: list[int]) -> torch.Tensor:
     return torch.from_numpy(np.repeat(shift, counts) + np.arange(first_out[-1]))
 
 
-def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int, pin_memory: bool) -> ForwardBatch:
+def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int, pin_memory: bool,
+                        dense: bool = False) -> ForwardBatch:
     """The batch's inputs, padded to the bucket a graph would replay it in. Page tables get as many columns as the
-    CUDA graphs take (max_model_len's pages) or more; `pin_memory` for a batch bound for a GPU."""
+    CUDA graphs take (max_model_len's pages) or more; `pin_memory` for a batch bound for a GPU; `dense` for an
+    attention that takes a dense forward apart (flash_attention.py)."""
     num_seqs = len(plans)
     counts = [p.end - p.start for p in plans]
     context_lens = [p.context_len for p in plans]
@@ -229,4 +233,5 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int
                 coef_out[first:first + p.num_tokens] = p.soft_coef
     return ForwardBatch(flat=flat, layout=layout, num_tokens=num_tokens, num_seqs=num_seqs,
                         max_seqlen_q=max(counts), max_context_len=max(context_lens), soft_ids=soft_ids,
-                        soft_coef=soft_coef)
+                        soft_coef=soft_coef,
+                        dense=dense_attention_of([p.block_ids for p in plans], max(context_lens)) if dense else None)

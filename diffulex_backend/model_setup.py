@@ -8,6 +8,7 @@ import torch
 
 from .attention import paged_attention_reference
 from .config import Config
+from .flash_attention import PromptFlashAttention, refusal as flash_refusal
 from .loader import load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
 from .quantization import has_fp8, has_fp8_experts, quantize_model
@@ -87,14 +88,35 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
     return model, {adapter.name: slot for slot, adapter in enumerate(adapters)}
 
 
-def select_attention(model, attention_backend: str, device: torch.device) -> None:
+def select_attention(model, attention_backend: str, device: torch.device, dtype: torch.dtype) -> None:
+    """Every layer's attention function for `attention_backend`. "flash_attn" takes flash-attn for prompts and
+    the Triton kernel for the rest (flash_attention.py), or refuses the model by name; "auto" takes it too where
+    the model's Triton path is taken and nothing refuses it."""
     head_dims = tuple(sorted({layer.attn.head_dim for layer in model.layers}))
-    attention_fn = resolve_attention(attention_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
+    windowed = any(layer.attn.window is not None for layer in model.layers)
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    if attention_backend == "flash_attn":
+        why = flash_refusal(capability, dtype, head_dims, windowed)
+        if why is not None:
+            raise ValueError(f"config field 'attention_backend' is 'flash_attn', {why}")
+    blocks_backend = "triton" if attention_backend == "flash_attn" else attention_backend
+    attention_fn = resolve_attention(blocks_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
+    if (attention_backend == "flash_attn" or attention_backend == "auto" and attention_fn is not
+            paged_attention_reference and flash_refusal(capability, dtype, head_dims, windowed) is None):
+        attention_fn = PromptFlashAttention(attention_fn)
     for layer in model.layers:
         layer.attn.attention_fn = attention_fn
     # Where the family has one, the Triton attention comes with the rest of its Triton path (fused norms, RoPE,
     # sampler, graphs).
     model.fused_kernels = model.FUSED_FORWARD and attention_fn is not paged_attention_reference
+
+
+def attention_backend_name(model) -> str:
+    """The backend a loaded model's attention resolved to: torch, triton or flash_attn."""
+    attention_fn = model.layers[0].attn.attention_fn
+    if attention_fn in (None, paged_attention_reference):
+        return "torch"
+    return "flash_attn" if isinstance(attention_fn, PromptFlashAttention) else "triton"
 
 
 def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
@@ -124,7 +146,7 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
 def load_rank_model(config: Config, device: torch.device, dtype: torch.dtype, tp: TensorParallel):
     """This rank's share of the model, with its adapters and attention backend. Returns (model, lora_slots)."""
     model, lora_slots = load_model_with_adapters(config, device, dtype, tp)
-    select_attention(model, config.attention_backend, device)
+    select_attention(model, config.attention_backend, device, dtype)
     return model, lora_slots
 
 

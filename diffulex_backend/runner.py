@@ -26,6 +26,7 @@ from .acceptance import AcceptanceBatch, AcceptanceRule
 from .attention import AttentionMetadata, paged_attention_reference
 from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
+from .flash_attention import PromptFlashAttention
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .layers.lora import LoraBatch
 from .lora import lora_batch
@@ -196,6 +197,8 @@ class ModelRunner:
         self.acceptance = acceptance
         self.device = device
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
+        attention_fn = model.layers[0].attn.attention_fn
+        self.dense_prompts = isinstance(attention_fn, PromptFlashAttention)  # prompts' forwards go to flash-attn
         self.shift = 1 if model.arch.shifted else 0
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; forget() drops an entry.
@@ -214,7 +217,7 @@ class ModelRunner:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
             compile_sampler(model.arch.vocab_size, dtype, device)
-        if model.layers[0].attn.attention_fn not in (None, paged_attention_reference):  # the attention kernel
+        if (attention_fn.blocks if self.dense_prompts else attention_fn) not in (None, paged_attention_reference):
             from diffulex_kernels.attention import compile_launches as compile_attention
 
             # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
@@ -222,6 +225,8 @@ class ModelRunner:
                        for layer in model.layers}
             for heads, kv_heads, head_dim, window in layouts:
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window)
+                if self.dense_prompts:
+                    attention_fn.compile(heads, kv_heads, head_dim, dtype, device)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -281,7 +286,8 @@ class ModelRunner:
             self.carry_hidden.pop(request_id, None)
 
     def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
-        return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory)
+        return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory,
+                                   dense=self.dense_prompts)
 
     def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden]
         """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows

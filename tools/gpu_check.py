@@ -98,7 +98,8 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float) 
         process = subprocess.Popen(
             [str(python), "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}",
              *section.pytest_args, *section.paths], cwd=REPOSITORY_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(KERNEL_CACHE)})
+            env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(KERNEL_CACHE),
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(KERNEL_CACHE.with_name("flash-attn"))})
         try:
             returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:

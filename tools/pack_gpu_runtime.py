@@ -3,17 +3,19 @@
 A GPU image that ships PyTorch but no Triton Inference Server can still serve this repository: the server, the
 Python backend and its stub come from the nvidia-pytriton wheel, which `make setup` installs here. Two steps:
 
-    python tools/pack_gpu_runtime.py pack [--out .gpu-runtime] [--python-version 3.12]
+    python tools/pack_gpu_runtime.py pack [--out .gpu-runtime] [--python-version 3.12] [--flash-attn "REQS"]
         Here, with the development venv: writes OUT/tritonserver.tar.xz (bin/tritonserver, backends/python/ with
         the stub of the target's Python version, lib/ = the wheel's shared libraries without libpython3*, which
         the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, py-spy, and tritonclient's
         gRPC client with what it needs beyond the image: python-rapidjson and protobuf 4; the OpenAI front's
         fastapi and uvicorn with their dependencies), downloaded with pip unless already there. tritonclient's wheel is repacked without its perf_analyzer binaries (40 MB). About
-        50 MB in all, small enough to travel with a checkout.
+        50 MB in all, small enough to travel with a checkout. With --flash-attn (as `make gpu-runtime` runs it),
+        also OUT/flash-attn/: flash-attn's Hopper kernels and the CuTe DSL they compile with, about 100 MB more.
 
     python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
         There, with the image's python3 (the one that holds torch): unpacks the server into PREFIX/tritonserver,
-        makes a venv PREFIX of the system Python with numpy 1.26.4 in it, links every entry of the image's
+        makes a venv PREFIX of the system Python with numpy 1.26.4 (and flash-attn, where packed) in it, links
+        every entry of the image's
         site-packages except numpy, scipy and scikit-learn into PREFIX/image-site, and this checkout's three import
         names (diffulex_backend, and the root's links diffulex_kernels and diffulex_client) into PREFIX/project,
         both added to the venv by a .pth file; writes
@@ -54,6 +56,8 @@ PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_5_x86
              "manylinux_2_28_x86_64", "manylinux1_x86_64", "any")
 # The image's packages that are built against numpy 2 (or are numpy), and so stay out of the stub's path.
 LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
+# flash-attn's wheels, in a folder of the runtime of their own.
+FLASH_ATTN_FOLDER = "flash-attn"
 # This checkout's packages, as its root names them for import.
 PROJECT_PACKAGES = ("diffulex_backend", "diffulex_kernels", "diffulex_client")
 
@@ -133,11 +137,29 @@ def without_binaries(wheel: Path) -> None:
     os.replace(slim, wheel)
 
 
+def download_flash_attn(out: Path, python_version: str, requirements: list[str]) -> list[Path]:
+    """flash-attn's Hopper kernels (the flash-attn-4 package and the CuTe DSL it compiles with), without their
+    dependencies the image holds (torch, einops, cuda-bindings): OUT/flash-attn, kept apart from the server's
+    runtime since it is twice its size."""
+    folder = out / FLASH_ATTN_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    platforms = [flag for platform in PLATFORMS for flag in ("--platform", platform)]
+    for requirement in requirements:
+        prefix = requirement.split("==")[0].replace("-", "_")
+        if not any(folder.glob(f"{prefix}-*.whl")):
+            subprocess.run([sys.executable, "-m", "pip", "download", "--only-binary=:all:", "--quiet", "--no-deps",
+                            "--python-version", python_version, *platforms, "-d", str(folder), requirement],
+                           check=True)
+    return sorted(folder.glob("*.whl"))
+
+
 def pack(args: argparse.Namespace) -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
     archive = pack_server(out, args.python_version)
     wheels = download_wheels(out, args.python_version)
+    if args.flash_attn:
+        wheels += download_flash_attn(out, args.python_version, args.flash_attn.split())
     (out / "python-version").write_text(args.python_version + "\n")
     total = sum(path.stat().st_size for path in [archive, *wheels])
     for path in [archive, *wheels]:
@@ -195,7 +217,7 @@ def install(args: argparse.Namespace) -> None:
     with tarfile.open(runtime / ARCHIVE) as tar:
         tar.extractall(server)
     site_packages = venv_site_packages(prefix)
-    for wheel in sorted((runtime / "wheels").glob("*.whl")):
+    for wheel in [*sorted((runtime / "wheels").glob("*.whl")), *sorted((runtime / FLASH_ATTN_FOLDER).glob("*.whl"))]:
         extract_wheel(wheel, site_packages, prefix / "bin")
     image_site = Path(args.image_site_packages or site.getsitepackages()[0]).resolve()
     linked = link_entries(image_site, prefix / "image-site",
@@ -222,8 +244,10 @@ def install(args: argparse.Namespace) -> None:
     client_command.chmod(0o755)
     check = subprocess.run([str(prefix / "bin" / "python"), "-c", (
                             "import numpy, torch, transformers, diffulex_backend, diffulex_kernels;"
+                            "from diffulex_backend.flash_attention import flash_attn_installed;"
                             "print('numpy', numpy.__version__, 'torch', torch.__version__, 'transformers', "
-                            "transformers.__version__, 'cuda', torch.cuda.is_available())")],
+                            "transformers.__version__, 'cuda', torch.cuda.is_available(), 'flash-attn', "
+                            "flash_attn_installed())")],
                            capture_output=True, text=True, check=False)
     print(f"linked {linked} entries of {image_site}; {check.stdout.strip() or check.stderr[-2000:]}")
     if check.returncode != 0:
@@ -237,6 +261,8 @@ def main(argv: list[str] | None = None) -> None:
     pack_parser = commands.add_parser("pack", help="build the runtime folder here")
     pack_parser.add_argument("--out", type=Path, default=DEFAULT_RUNTIME)
     pack_parser.add_argument("--python-version", default="3.12", help="the GPU image's Python (major.minor)")
+    pack_parser.add_argument("--flash-attn", default="", help="flash-attn's pinned requirements, space-separated "
+                             "(the Makefile's FLASH_ATTN_PACKAGES); empty: leave it out")
     install_parser = commands.add_parser("install", help="install it on the GPU machine")
     install_parser.add_argument("--runtime", type=Path, default=DEFAULT_RUNTIME)
     install_parser.add_argument("--prefix", type=Path, default=Path(tempfile.gettempdir()) / "diffulex-gpu-runtime")

@@ -47,7 +47,7 @@ from diffulex_backend.layers.moe import MoE
 from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
-from diffulex_kernels import fused_add_rmsnorm, paged_attention, rmsnorm
+from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
@@ -225,7 +225,8 @@ def _self_attention(
         # of each head passes through unrotated.
         rotate_in_place(q[..., :rotary_dim], cos, sin)
         rotate_in_place(k[..., :rotary_dim], cos, sin)
-    out = paged_attention(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)  # [T, heads, head_dim]
+    # The Triton kernel, or flash_attention.PromptFlashAttention over it: [T, heads, head_dim].
+    out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
         meta.retention_stats.add(q, k_cache, meta, attn.scale)
     out = out.reshape(tokens, q_size)

@@ -9,6 +9,7 @@ from served_model import kv_pages_used, url_for, wait_for_kv_pages_used
 from triton_server import free_ports
 
 from diffulex_backend import SamplingParams
+from diffulex_backend.flash_attention import refusal
 from diffulex_kernels.attention import HEAD_DIMS
 from diffulex_client import (
     AsyncDiffulexClient,
@@ -135,10 +136,12 @@ def test_health_reports_the_settings_the_engine_resolved(client, server, checkpo
     config = json.loads((checkpoint / "config.json").read_text())  # LLaDA's keys
     head_dim = config["d_model"] // config["n_heads"]
     kernels = device != "cpu" and head_dim in HEAD_DIMS
+    # and flash-attn for prompts where it is installed and serves the model (flash_attention.refusal)
+    flash = kernels and refusal(torch.cuda.get_device_capability(), torch.bfloat16, (head_dim,), False) is None
     assert {name: settings[name] for name in ("device", "dtype", "block_size", "model", "decoding_strategy",
                                                "attention_backend")} == {
         "device": device, "dtype": "bfloat16" if device != "cpu" else "float32", "block_size": "4",
-        "model": str(checkpoint), "decoding_strategy": "multi_bd", "attention_backend": "triton" if kernels else "torch"}
+        "model": str(checkpoint), "decoding_strategy": "multi_bd", "attention_backend": "flash_attn" if flash else "triton" if kernels else "torch"}
     assert int(settings["num_kv_pages"]) > 0 and settings["max_model_len"] == "512"
     assert int(settings["mask_token_id"]) >= 0  # unset in config.pbtxt: resolved from the checkpoint
 

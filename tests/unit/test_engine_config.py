@@ -29,7 +29,7 @@ INVALID = {
     "gpu_memory_utilization": (0.0, "a number in (0, 1]"),
     "enable_prefix_caching": ("yes", "true or false"),
     "enforce_eager": (1, "true or false"),
-    "attention_backend": ("flash", "one of ['auto', 'torch', 'triton']"),
+    "attention_backend": ("flash", "one of ['auto', 'torch', 'triton', 'flash_attn']"),
     "device": ("tpu", "'auto', 'cpu', 'cuda' or 'cuda:N'"),
     "dtype": ("int8", "one of ['auto', 'float32', 'bfloat16', 'float16', 'float64']"),
     "accept_threshold": (1.5, "a number in [0, 1]"),
@@ -122,6 +122,9 @@ WITHOUT_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="states what
                  marks=WITHOUT_CUDA),
     pytest.param(dict(attention_backend="triton"),
                  "config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU",
+                 marks=WITHOUT_CUDA),
+    pytest.param(dict(attention_backend="flash_attn"),
+                 "config field 'attention_backend' is 'flash_attn', which needs a CUDA device; use 'torch' on CPU",
                  marks=WITHOUT_CUDA),
     (dict(device="cpu", max_model_len=1024),
      "config field 'max_model_len' must be <= the model's max_position_embeddings (512), got 1024"),
@@ -219,3 +222,19 @@ def test_auto_attention_takes_the_kernels_on_a_gpu_only_for_the_head_sizes_they_
     with raises_exactly("config field 'attention_backend' is 'triton', whose kernels take head_dim "
                         "(64, 128, 256, 512); this model's is (16, 512): use 'torch' or 'auto'"):
         resolve_attention("triton", cuda, (16, 512), gemma)
+
+
+def test_flash_attn_is_refused_by_name_where_it_cannot_serve_the_model():
+    from diffulex_backend.flash_attention import refusal
+
+    bf16 = torch.bfloat16
+    assert refusal(None, bf16, (128,), False) == "which needs a CUDA device; use 'torch' on CPU"
+    assert refusal((8, 0), bf16, (128,), False) == ("whose kernels need compute capability 9.0 or newer; this GPU "
+                                                     "has 8.0")
+    assert refusal((9, 0), torch.float32, (128,), False) == ("which computes in bfloat16 or float16; this engine's "
+                                                              "dtype is float32")
+    assert refusal((9, 0), bf16, (16,), False) == "taken here at head_dim (64, 128); this model's is 16"
+    assert refusal((9, 0), bf16, (256, 512), False) == "taken here at head_dim (64, 128); this model's is (256, 512)"
+    assert refusal((9, 0), bf16, (128,), True) == ("which takes no sliding window here; this model has windowed "
+                                                    "layers")
+

@@ -1,0 +1,127 @@
+"""Time to the first response of a long prompt, per attention backend, in process, against the forward's compute
+floor, in one run.
+
+For each backend in --backends and each batch in --batches: a random-weight model of the --model shape (built on the
+device once, shared by every engine), `batch` requests of a --prompt-token random prompt, added together, each
+asking for one 32-token block decoded in one step (top-k, steps 1), so that the first step's forward (the prompts
+with their first blocks, as multi_bd feeds them) ends with every request's first response. It reports:
+  - ttft_ms: the wall time from adding the requests to that step's end, the median over --repeats rounds of fresh
+    prompts after one warm-up round;
+  - the forward's compute floor: 2 x parameters per token plus attention's 4 x heads x head_dim per (query, key)
+    pair each layer, counting the pairs the mask lets each query see, over the bf16 matmul rate measured in the run;
+  - the attention's part of that floor, and ttft over the floor.
+A backend the machine cannot run (flash_attn without the package, or on a CPU) gets a row saying why. Writes
+prefill.csv and prefill.md to --out.
+
+    python benchmarks/prefill.py --out DIR                     # GPU: LLaDA-8B, a 4096-token prompt, batches 1 and 8
+    python benchmarks/prefill.py --smoke --out DIR             # anywhere: a tiny model
+"""
+from __future__ import annotations
+
+import argparse
+import pathlib
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+
+from diffulex_backend import SamplingParams  # noqa: E402
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
+from forward import BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings, write_model_dir  # noqa: E402
+from result_table import ResultTable  # noqa: E402
+
+FIELDS = ["model", "backend", "batch", "prompt", "ttft_ms", "compute_floor_ms", "attention_floor_ms", "ttft_vs_floor",
+          "ttft_vs_first_backend", "note"]
+
+
+def first_step_flops(model, masks: list[np.ndarray]) -> tuple[float, float]:
+    """(all, attention's) flops of the first forward, from each request's block ids over its prompt and first
+    block (attention.py's mask: a query sees the keys whose block id is at most its own)."""
+    arch = model.arch
+    per_pair = 4.0 * arch.num_layers * arch.num_heads * arch.head_dim
+    pairs = sum(int(np.searchsorted(ids, ids, side="right").sum()) for ids in masks)  # block ids never decrease
+    tokens = sum(len(ids) for ids in masks)
+    return 2.0 * arch.num_params() * tokens + per_pair * pairs, per_pair * pairs
+
+
+def run(engine, batch: int, prompt: int, repeats: int, generator: torch.Generator):
+    params = SamplingParams(max_tokens=BLOCK, steps=1, ignore_eos=True)
+    times, masks = [], []
+    for _ in range(1 + repeats):  # a warm-up round first
+        prompts = [torch.randint(0, 256, (prompt,), generator=generator).tolist() for _ in range(batch)]
+        start = time.perf_counter()
+        ids = [engine.add_request(tokens, params) for tokens in prompts]
+        adding = time.perf_counter() - start
+        masks = [engine.requests[i].block_ids(np.arange(prompt + BLOCK)) for i in ids]  # untimed
+        start = time.perf_counter()
+        outputs = engine.step()
+        times.append(adding + time.perf_counter() - start)
+        answered = {out.request_id for out in outputs if out.token_ids}
+        if answered != set(ids):
+            raise RuntimeError(f"{len(answered)} of {batch} requests answered in the first step")
+        while engine.has_unfinished_requests():
+            engine.step()
+    return 1e3 * statistics.median(times[1:]), masks
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--model", default="llada-8b", choices=sorted(RELEASED_SHAPES))
+    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--backends", default="triton,flash_attn", help="attention_backend values; the first is "
+                        "the baseline")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--smoke", action="store_true", help="a tiny model, a 64-token prompt")
+    args = parser.parse_args(argv)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    plan = SMOKE if args.smoke else FULL
+    if args.smoke:
+        torch.set_num_threads(1)
+    shape = dict(SMOKE_SHAPE if args.smoke else RELEASED_SHAPES[args.model])
+    name = "smoke" if args.smoke else args.model
+    prompt, repeats = (64, 1) if args.smoke else (args.prompt, args.repeats)
+    # Random weights: a context past the released model's (LLaDA-8B's is 4096) costs what it would cost.
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    matmul_rate = measure_ceilings(device, plan).matmul_rate
+    model = random_model(**shape, dtype=dtype, device=device, seed=0)
+    args.out.mkdir(parents=True, exist_ok=True)
+    table = ResultTable("prefill", FIELDS)
+    generator = torch.Generator().manual_seed(3)
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = write_model_dir(shape, pathlib.Path(tmp) / name)
+        for batch in [int(b) for b in args.batches.split(",")]:
+            baseline = None
+            for backend in args.backends.split(","):
+                row = dict(model=name, backend=backend, batch=batch, prompt=prompt)
+                try:
+                    engine = make_engine(model, model_dir, device, plan, attention_backend=backend,
+                                         sampling_mode="topk", max_model_len=prompt + 2 * BLOCK, max_num_reqs=batch,
+                                         max_num_batched_tokens=batch * (prompt + BLOCK),
+                                         num_kv_pages=batch * -(-(prompt + 2 * BLOCK) // PAGE_SIZE) + 8)
+                except ValueError as refused:  # the backend cannot run here: the row says why
+                    table.add(**{**dict.fromkeys(FIELDS, ""), **row, "note": str(refused)})
+                    continue
+                ttft_ms, masks = run(engine, batch, prompt, repeats, generator)
+                flops, attention_flops = first_step_flops(model, masks)
+                floor_ms = 1e3 * flops / matmul_rate
+                baseline = baseline or ttft_ms
+                table.add(**row, ttft_ms=ttft_ms, compute_floor_ms=floor_ms,
+                          attention_floor_ms=1e3 * attention_flops / matmul_rate, ttft_vs_floor=ttft_ms / floor_ms,
+                          ttft_vs_first_backend=ttft_ms / baseline,
+                          note=f"{device}, {dtype}, {engine.resolved_settings()['attention_backend']} attention")
+                del engine
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                table.write(args.out, argv)  # after every row: a run cut off keeps what it measured
+    table.write(args.out, argv)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,188 @@
+"""The dense path of attention on the CPU: how the host takes a forward apart (attention.DenseAttention), the two
+dense varlen attentions that PromptFlashAttention computes from it, and whole engines that take it, token for token.
+
+flash-attn's kernel runs on a GPU only (tests/kernels/test_flash_attention_gpu.py holds it to the Triton kernel
+there). Here `varlen_reference` computes what its `flash_attn_varlen_func` computes, by its documented semantics,
+so that everything around the kernel runs as the engine runs it.
+"""
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.attention import (AttentionMetadata, HeadMask, dense_attention_of, paged_attention_reference,
+                                        store_kv)
+from diffulex_backend.flash_attention import PromptFlashAttention
+
+from engine_driver import TINY_LIMITS, run_requests
+
+
+def varlen_reference(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+    """flash-attn's varlen attention: sequence b's queries q[cu_q[b]:cu_q[b+1]] over its keys k[cu_k[b]:cu_k[b+1]],
+    all of them, or under a causal mask aligned so that the last query sees the last key."""
+    cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
+    assert max(b - a for a, b in zip(cu_q, cu_q[1:])) <= max_seqlen_q
+    assert max(b - a for a, b in zip(cu_k, cu_k[1:])) <= max_seqlen_k
+    group = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    for b in range(len(cu_q) - 1):
+        n, m = cu_q[b + 1] - cu_q[b], cu_k[b + 1] - cu_k[b]
+        if n == 0:
+            continue
+        qb = q[cu_q[b]:cu_q[b + 1]].transpose(0, 1)
+        kb = k[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(group, dim=0)
+        vb = v[cu_k[b]:cu_k[b + 1]].transpose(0, 1).repeat_interleave(group, dim=0)
+        mask = torch.arange(m)[None, :] <= torch.arange(n)[:, None] + (m - n) if causal else None
+        out[cu_q[b]:cu_q[b + 1]] = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=mask,
+                                                                  scale=softmax_scale).transpose(0, 1)
+    return out
+
+
+class CountingReference:
+    """varlen_reference, counting its calls: a test that means the dense path shows that it ran."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return varlen_reference(*args, **kwargs)
+
+
+def ids(*parts) -> np.ndarray:
+    return np.concatenate([np.asarray(part, dtype=np.int32) for part in parts])
+
+
+CAUSAL_PROMPT_AND_BLOCK = ids(np.arange(6), [6] * 4)  # multi_bd's first forward: a causal prompt, its first block
+FULL_PROMPT_AND_BLOCK = ids([0] * 5, [5] * 4)  # d2f's: a bidirectional prompt, its first block
+
+
+@pytest.mark.parametrize("block_ids, context, want", [
+    # (mask of the heads, head rows, tail rows, cu_head, cu_tail); None: not dense
+    ([ids([0] * 5), ids([0] * 3)], 0, (HeadMask.FULL, None, None, [0, 5, 8], None)),
+    ([ids(np.arange(5)), ids(np.arange(3))], 0, (HeadMask.CAUSAL, None, None, [0, 5, 8], None)),
+    ([CAUSAL_PROMPT_AND_BLOCK], 0, (HeadMask.CAUSAL, list(range(6)), [6, 7, 8, 9], [0, 6], [0, 4])),
+    ([FULL_PROMPT_AND_BLOCK, ids([0] * 2)], 0,
+     (HeadMask.FULL, [0, 1, 2, 3, 4, 9, 10], [5, 6, 7, 8], [0, 5, 7], [0, 4, 4])),
+    ([ids([0], [3] * 3), CAUSAL_PROMPT_AND_BLOCK], 0,  # a one-token head takes either mask
+     (HeadMask.CAUSAL, [0] + list(range(4, 10)), [1, 2, 3, 10, 11, 12, 13], [0, 1, 7], [0, 3, 7])),
+    ([ids([0, 0], [4, 4])], 0, (HeadMask.FULL, [0, 1], [2, 3], [0, 2], [0, 2])),  # fast_dllm_v2's two blocks
+    ([CAUSAL_PROMPT_AND_BLOCK, FULL_PROMPT_AND_BLOCK], 0, None),  # two head masks: no one launch takes both
+    ([ids([0, 0], [4, 4], [8, 8])], 0, None),  # blocks in flight: block-causal, three groups
+    ([ids(np.arange(4), [4, 4], [6, 6])], 0, None),
+    ([ids([0, 2, 1])], 0, None),  # ids that go down
+    ([ids([0] * 5)], 7, None),  # a cached context
+])
+def test_the_host_takes_a_forward_apart_into_dense_heads_and_tails(block_ids, context, want):
+    dense = dense_attention_of(block_ids, context)
+    if want is None:
+        assert dense is None
+        return
+    mask, head_rows, tail_rows, cu_head, cu_tail = want
+    assert dense.head_mask is mask
+    assert (None if dense.head_rows is None else dense.head_rows.tolist()) == head_rows
+    assert (None if dense.tail_rows is None else dense.tail_rows.tolist()) == tail_rows
+    assert dense.cu_head.tolist() == cu_head
+    assert (None if dense.cu_tail is None else dense.cu_tail.tolist()) == cu_tail
+    assert dense.max_head == max(b - a for a, b in zip(cu_head, cu_head[1:]))
+    assert dense.max_tail == (0 if cu_tail is None else max(b - a for a, b in zip(cu_tail, cu_tail[1:])))
+
+
+@pytest.mark.parametrize("block_ids", [
+    [ids([0] * 7), ids([0] * 3)],
+    [ids(np.arange(7)), ids(np.arange(2))],
+    [CAUSAL_PROMPT_AND_BLOCK, ids(np.arange(3), [3] * 4), ids([0])],
+    [FULL_PROMPT_AND_BLOCK, ids([0] * 2), ids([0, 0], [2, 2, 2])],
+], ids=["full", "causal", "causal-with-blocks", "full-with-blocks"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_two_dense_attentions_equal_the_paged_reference_and_store_the_same_cache(block_ids, heads, kv_heads):
+    torch.manual_seed(0)
+    lengths = [len(x) for x in block_ids]
+    tokens, head_dim, page_size = sum(lengths), 8, 4
+    cu = [0, *np.cumsum(lengths).tolist()]
+    pages = [-(-n // page_size) for n in lengths]
+    first_page = [0, *np.cumsum(pages).tolist()]
+    tables = torch.full((len(lengths), max(pages)), -1, dtype=torch.int32)
+    for b, n in enumerate(pages):
+        tables[b, :n] = torch.arange(first_page[b], first_page[b] + n)
+    slots = torch.cat([tables[b, torch.arange(n) // page_size].long() * page_size + torch.arange(n) % page_size
+                       for b, n in enumerate(lengths)])
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), context_lens=torch.zeros(len(lengths), dtype=torch.int32),
+        page_tables=tables, slot_mapping=slots, block_ids=torch.from_numpy(np.concatenate(block_ids)),
+        max_seqlen_q=max(lengths), max_context_len=0, cu_seqlens_q_host=tuple(cu),
+        context_lens_host=(0,) * len(lengths))
+    # q, k and v as the fused projection leaves them: strided views of one [T, q + 2 kv] product.
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.float64)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    cache_shape = (first_page[-1], page_size, kv_heads, head_dim)
+    want_k, want_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
+    want = paged_attention_reference(q, k, v, want_k, want_v, meta, 0.3)
+
+    meta.dense = dense_attention_of(block_ids, 0)
+    assert meta.dense is not None
+    dense = CountingReference()
+    attention = PromptFlashAttention(paged_attention_reference, dense=dense, store_kv=store_kv)
+    got_k, got_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
+    got = attention(q, k, v, got_k, got_v, dataclasses.replace(meta, dense=meta.dense.to(torch.device("cpu"))), 0.3)
+    assert dense.calls == (1 if meta.dense.tail_rows is None else 2)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+
+
+def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
+    calls = []
+
+    def blocks(*args, **kwargs):
+        calls.append(kwargs)
+        return "blocks"
+
+    attention = PromptFlashAttention(blocks, dense=CountingReference(), store_kv=store_kv)
+    meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 2]), context_lens=torch.tensor([4]),
+                             page_tables=torch.zeros(1, 2), slot_mapping=torch.full((2,), -1),
+                             block_ids=torch.zeros(2), max_seqlen_q=2, max_context_len=4)
+    assert attention(None, None, None, None, None, meta, 1.0, kv_stored=True) == "blocks"
+    assert calls == [{"kv_stored": True}] and attention.dense.calls == 0
+
+
+def dense_engine(path: str, dense: CountingReference, **overrides) -> Diffulex:
+    """An engine whose attention is PromptFlashAttention over the reference, with `dense` for flash-attn."""
+
+    class DenseEngine(Diffulex):
+        def _load_model(self, tp):
+            model, lora_slots = super()._load_model(tp)
+            attention = PromptFlashAttention(paged_attention_reference, dense=dense, store_kv=store_kv)
+            for layer in model.layers:
+                layer.attn.attention_fn = attention
+            return model, lora_slots
+
+    return DenseEngine(path, **{**TINY_LIMITS, **overrides})
+
+
+@pytest.mark.parametrize("family, strategy, settings", [
+    ("llada", "multi_bd", dict(buffer_size=2)),
+    ("llada", "vanilla", dict()),
+    ("llada", "fast_dllm", dict()),
+    ("dream", "d2f", dict()),
+    ("sdar", "fast_dllm_v2", dict(sub_block_size=2)),
+    ("llada", "dmax", dict()),
+])
+def test_an_engine_on_the_dense_path_decodes_the_tokens_of_the_paged_one(tiny_checkpoints, family, strategy,
+                                                                          settings):
+    prompts = ["the prompt of one request", "hi", "a third, longer prompt than the others, to chunk"]
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    settings = dict(decoding_strategy=strategy, **settings)
+    want = run_requests(Diffulex(tiny_checkpoints[family], **{**TINY_LIMITS, **settings}), prompts, params)
+    dense = CountingReference()
+    engine = dense_engine(tiny_checkpoints[family], dense, **settings)
+    got = run_requests(engine, prompts, params)
+    assert [s.token_ids for s in got] == [s.token_ids for s in want]
+    assert dense.calls > 0  # the prompts' forwards took the dense path
+    assert engine.metrics().kv_pages_used == 0  # every page back in the pool
