@@ -39,13 +39,15 @@ FIELDS = ["phase", "model", "batch", "tokens", "context", "backend", "ms", "comp
 BACKENDS = ("triton", "torch_sdpa", "flash_attn_4")
 
 
-def flash_attn_4():
-    """flash_attn.cute's varlen entry point, or None where the package is not installed."""
+def flash_attn_4(device: torch.device):
+    """(flash_attn.cute's varlen entry point, None), or (None, why it cannot run here)."""
+    if device.type != "cuda":
+        return None, "needs a CUDA device"
     try:
         from flash_attn.cute import flash_attn_varlen_func
     except ImportError:
-        return None
-    return flash_attn_varlen_func
+        return None, "not installed"
+    return flash_attn_varlen_func, None
 
 
 def prefill_case(model: ModelShape, batch: int, tokens: int, device: torch.device):
@@ -82,8 +84,9 @@ def sdpa_inputs(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int)
     return q.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
-def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int, phase: str, fa4):
-    """Per backend: (ms, output in [tokens, heads, head_dim], note)."""
+def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int, phase: str, flash_attn):
+    """Per backend: (ms, output in [tokens, heads, head_dim], note). `flash_attn`: flash_attn_4()'s pair."""
+    fa4, missing = flash_attn
     scale = model.head_dim ** -0.5
     results = {}
     q, k, v = sdpa_inputs(model, t, meta, batch)
@@ -97,7 +100,7 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     results["triton"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*args)),
                          diffulex_kernels.paged_attention(*args), "")
     if fa4 is None:
-        results["flash_attn_4"] = (float("nan"), None, "not installed")
+        results["flash_attn_4"] = (float("nan"), None, missing)
         return results
     try:
         if phase == "prefill":
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts, block_batches = ([0, 40], [1, 2]) if args.smoke else (ints(args.contexts), ints(args.block_batches))
     ceilings = measure_ceilings(device, args.smoke)
     print(device_header(device, ceilings), flush=True)
-    fa4 = flash_attn_4()
+    fa4 = flash_attn_4(device)
     args.out.mkdir(parents=True, exist_ok=True)
     table = ResultTable("attention", FIELDS)
     cases = [("prefill", m, b, n) for m, n, b in itertools.product(models, prompts, prefill_batches)]

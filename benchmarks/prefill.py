@@ -7,8 +7,9 @@ asking for one 32-token block decoded in one step (top-k, steps 1), so that the 
 with their first blocks, as multi_bd feeds them) ends with every request's first response. It reports:
   - ttft_ms: the wall time from adding the requests to that step's end, the median over --repeats rounds of fresh
     prompts after one warm-up round;
-  - the forward's compute floor: 2 x parameters per token plus attention's 4 x heads x head_dim per (query, key)
-    pair each layer, counting the pairs the mask lets each query see, over the bf16 matmul rate measured in the run;
+  - the forward's compute floor: 2 x the layers' parameters per token, 2 x the output head's per block row, and
+    attention's 4 x heads x head_dim per (query, key) pair each layer, counting the pairs the mask lets each query
+    see, over the bf16 matmul rate measured in the run;
   - the attention's part of that floor, and ttft over the floor.
 A backend the machine cannot run (flash_attn without the package, or on a CPU) gets a row saying why. Writes
 prefill.csv and prefill.md to --out.
@@ -39,12 +40,16 @@ FIELDS = ["model", "backend", "batch", "prompt", "ttft_ms", "compute_floor_ms", 
 
 def first_step_flops(model, masks: list[np.ndarray]) -> tuple[float, float]:
     """(all, attention's) flops of the first forward, from each request's block ids over its prompt and first
-    block (attention.py's mask: a query sees the keys whose block id is at most its own)."""
+    block (attention.py's mask: a query sees the keys whose block id is at most its own). Every token goes through
+    the layers' products (the embedding is a lookup); only the block's rows through the output head."""
     arch = model.arch
+    head = arch.vocab_size * arch.hidden_size
+    layers = arch.num_params() - head * (1 if arch.tie_word_embeddings else 2)
     per_pair = 4.0 * arch.num_layers * arch.num_heads * arch.head_dim
     pairs = sum(int(np.searchsorted(ids, ids, side="right").sum()) for ids in masks)  # block ids never decrease
     tokens = sum(len(ids) for ids in masks)
-    return 2.0 * arch.num_params() * tokens + per_pair * pairs, per_pair * pairs
+    attention = per_pair * pairs
+    return 2.0 * layers * tokens + 2.0 * head * BLOCK * len(masks) + attention, attention
 
 
 def run(engine, batch: int, prompt: int, repeats: int, generator: torch.Generator):

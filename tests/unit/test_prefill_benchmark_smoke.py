@@ -22,17 +22,23 @@ def test_smoke_run_reports_each_backend_or_why_it_cannot_run(tmp_path):
     assert float(ran[1]["attention_floor_ms"]) == pytest.approx(2 * float(ran[0]["attention_floor_ms"]), rel=2e-3)
     attention_share = float(ran[0]["attention_floor_ms"]) / float(ran[0]["compute_floor_ms"])
     per_pair = 4 * 2 * 4 * 16  # 2 layers, 4 heads of 16
-    assert attention_share == pytest.approx(per_pair * pairs / (per_pair * pairs + 2 * smoke_params() * 96), rel=2e-3)
+    layers, head = smoke_params()
+    flops = per_pair * pairs + 2 * layers * 96 + 2 * head * 32  # the output head for the block's rows only
+    assert attention_share == pytest.approx(per_pair * pairs / flops, rel=2e-3)
     if not torch.cuda.is_available():
         assert {r["note"] for r in rows if r["backend"] == "flash_attn"} == {
             "config field 'attention_backend' is 'flash_attn', which needs a CUDA device; use 'torch' on CPU"}
     assert (tmp_path / "prefill.md").read_text().startswith("`python benchmarks/prefill.py --smoke")
 
 
-def smoke_params() -> int:
+def smoke_params() -> tuple[int, int]:
+    """The smoke model's parameters in its layers, and in its output head (untied, as the embedding's size)."""
     from diffulex_backend.testing.checkpoint import random_model
 
     sys.path.insert(0, str(REPO / "benchmarks"))
     from forward import SMOKE_SHAPE
 
-    return random_model(**SMOKE_SHAPE).arch.num_params()
+    model = random_model(**SMOKE_SHAPE)
+    head = model.lm_head.weight.numel()
+    assert model.embed_tokens.weight.numel() == head
+    return sum(p.numel() for p in model.parameters()) - 2 * head, head
