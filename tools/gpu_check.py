@@ -15,8 +15,11 @@ A section passes when pytest passes and skips nothing: a test skipped here is a 
 check within one ten-minute command, these run on CI's CPU only: request parsing and the engine loop in process
 (no device work), tensor parallelism over gloo (CPU ranks), stub death and shutdown, and the load tests (soak, fuzz,
 hostile requests, perf_analyzer, genai-perf).
+On a machine of several GPUs the sections are shared out, longest first, and the GPUs run their shares at once,
+each section in a process that sees its GPU alone: on two H200s the four took 338 s, 315 s on one GPU and 299 s on
+the other, where one after another they would take about 615 s.
 
-    python3 tools/gpu_check.py [--runtime .gpu-runtime] [--out DIR] [--commit SHA]
+    python3 tools/gpu_check.py [--runtime .gpu-runtime] [--out DIR] [--commit SHA] [--gpus N]
 
 The table goes to docs/gpu-check.md (and OUT/gpu-check.md), with the commit it ran at: git's HEAD, or --commit
 where the checkout has no .git.
@@ -33,6 +36,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ElementTree
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -48,23 +52,33 @@ class Section:
     name: str
     paths: tuple[str, ...]
     pytest_args: tuple[str, ...] = ()
+    seconds: int = 60  # what it took on an H200, kernels compiled afresh (docs/gpu-check.md): for sharing out GPUs
 
 
 # The served path first: it is what users run, and what no other check covers.
 SECTIONS = (
     Section("served: every family and strategy, KIND_GPU, the shipped repository",
-            ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py")),
+            ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py"), seconds=153),
     # Eight workers: the kernel tests compile hundreds of variants, each on a core of its own.
     Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py"),
-            ("-n", "8")),
-    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py")),
+            ("-n", "8"), seconds=131),
+    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py"), seconds=31),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
             "test_triton_server.py", "test_thread_death.py", "test_data_parallel.py", "test_page_retention_served.py",
             "test_integer_limits.py", "test_served_logprobs.py")),
-        "tests/client/test_client.py", "tests/client/test_cli.py")),
+        "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=299),
 )
+
+
+def share_out(sections: list[Section], num_gpus: int) -> list[list[Section]]:
+    """The sections each GPU runs, in SECTIONS' order on each: the longest first to the GPU with the least so far,
+    so that the check ends about when its longest share does."""
+    shares: list[list[Section]] = [[] for _ in range(max(1, min(num_gpus, len(sections))))]
+    for section in sorted(sections, key=lambda section: -section.seconds):
+        min(shares, key=lambda share: sum(s.seconds for s in share)).append(section)
+    return [sorted(share, key=sections.index) for share in shares if share]
 
 
 @dataclass(frozen=True)
@@ -89,7 +103,7 @@ def install_runtime(runtime: Path, prefix: Path) -> Path:
     return python
 
 
-def run_section(python: Path, section: Section, log_dir: Path, deadline: float) -> Outcome:
+def run_section(python: Path, section: Section, log_dir: Path, deadline: float, gpu: str | None = None) -> Outcome:
     slug = "".join(c if c.isalnum() else "-" for c in section.name)[:40]
     junit = Path(tempfile.mkdtemp(prefix="gpu-check-")) / f"{slug}.xml"
     started = time.monotonic()
@@ -99,7 +113,8 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float) 
             [str(python), "-m", "pytest", "-v", "-rfEs", "-p", "no:cacheprovider", f"--junitxml={junit}",
              *section.pytest_args, *section.paths], cwd=REPOSITORY_ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1", "TRITON_CACHE_DIR": str(KERNEL_CACHE),
-                 "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(KERNEL_CACHE.with_name("flash-attn"))})
+                 "FLASH_ATTENTION_CUTE_DSL_CACHE_DIR": str(KERNEL_CACHE.with_name("flash-attn")),
+                 **({} if gpu is None else {"CUDA_VISIBLE_DEVICES": gpu})})
         try:
             returncode = process.wait(timeout=max(1.0, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -117,6 +132,26 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float) 
     return Outcome(section, tests, failed, skipped, returncode, seconds)
 
 
+def run_share(python: Path, share: list[Section], log_dir: Path, deadline: float, gpu: str | None) -> list[Outcome]:
+    outcomes = []
+    for section in share:
+        outcome = run_section(python, section, log_dir, deadline, gpu)
+        outcomes.append(outcome)
+        print(f"{'pass' if outcome.passed else 'FAIL'}  {outcome.seconds:5.0f} s  {outcome.tests} tests, "
+              f"{outcome.failed} failed, {outcome.skipped} skipped  {section.name}"
+              + ("" if gpu is None else f"  (GPU {gpu})"), flush=True)
+    return outcomes
+
+
+def visible_gpus(python: Path) -> list[str]:
+    """The GPUs this process may use, as CUDA_VISIBLE_DEVICES names them for a child (all of them when unset)."""
+    found = subprocess.run([str(python), "-c", "import torch; print(torch.cuda.device_count())"], capture_output=True,
+                           text=True, check=False)
+    count = int(found.stdout.strip() or 0)
+    named = os.environ.get("CUDA_VISIBLE_DEVICES")
+    return named.split(",")[:count] if named else [str(index) for index in range(count)]
+
+
 def device_line(python: Path) -> str:
     return subprocess.run([str(python), "-c", (
         "import torch, triton; print(f'{torch.cuda.get_device_name()} (torch {torch.__version__}, "
@@ -131,11 +166,13 @@ def commit_of(given: str | None) -> str:
     return found.stdout.strip() or "unknown"
 
 
-def table(outcomes: list[Outcome], commit: str, device: str) -> str:
+def table(outcomes: list[Outcome], commit: str, device: str, num_gpus: int, seconds: float) -> str:
+    """The check's table; its last row's seconds are the whole check's, from its start to its last section's end."""
+    shared = f", {num_gpus} of them sharing the sections out" if num_gpus > 1 else ""
     lines = [
         "# GPU check",
         "",
-        f"`make gpu-check` (tools/gpu_check.py) at commit {commit}, on {device}, "
+        f"`make gpu-check` (tools/gpu_check.py) at commit {commit}, on {device}{shared}, "
         f"{datetime.date.today().isoformat()}. A section passes when pytest passes and skips nothing.",
         "",
         "| what ran | tests | failed | skipped | result | seconds |",
@@ -145,10 +182,9 @@ def table(outcomes: list[Outcome], commit: str, device: str) -> str:
         paths = ", ".join(f"`{path}`" for path in out.section.paths)
         lines.append(f"| {out.section.name} ({paths}) | {out.tests} | {out.failed} | {out.skipped} | "
                      f"{'pass' if out.passed else 'FAIL'} | {out.seconds:.0f} |")
-    total = sum(out.seconds for out in outcomes)
     verdict = "pass" if outcomes and all(out.passed for out in outcomes) else "FAIL"
     lines += [f"| all | {sum(o.tests for o in outcomes)} | {sum(o.failed for o in outcomes)} | "
-              f"{sum(o.skipped for o in outcomes)} | {verdict} | {total:.0f} |", ""]
+              f"{sum(o.skipped for o in outcomes)} | {verdict} | {seconds:.0f} |", ""]
     return "\n".join(lines)
 
 
@@ -161,20 +197,26 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--only", action="append", help="run only the sections whose name holds this text "
                         "(repeatable)")
     parser.add_argument("--time-limit", type=float, default=TIME_LIMIT_S, help="seconds for all the sections")
+    parser.add_argument("--gpus", default="all", help="how many of the visible GPUs share the sections out, each "
+                        "running its share in turn (default: all of them); 1 runs them one after another")
     args = parser.parse_args(argv)
     python = install_runtime(args.runtime, args.prefix)
     log_dir = args.out or Path(tempfile.mkdtemp(prefix="gpu-check-"))
     log_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + args.time_limit
-    outcomes = []
-    for section in SECTIONS:
-        if args.only and not any(text in section.name for text in args.only):
-            continue
-        outcome = run_section(python, section, log_dir, deadline)
-        outcomes.append(outcome)
-        print(f"{'pass' if outcome.passed else 'FAIL'}  {outcome.seconds:5.0f} s  {outcome.tests} tests, "
-              f"{outcome.failed} failed, {outcome.skipped} skipped  {section.name}", flush=True)
-    report = table(outcomes, commit_of(args.commit), device_line(python))
+    started = time.monotonic()
+    deadline = started + args.time_limit
+    chosen = [section for section in SECTIONS if not args.only or any(text in section.name for text in args.only)]
+    if not chosen:
+        parser.error(f"--only {args.only} names no section")
+    gpus = visible_gpus(python)
+    shares = share_out(chosen, len(gpus) if args.gpus == "all" else min(int(args.gpus), len(gpus)))
+    # Each GPU runs its share in a thread of its own; the sections themselves are processes.
+    with ThreadPoolExecutor(len(shares)) as pool:
+        finished = pool.map(lambda index: run_share(python, shares[index], log_dir, deadline,
+                                                    gpus[index] if len(shares) > 1 else None), range(len(shares)))
+        by_section = {outcome.section: outcome for share in finished for outcome in share}
+    outcomes = [by_section[section] for section in chosen]
+    report = table(outcomes, commit_of(args.commit), device_line(python), len(shares), time.monotonic() - started)
     (REPOSITORY_ROOT / "docs" / "gpu-check.md").write_text(report)
     (log_dir / "gpu-check.md").write_text(report)
     print(report)
