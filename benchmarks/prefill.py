@@ -7,7 +7,7 @@ asking for one 32-token block decoded in one step (top-k, steps 1), so that the 
 with their first blocks, as multi_bd feeds them) ends with every request's first response. It reports:
   - ttft_ms: the wall time from adding the requests to that step's end, the median over --repeats rounds of fresh
     prompts after one warm-up round;
-  - the forward's compute floor: 2 x the layers' parameters per token, 2 x the output head's per block row, and
+  - the forward's compute floor: 2 x the layers' parameters per token (the routed experts' active ones), 2 x the output head's per block row, and
     attention's 4 x heads x head_dim per (query, key) pair each layer, counting the pairs the mask lets each query
     see, over the bf16 matmul rate measured in the run;
   - the attention's part of that floor, and ttft over the floor.
@@ -44,7 +44,8 @@ def first_step_flops(model, masks: list[np.ndarray]) -> tuple[float, float]:
     the layers' products (the embedding is a lookup); only the block's rows through the output head."""
     arch = model.arch
     head = arch.vocab_size * arch.hidden_size
-    layers = arch.num_params() - head * (1 if arch.tie_word_embeddings else 2)
+    # A mixture of experts multiplies a token by the experts it is routed to only.
+    layers = arch.num_active_params() - head * (1 if arch.tie_word_embeddings else 2)
     per_pair = 4.0 * arch.num_layers * arch.num_heads * arch.head_dim
     pairs = sum(int(np.searchsorted(ids, ids, side="right").sum()) for ids in masks)  # block ids never decrease
     tokens = sum(len(ids) for ids in masks)

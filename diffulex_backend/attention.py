@@ -71,21 +71,19 @@ class DenseAttention:
 
 
 def _head_of(ids: np.ndarray) -> tuple[HeadMask | None, int] | None:
-    """One sequence's dense head: (its mask, or None when one token makes it either; its length), or None when
-    the sequence's mask is not a dense head with at most one trailing group."""
+    """One sequence's dense head: (its mask, or None when a single token makes it either; its length), or None
+    when the sequence's mask is not a dense head with at most one trailing group."""
     steps = np.diff(ids)
     if (steps < 0).any():
         return None
-    if len(ids) == 1:
-        return None, 1
     if not steps.any():
-        return HeadMask.FULL, len(ids)
+        return (HeadMask.FULL if len(ids) > 1 else None), len(ids)
     if (steps > 0).all():
         return HeadMask.CAUSAL, len(ids)
     head = int(np.searchsorted(ids, ids[-1]))  # where the trailing group of equal ids begins
+    head_steps = steps[:head - 1]
     if head == 1:
         return None, 1
-    head_steps = steps[:head - 1]
     if not head_steps.any():
         return HeadMask.FULL, head
     if (head_steps > 0).all():

@@ -171,9 +171,9 @@ def ranges(starts: list[int], ends: list[int]) -> torch.Tensor:
 
 
 def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int, pin_memory: bool,
-                        dense: bool = False) -> ForwardBatch:
+                        find_dense: bool = False) -> ForwardBatch:
     """The batch's inputs, padded to the bucket a graph would replay it in. Page tables get as many columns as the
-    CUDA graphs take (max_model_len's pages) or more; `pin_memory` for a batch bound for a GPU; `dense` for an
+    CUDA graphs take (max_model_len's pages) or more; `pin_memory` for a batch bound for a GPU; `find_dense` for an
     attention that takes a dense forward apart (flash_attention.py)."""
     num_seqs = len(plans)
     counts = [p.end - p.start for p in plans]
@@ -231,7 +231,7 @@ def build_forward_batch(plans: list[SeqPlan], page_size: int, max_model_len: int
             if p.soft_ids is not None:
                 ids_out[first:first + p.num_tokens] = p.soft_ids
                 coef_out[first:first + p.num_tokens] = p.soft_coef
+    dense = dense_attention_of([p.block_ids for p in plans], max(context_lens)) if find_dense else None
     return ForwardBatch(flat=flat, layout=layout, num_tokens=num_tokens, num_seqs=num_seqs,
                         max_seqlen_q=max(counts), max_context_len=max(context_lens), soft_ids=soft_ids,
-                        soft_coef=soft_coef,
-                        dense=dense_attention_of([p.block_ids for p in plans], max(context_lens)) if dense else None)
+                        soft_coef=soft_coef, dense=dense)

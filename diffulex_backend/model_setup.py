@@ -95,14 +95,13 @@ def select_attention(model, attention_backend: str, device: torch.device, dtype:
     head_dims = tuple(sorted({layer.attn.head_dim for layer in model.layers}))
     windowed = any(layer.attn.window is not None for layer in model.layers)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-    if attention_backend == "flash_attn":
-        why = flash_refusal(capability, dtype, head_dims, windowed)
-        if why is not None:
-            raise ValueError(f"config field 'attention_backend' is 'flash_attn', {why}")
+    wants_flash = attention_backend in ("flash_attn", "auto")
+    why_not_flash = flash_refusal(capability, dtype, head_dims, windowed) if wants_flash else "not asked for"
+    if attention_backend == "flash_attn" and why_not_flash is not None:
+        raise ValueError(f"config field 'attention_backend' is 'flash_attn', {why_not_flash}")
     blocks_backend = "triton" if attention_backend == "flash_attn" else attention_backend
     attention_fn = resolve_attention(blocks_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
-    if (attention_backend == "flash_attn" or attention_backend == "auto" and attention_fn is not
-            paged_attention_reference and flash_refusal(capability, dtype, head_dims, windowed) is None):
+    if why_not_flash is None and attention_fn is not paged_attention_reference:
         attention_fn = PromptFlashAttention(attention_fn)
     for layer in model.layers:
         layer.attn.attention_fn = attention_fn

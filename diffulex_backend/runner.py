@@ -287,7 +287,7 @@ class ModelRunner:
 
     def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
         return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory,
-                                   dense=self.dense_prompts)
+                                   find_dense=self.dense_prompts)
 
     def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden]
         """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows

@@ -129,8 +129,14 @@ def test_an_engine_on_flash_attn_serves_prompts_beside_the_triton_one(tmp_path, 
         engine = Diffulex(str(path), attention_backend=backend, decoding_strategy=strategy, num_kv_pages=64,
                           max_model_len=512)
         assert engine.resolved_settings()["attention_backend"] == backend
+        attention, calls = engine.model.layers[0].attn.attention_fn, []
+        if backend == "flash_attn":  # every layer shares it: count the dense launches the prompts' forwards make
+            varlen = attention.varlen
+            attention.varlen = lambda *args, **kwargs: calls.append(1) or varlen(*args, **kwargs)
         outputs[backend] = [out.token_ids for out in engine.generate(prompts, params)]
         assert engine.metrics().kv_pages_used == 0
+        if backend == "flash_attn":
+            assert len(calls) >= 2  # the model's two layers, at least once
         del engine
         torch.cuda.empty_cache()
     for got, want in zip(outputs["flash_attn"], outputs["triton"]):

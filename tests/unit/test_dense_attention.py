@@ -8,6 +8,7 @@ so that everything around the kernel runs as the engine runs it.
 from __future__ import annotations
 
 import dataclasses
+import sys
 
 import numpy as np
 import pytest
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import (AttentionMetadata, HeadMask, dense_attention_of, paged_attention_reference,
                                         store_kv)
-from diffulex_backend.flash_attention import PromptFlashAttention
+from diffulex_backend.flash_attention import PromptFlashAttention, flash_attn_installed, refusal
 
 from engine_driver import TINY_LIMITS, run_requests
 
@@ -129,7 +130,7 @@ def test_two_dense_attentions_equal_the_paged_reference_and_store_the_same_cache
     meta.dense = dense_attention_of(block_ids, 0)
     assert meta.dense is not None
     dense = CountingReference()
-    attention = PromptFlashAttention(paged_attention_reference, dense=dense, store_kv=store_kv)
+    attention = PromptFlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv)
     got_k, got_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
     got = attention(q, k, v, got_k, got_v, dataclasses.replace(meta, dense=meta.dense.to(torch.device("cpu"))), 0.3)
     assert dense.calls == (1 if meta.dense.tail_rows is None else 2)
@@ -144,12 +145,12 @@ def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
         calls.append(kwargs)
         return "blocks"
 
-    attention = PromptFlashAttention(blocks, dense=CountingReference(), store_kv=store_kv)
+    attention = PromptFlashAttention(blocks, varlen=CountingReference(), store_kv=store_kv)
     meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 2]), context_lens=torch.tensor([4]),
                              page_tables=torch.zeros(1, 2), slot_mapping=torch.full((2,), -1),
                              block_ids=torch.zeros(2), max_seqlen_q=2, max_context_len=4)
     assert attention(None, None, None, None, None, meta, 1.0, kv_stored=True) == "blocks"
-    assert calls == [{"kv_stored": True}] and attention.dense.calls == 0
+    assert calls == [{"kv_stored": True}] and attention.varlen.calls == 0
 
 
 def dense_engine(path: str, dense: CountingReference, **overrides) -> Diffulex:
@@ -158,7 +159,7 @@ def dense_engine(path: str, dense: CountingReference, **overrides) -> Diffulex:
     class DenseEngine(Diffulex):
         def _load_model(self, tp):
             model, lora_slots = super()._load_model(tp)
-            attention = PromptFlashAttention(paged_attention_reference, dense=dense, store_kv=store_kv)
+            attention = PromptFlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv)
             for layer in model.layers:
                 layer.attn.attention_fn = attention
             return model, lora_slots
@@ -186,3 +187,30 @@ def test_an_engine_on_the_dense_path_decodes_the_tokens_of_the_paged_one(tiny_ch
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert dense.calls > 0  # the prompts' forwards took the dense path
     assert engine.metrics().kv_pages_used == 0  # every page back in the pool
+
+
+@pytest.fixture
+def flash_attn_package(tmp_path, monkeypatch):
+    """A `flash_attn` package of the test's making, first on the path, and no flash_attn module imported yet."""
+    for name in [name for name in sys.modules if name == "flash_attn" or name.startswith("flash_attn.")]:
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "flash_attn").mkdir()
+    return tmp_path / "flash_attn"
+
+
+def test_a_flash_attn_package_that_fails_on_import_is_a_reason_not_an_error(flash_attn_package):
+    # A flash-attn 2 built for another torch fails as its extension loads; `auto` then serves without it.
+    (flash_attn_package / "__init__.py").write_text("raise ImportError('undefined symbol: _ZN3c10')\n")
+    why = refusal((9, 0), torch.bfloat16, (128,), False)
+    assert why == ("whose package flash-attn-4 (flash_attn.cute) cannot be imported (ImportError: undefined symbol: "
+                   "_ZN3c10); see README, 'Attention backends'")
+    assert not flash_attn_installed()
+    with pytest.raises(ValueError, match="flash-attn cannot be imported: ImportError: undefined symbol"):
+        PromptFlashAttention(paged_attention_reference)
+
+
+def test_flash_attn_without_its_cute_kernels_is_not_installed(flash_attn_package):
+    (flash_attn_package / "__init__.py").write_text("")  # flash-attn 2 alone: no flash_attn.cute
+    assert refusal((9, 0), torch.bfloat16, (128,), False).startswith(
+        "whose package flash-attn-4 (flash_attn.cute) cannot be imported (ModuleNotFoundError: ")
