@@ -221,6 +221,19 @@ def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float) -
     return max(1, min(wanted, int((free - reserve_bytes) // page_bytes(model))))
 
 
+def long_prompt_setup(model: str, smoke: bool, prompt: int) -> tuple[torch.device, Plan, dict, str, torch.dtype]:
+    """(device, plan, shape, name, dtype) of a benchmark of long prompts over a random model of a released shape (a
+    tiny one on one thread with `smoke`), its context limit raised to the prompt and two blocks: random weights at
+    a context past the released model's (LLaDA-8B's is 4096) cost what they would cost."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if smoke:
+        torch.set_num_threads(1)
+    shape = dict(SMOKE_SHAPE if smoke else RELEASED_SHAPES[model])
+    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
+    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    return device, SMOKE if smoke else FULL, shape, "smoke" if smoke else model, dtype
+
+
 def make_engine(model, model_dir: str, device: torch.device, plan: Plan, **kwargs) -> RandomWeightEngine:
     settings = dict(block_size=BLOCK, page_size=PAGE_SIZE, enable_prefix_caching=False, device=str(device),
                     dtype="float32" if device.type == "cpu" else "bfloat16")

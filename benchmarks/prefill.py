@@ -31,7 +31,7 @@ import torch
 
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
-from forward import BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings, write_model_dir  # noqa: E402
+from forward import BLOCK, PAGE_SIZE, long_prompt_setup, make_engine, measure_ceilings, write_model_dir  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["model", "backend", "batch", "prompt", "ttft_ms", "compute_floor_ms", "attention_floor_ms", "ttft_vs_floor",
@@ -84,16 +84,8 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a 64-token prompt")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = SMOKE if args.smoke else FULL
-    if args.smoke:
-        torch.set_num_threads(1)
-    shape = dict(SMOKE_SHAPE if args.smoke else RELEASED_SHAPES[args.model])
-    name = "smoke" if args.smoke else args.model
     prompt, repeats = (64, 1) if args.smoke else (args.prompt, args.repeats)
-    # Random weights: a context past the released model's (LLaDA-8B's is 4096) costs what it would cost.
-    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, plan, shape, name, dtype = long_prompt_setup(args.model, args.smoke, prompt)
     matmul_rate = measure_ceilings(device, plan).matmul_rate
     model = random_model(**shape, dtype=dtype, device=device, seed=0)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -27,8 +27,8 @@ import torch
 
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
-from forward import (BLOCK, FULL, PAGE_SIZE, SMOKE, SMOKE_SHAPE, make_engine, measure_ceilings,  # noqa: E402
-                     page_bytes, synchronize, write_model_dir)
+from forward import (BLOCK, PAGE_SIZE, long_prompt_setup, make_engine, measure_ceilings, page_bytes,  # noqa: E402
+                     synchronize, write_model_dir)
 from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["model", "batch", "prompt", "retention_ratio", "kv_pages_per_request", "kv_mib_per_request", "step_ms",
@@ -74,16 +74,8 @@ def main(argv=None) -> int:
     parser.add_argument("--ratios", default="1.0,0.5,0.3")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a 256-token prompt, one timed step")
     args = parser.parse_args(argv)
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = SMOKE if args.smoke else FULL
-    if args.smoke:
-        torch.set_num_threads(1)
-    shape = dict(SMOKE_SHAPE if args.smoke else RELEASED_SHAPES[args.model])
-    name = "smoke" if args.smoke else args.model
     prompt, timed = (256, 1) if args.smoke else (args.prompt, 2 * BLOCK - 4)
-    # Random weights: a context past the released model's (LLaDA-8B's is 4096) costs what it would cost.
-    shape["max_position_embeddings"] = max(shape["max_position_embeddings"], prompt + 2 * BLOCK)
-    dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
+    device, plan, shape, name, dtype = long_prompt_setup(args.model, args.smoke, prompt)
     bandwidth = measure_ceilings(device, plan).bandwidth  # bytes moved per second, as forward.py's floors use it
     model = random_model(**shape, dtype=dtype, device=device, seed=0)
     weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
