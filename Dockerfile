@@ -25,6 +25,12 @@ RUN python3 -m pip install --no-cache-dir --index-url "${TORCH_INDEX_URL}" "torc
     && python3 -m pip install --no-cache-dir numpy==1.26.4 safetensors==0.8.0 transformers==5.17.0 tqdm==4.70.1 \
        "tritonclient[grpc]==2.51.0" fastapi==0.163.2 uvicorn==0.54.0
 
+# flash-attn's Hopper kernels, which `attention_backend` auto takes for prompts on compute capability 9.0 and newer
+# (README, "Attention backends"): the Makefile's FLASH_ATTN_PACKAGES, with what the image lacks of their dependencies.
+RUN python3 -m pip install --no-cache-dir flash-attn-4==4.0.0b36 nvidia-cutlass-dsl==4.8.1 \
+       nvidia-cutlass-dsl-libs-base==4.8.1 nvidia-cutlass-dsl-libs-core==4.8.1 nvidia-cutlass-dsl-libs-cu13==4.8.1 \
+       apache-tvm-ffi==0.1.15.post2 torch-c-dlpack-ext==0.1.5 quack-kernels==0.6.5
+
 COPY pyproject.toml setup.py README.md ./
 COPY diffulex_backend/ diffulex_backend/
 COPY kernels/ kernels/

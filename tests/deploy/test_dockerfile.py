@@ -42,3 +42,12 @@ def test_the_image_keeps_ngcs_entrypoint_and_serves_models_with_the_front_beside
 def test_local_environments_stay_out_of_the_build_context():
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".venv/", ".venv-genai-perf/", ".runtime/", ".git/"} <= set(ignored)
+
+
+def test_the_image_installs_the_flash_attn_the_makefile_pins():
+    makefile = (ROOT / "Makefile").read_text()
+    pinned = re.search(r"^FLASH_ATTN_PACKAGES := (.*?)\n\n", makefile, re.S | re.M).group(1)
+    wanted = set(pinned.replace("\\", " ").split())
+    assert len(wanted) == 8 and all("==" in package for package in wanted)
+    installed = set(re.findall(r"[\w.-]+==[\w.]+", DOCKERFILE))
+    assert wanted <= installed
