@@ -14,6 +14,8 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import (AttentionMetadata, HeadMask, dense_attention_of, paged_attention_reference,
@@ -94,15 +96,10 @@ def test_the_host_takes_a_forward_apart_into_dense_heads_and_tails(block_ids, co
     assert dense.max_tail == (0 if cu_tail is None else max(b - a for a, b in zip(cu_tail, cu_tail[1:])))
 
 
-@pytest.mark.parametrize("block_ids", [
-    [ids([0] * 7), ids([0] * 3)],
-    [ids(np.arange(7)), ids(np.arange(2))],
-    [CAUSAL_PROMPT_AND_BLOCK, ids(np.arange(3), [3] * 4), ids([0])],
-    [FULL_PROMPT_AND_BLOCK, ids([0] * 2), ids([0, 0], [2, 2, 2])],
-], ids=["full", "causal", "causal-with-blocks", "full-with-blocks"])
-@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
-def test_two_dense_attentions_equal_the_paged_reference_and_store_the_same_cache(block_ids, heads, kv_heads):
-    torch.manual_seed(0)
+def compare_with_the_paged_reference(block_ids: list[np.ndarray], heads: int, kv_heads: int, seed: int) -> int:
+    """PromptFlashAttention over the forward `block_ids` make (no cached context) against the paged reference, in
+    float64: the same output and the same cache written. Returns the dense launches it made (0: not dense)."""
+    torch.manual_seed(seed)
     lengths = [len(x) for x in block_ids]
     tokens, head_dim, page_size = sum(lengths), 8, 4
     cu = [0, *np.cumsum(lengths).tolist()]
@@ -127,15 +124,51 @@ def test_two_dense_attentions_equal_the_paged_reference_and_store_the_same_cache
     want_k, want_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
     want = paged_attention_reference(q, k, v, want_k, want_v, meta, 0.3)
 
-    meta.dense = dense_attention_of(block_ids, 0)
-    assert meta.dense is not None
-    dense = CountingReference()
-    attention = PromptFlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv)
+    dense = dense_attention_of(block_ids, 0)
+    varlen = CountingReference()
+    attention = PromptFlashAttention(paged_attention_reference, varlen=varlen, store_kv=store_kv)
     got_k, got_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
-    got = attention(q, k, v, got_k, got_v, dataclasses.replace(meta, dense=meta.dense.to(torch.device("cpu"))), 0.3)
-    assert dense.calls == (1 if meta.dense.tail_rows is None else 2)
+    meta = dataclasses.replace(meta, dense=None if dense is None else dense.to(torch.device("cpu")))
+    got = attention(q, k, v, got_k, got_v, meta, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
+    return varlen.calls
+
+
+@pytest.mark.parametrize("block_ids", [
+    [ids([0] * 7), ids([0] * 3)],
+    [ids(np.arange(7)), ids(np.arange(2))],
+    [CAUSAL_PROMPT_AND_BLOCK, ids(np.arange(3), [3] * 4), ids([0])],
+    [FULL_PROMPT_AND_BLOCK, ids([0] * 2), ids([0, 0], [2, 2, 2])],
+], ids=["full", "causal", "causal-with-blocks", "full-with-blocks"])
+@pytest.mark.parametrize("heads, kv_heads", [(4, 4), (4, 2)])
+def test_two_dense_attentions_equal_the_paged_reference_and_store_the_same_cache(block_ids, heads, kv_heads):
+    dense = dense_attention_of(block_ids, 0)
+    assert dense is not None
+    assert compare_with_the_paged_reference(block_ids, heads, kv_heads, seed=0) == (
+        1 if dense.tail_rows is None else 2)
+
+
+def sequence_block_ids():
+    """One sequence's block ids: a full or causal head, possibly gapped, with or without a trailing block; or ids
+    of any other shape (blocks in flight, ids that go down), which the host must send to the blocks kernel."""
+    head = st.one_of(st.integers(1, 9).map(lambda n: np.zeros(n, dtype=np.int32)),
+                     st.lists(st.integers(1, 3), min_size=0, max_size=8).map(
+                         lambda steps: np.cumsum([0, *steps]).astype(np.int32)))
+    with_tail = st.tuples(head, st.integers(0, 6), st.integers(1, 5)).map(
+        lambda parts: np.concatenate([parts[0], np.full(parts[1], parts[0][-1] + parts[2], dtype=np.int32)]))
+    other = st.lists(st.integers(0, 12), min_size=1, max_size=10).map(lambda x: np.array(x, dtype=np.int32))
+    blocks = st.lists(st.integers(1, 4), min_size=1, max_size=4).map(
+        lambda sizes: np.repeat(np.arange(len(sizes)) * 4, sizes).astype(np.int32))
+    return st.one_of(with_tail, other, blocks.map(np.sort))
+
+
+@settings(max_examples=300, deadline=None)
+@given(block_ids=st.lists(sequence_block_ids(), min_size=1, max_size=4), gqa=st.booleans(), seed=st.integers(0, 99))
+def test_any_forward_the_host_finds_dense_gives_the_paged_reference_s_attention(block_ids, gqa, seed):
+    dense = dense_attention_of(block_ids, 0)
+    calls = compare_with_the_paged_reference(block_ids, 4, 2 if gqa else 4, seed)
+    assert calls == (0 if dense is None else 1 if dense.tail_rows is None else 2)
 
 
 def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
