@@ -70,50 +70,52 @@ class DenseAttention:
                                    tail_rows=up(self.tail_rows), cu_tail=up(self.cu_tail))
 
 
-def _head_of(ids: np.ndarray) -> tuple[HeadMask | None, int] | None:
-    """One sequence's dense head: (its mask, or None when a single token makes it either; its length), or None
-    when the sequence's mask is not a dense head with at most one trailing group."""
-    steps = np.diff(ids)
-    if (steps < 0).any():
-        return None
-    if not steps.any():
-        return (HeadMask.FULL if len(ids) > 1 else None), len(ids)
-    if (steps > 0).all():
-        return HeadMask.CAUSAL, len(ids)
-    head = int(np.searchsorted(ids, ids[-1]))  # where the trailing group of equal ids begins
-    head_steps = steps[:head - 1]
-    if head == 1:
-        return None, 1
-    if not head_steps.any():
-        return HeadMask.FULL, head
-    if (head_steps > 0).all():
-        return HeadMask.CAUSAL, head
-    return None
+# A sequence's head, as dense_attention_of classifies it: not dense, one token (either mask), full or causal.
+_NOT_DENSE, _EITHER, _FULL, _CAUSAL = -1, 0, 1, 2
 
 
 def dense_attention_of(block_ids: list[np.ndarray], max_context_len: int) -> DenseAttention | None:
     """The forward's DenseAttention from each sequence's block ids, or None when its mask is anything else (a
-    cached context, blocks in flight, a block-causal prompt)."""
+    cached context, blocks in flight, a block-causal prompt). Whole-batch array operations, no loop over sequences:
+    it runs on the host for every forward without a cached context."""
     if max_context_len > 0:
         return None
-    heads = [_head_of(ids) for ids in block_ids]
-    if None in heads:
-        return None
-    masks = {mask for mask, _ in heads if mask is not None}
-    if len(masks) > 1:  # one dense launch takes one mask
-        return None
-    head_mask = masks.pop() if masks else HeadMask.FULL
     lengths = np.array([len(ids) for ids in block_ids], dtype=np.int64)
-    head_lens = np.array([length for _, length in heads], dtype=np.int64)
+    ids = np.concatenate(block_ids).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
+    seq = np.repeat(np.arange(len(lengths)), lengths)
+    inside = seq[1:] == seq[:-1]  # the steps between two tokens of one sequence
+    steps, step_seq = np.diff(ids)[inside], seq[:-1][inside]
+    if (steps < 0).any():
+        return None
+
+    def per_sequence(where: np.ndarray) -> np.ndarray:
+        return np.bincount(step_seq, weights=where, minlength=len(lengths)).astype(np.int64)
+
+    # Block ids never go down, so a sequence's head is its tokens below its last id, and its tail the rest.
+    below = ids < ids[starts + lengths - 1][seq]
+    head_lens = np.bincount(seq, weights=below, minlength=len(lengths)).astype(np.int64)
+    rising, in_head = steps > 0, below[1:][inside]  # a step ends in the head only if it starts there
+    head_flat, head_rising = per_sequence(~rising & in_head), per_sequence(rising & in_head)
+    all_equal, all_rising = head_lens == 0, per_sequence(rising) == lengths - 1
+    masks = np.full(len(lengths), _NOT_DENSE)
+    masks[head_flat == head_lens - 1] = _FULL
+    masks[head_rising == head_lens - 1] = _CAUSAL
+    masks[head_lens == 1] = _EITHER
+    masks[all_equal] = np.where(lengths[all_equal] > 1, _FULL, _EITHER)
+    masks[all_rising & ~all_equal] = _CAUSAL
+    head_lens[all_equal | all_rising] = lengths[all_equal | all_rising]  # no tail
+    kinds = set(masks.tolist()) - {_EITHER}
+    if _NOT_DENSE in kinds or len(kinds) > 1:  # one dense launch takes one mask
+        return None
+    head_mask = HeadMask.CAUSAL if kinds == {_CAUSAL} else HeadMask.FULL
     cu_head = np.concatenate([[0], np.cumsum(head_lens)]).astype(np.int32)
     if (head_lens == lengths).all():
         return DenseAttention(head_mask, None, cu_head, int(head_lens.max()), None, None, 0)
-    starts = np.concatenate([[0], np.cumsum(lengths)[:-1]])
-    row_seq = np.repeat(np.arange(len(lengths)), lengths)
-    in_head = np.arange(int(lengths.sum())) - starts[row_seq] < head_lens[row_seq]
+    in_head_rows = np.arange(len(ids)) - starts[seq] < head_lens[seq]
     tail_lens = lengths - head_lens
-    return DenseAttention(head_mask, np.flatnonzero(in_head), cu_head, int(head_lens.max()),
-                          np.flatnonzero(~in_head), np.concatenate([[0], np.cumsum(tail_lens)]).astype(np.int32),
+    return DenseAttention(head_mask, np.flatnonzero(in_head_rows), cu_head, int(head_lens.max()),
+                          np.flatnonzero(~in_head_rows), np.concatenate([[0], np.cumsum(tail_lens)]).astype(np.int32),
                           int(tail_lens.max()))
 
 

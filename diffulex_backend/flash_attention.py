@@ -1,20 +1,19 @@
 """attention_backend "flash_attn": flash-attn's Hopper kernel for prompts, the Triton kernel for blocks.
 
 A prompt's first forward is a dense varlen attention with no cached context (`AttentionMetadata.dense`), bound
-by the tensor cores; so is every step of vanilla, which feeds the whole sequence. There flash-attn's CuTe-DSL kernel (the flash-attn-4 package, imported as
-`flash_attn.cute`) runs within 1.2x of the compute floor on an H100-class GPU and the Triton kernel at about 2.5x
-(benchmarks/attention.py; docs/kernels.md has the table, measured on Hopper). A block over a cached context is bound by reading the
-cache, where the two are alike and the Triton kernel needs no host work per call, so it takes every other forward
-and every CUDA graph. Each forward goes wholly to one kernel, and the in-forward K/V are stored to the cache
-alike. A prompt's first forward that carries its first block too (multi_bd, d2f) is two dense attentions: the
-prompt among itself, then the block over prompt and block.
+by the tensor cores; so is every step of vanilla, which feeds the whole sequence. There flash-attn's CuTe-DSL
+kernel (the flash-attn-4 package, imported as `flash_attn.cute`) runs within 1.2x of the compute floor and the
+Triton kernel at about 2.5x (benchmarks/attention.py; docs/kernels.md has the table, measured on Hopper). A block
+over a cached context is bound by reading the cache, where the two are alike and the Triton kernel needs no host
+work per call, so it takes every other forward and every CUDA graph. Each forward goes wholly to one kernel, and
+the in-forward K/V are stored to the cache alike. A prompt's first forward that carries its first block too
+(multi_bd, d2f) is two dense attentions: the prompt among itself, then the block over prompt and block.
 
 flash-attn computes in bfloat16 and float16 only, with head sizes 64 and 128 here (those the Triton kernel takes
 too), and no sliding window.
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch

@@ -217,7 +217,8 @@ class ModelRunner:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
             compile_sampler(model.arch.vocab_size, dtype, device)
-        if (attention_fn.blocks if self.dense_prompts else attention_fn) not in (None, paged_attention_reference):
+        blocks_attention = attention_fn.blocks if self.dense_prompts else attention_fn
+        if blocks_attention not in (None, paged_attention_reference):  # the Triton kernel
             from diffulex_kernels.attention import compile_launches as compile_attention
 
             # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
