@@ -34,7 +34,7 @@ from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .profiling import step_range
 from .retention import RetentionStats, select_pages
-from .sampling import Confidence, SampleResult, greedy_over_shards, row_keys, sample_reference
+from .sampling import SampleResult, greedy_over_shards, row_keys, sample_reference
 from .upload import upload
 
 
@@ -380,10 +380,9 @@ class ModelRunner:
             model, mask = self.model, self.acceptance.mask_token_id
             if self.samples_over_shards(blocks, exact_rows=banned is not None or logprob_rows is not None):
                 logits = model.compute_logits(hidden[logit_rows], gather=False)  # [A, this rank's vocabulary]
-                if 0 <= mask - model.vocab_start < logits.shape[1]:
-                    logits[:, mask - model.vocab_start] = float("-inf")
-                result, current_logit = greedy_over_shards(logits, model.vocab_start, model.arch.vocab_size, current,
-                                                           confidence_kind, model.tp)
+                result, current_logit = greedy_over_shards(logits, model.vocab_start, model.arch.vocab_size, mask,
+                                                           current, confidence_kind, model.tp,
+                                                           use_kernel=self.use_kernels)
             else:
                 logits = model.compute_logits(hidden[logit_rows])  # [A, vocab]
                 # Predicting the mask token would leave a position masked after "accepting" it, forever.
@@ -426,15 +425,13 @@ class ModelRunner:
         return host[0], predictions, logprobs
 
     def samples_over_shards(self, blocks: list[tuple[SeqPlan, LogitBlock]], exact_rows: bool = False) -> bool:
-        """Under tensor parallelism, a step whose rows are all greedy with a confidence that per-rank maxima and
-        logsumexps give (prob, margin) samples from each rank's share of the logits: gathering the whole rows
-        would move rows x vocabulary values a step, 0.5 GB in float32 at 1024 rows of LLaDA's 126464. Strategies
-        that feed predictions back (dmax) read the whole rows, and so does a step with `exact_rows`: one that bans
-        tokens (min_tokens) or returns log-probabilities."""
+        """Under tensor parallelism, a step whose rows are all greedy samples from each rank's share of the logits:
+        gathering the whole rows would move rows x vocabulary values a step, 0.5 GB in float32 at 1024 rows of
+        LLaDA's 126464. Strategies that feed predictions back (dmax) read the whole rows, and so does a step with
+        `exact_rows`: one that bans tokens (min_tokens) or returns log-probabilities."""
         if self.model.tp.size == 1 or self.token_merge is not None or exact_rows:
             return False
-        return all(p.sampling.temperature == 0 and p.sampling.confidence_kind != Confidence.NEG_ENTROPY
-                   for p, _ in blocks)
+        return all(p.sampling.temperature == 0 for p, _ in blocks)
 
     def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:

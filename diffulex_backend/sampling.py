@@ -219,42 +219,59 @@ def greedy_over_shards(
     logits: torch.Tensor,  # [N, C]: this rank's columns of the vocabulary, from vocab_start (padding past vocab_size)
     vocab_start: int,
     vocab_size: int,
+    mask_token_id: int,  # never predicted: its logit reads as -inf
     current: torch.Tensor,  # [N] int64: each row's current token, whose logit the acceptance rule reads
-    confidence_kind: torch.Tensor,  # [N] int64: PROB or MARGIN
+    confidence_kind: torch.Tensor,  # [N] int64 Confidence values
     tp,  # tensor_parallel.TensorParallel
+    *,
+    use_kernel: bool,
 ) -> tuple[SampleResult, torch.Tensor]:
     """sample_reference for greedy rows whose vocabulary is split over tensor-parallel ranks, and each row's logit
-    of its current token, from one all-gather of six numbers a row per rank instead of the rows' whole logits:
-    each rank's best two logits with their ids, its logsumexp, and the current token's logit where it holds it.
-    Ties go to the lower token id, as argmax over the whole row does."""
+    of its current token (-inf for the mask token), from one all-gather of a few numbers a row per rank instead of
+    the rows' whole logits: each rank's best two logits with the first one's id, its logsumexp and entropy term, and
+    the current token's logit where it holds it. Ties go to the lower token id, as argmax over the whole row does.
+    On CUDA two kernels (diffulex_kernels.sampling's shard_stats, merge_shard_stats) stand around the all-gather;
+    the tensor ops here are their reference."""
+    columns = logits.shape[1]
+    held = min(columns, vocab_size - vocab_start)  # the last rank's columns past it are the head's padding rows
+    mask_column = mask_token_id - vocab_start if 0 <= mask_token_id - vocab_start < held else -1
+    if use_kernel:
+        from diffulex_kernels.sampling import merge_shard_stats, shard_stats
+
+        stats = shard_stats(logits, current, vocab_start, held, mask_column)
+        merged, current_logit = merge_shard_stats(tp.gather(stats).flatten(0, 1), confidence_kind, tp.size)
+        return SampleResult(*merged), current_logit
     work = torch.promote_types(logits.dtype, torch.float32)
     local = logits.to(work)
-    columns = local.shape[1]
-    held = min(columns, vocab_size - vocab_start)
-    if held < columns:
-        local = local.clone()
-        local[:, held:] = float("-inf")  # the last rank's padding rows of the head
-    top = local.topk(2, dim=-1)  # [N, 2]
+    if held < columns or mask_column >= 0:
+        local = local.clone() if local is logits else local
+        local[:, held:] = float("-inf")
+        if mask_column >= 0:
+            local[:, mask_column] = float("-inf")
+    top1_local, top1_index = local.max(dim=-1)  # the first maximum: the lowest id among equals
+    top2_local = local.topk(2, dim=-1).values[:, 1]
     owner = (current >= vocab_start) & (current < vocab_start + held)
     current_logit = local.gather(1, (current - vocab_start).clamp(0, held - 1)[:, None]).squeeze(1)
+    local_lse = torch.logsumexp(local, dim=-1)
+    q = torch.exp(local - local_lse[:, None])
     # Token ids travel as floats: exact up to 2^24, far past any vocabulary.
-    stats = torch.stack([top.values[:, 0], top.values[:, 1], (top.indices[:, 0] + vocab_start).to(work),
-                         (top.indices[:, 1] + vocab_start).to(work), torch.logsumexp(local, dim=-1),
+    stats = torch.stack([top1_local, top2_local, (top1_index + vocab_start).to(work),
+                         local_lse, torch.special.xlogy(q, q).sum(-1),
                          torch.where(owner, current_logit, 0)], dim=1)  # [N, 6]
-    everyone = torch.stack(tp.gather(stats))  # [ranks, N, 6]
-    rows = everyone.shape[1]
-    values = everyone[:, :, 0:2].permute(1, 0, 2).reshape(rows, -1)  # [N, 2 * ranks]
-    ids = everyone[:, :, 2:4].permute(1, 0, 2).reshape(rows, -1)
-    # The best two of the candidates, by value, then by the lower id: a stable sort by id, then by value.
-    by_id = ids.argsort(dim=-1, stable=True)
-    order = values.gather(1, by_id).argsort(dim=-1, descending=True, stable=True)
-    best = by_id.gather(1, order[:, :2])  # [N, 2] indices into the candidates
-    best_values, best_ids = values.gather(1, best), ids.gather(1, best)
-    lse = torch.logsumexp(everyone[:, :, 4], dim=0)
-    probs = torch.exp(best_values - lse[:, None])
-    confidence = torch.where(confidence_kind == Confidence.MARGIN, probs[:, 0] - probs[:, 1], probs[:, 0])
-    result = SampleResult(tokens=best_ids[:, 0].to(torch.int64), confidence=confidence, logsumexp=lse)
-    return result, everyone[:, :, 5].sum(0)
+    everyone = tp.gather(stats)  # [ranks, N, 6]
+    # The first maximum over ranks is the lowest id among the best, since rank r's ids precede rank r + 1's.
+    top1, winner = everyone[:, :, 0].max(dim=0)
+    runners_up = everyone[:, :, 0].scatter(0, winner[None], float("-inf"))
+    top2 = torch.maximum(everyone[:, :, 1].max(dim=0).values, runners_up.max(dim=0).values)
+    tokens = everyone[:, :, 2].gather(0, winner[None]).squeeze(0).to(torch.int64)
+    lse = torch.logsumexp(everyone[:, :, 3], dim=0)
+    # sum p log p over the row, from each rank's sum of q log q over its share (q = p scaled by exp(lse - rank's lse))
+    weight = torch.exp(everyone[:, :, 3] - lse)
+    neg_entropy = (weight * (everyone[:, :, 4] + everyone[:, :, 3] - lse)).sum(0)
+    p1, p2 = torch.exp(top1 - lse), torch.exp(top2 - lse)
+    confidence = torch.where(confidence_kind == Confidence.PROB, p1,
+                             torch.where(confidence_kind == Confidence.MARGIN, p1 - p2, neg_entropy))
+    return SampleResult(tokens=tokens, confidence=confidence, logsumexp=lse), everyone[:, :, 5].sum(0)
 
 
 def _filter_top_k_top_p(scaled: torch.Tensor, top_k: torch.Tensor | None, top_p: torch.Tensor | None) -> torch.Tensor:

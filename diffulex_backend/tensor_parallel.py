@@ -68,17 +68,20 @@ class TensorParallel:
             self.group.allreduce([tensor], options).wait()
         return tensor
 
-    def gather(self, tensor: torch.Tensor) -> list[torch.Tensor]:
-        """Every rank's `tensor` (same shape on each), rank 0's first."""
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[size, *shape]: every rank's `tensor` (same shape on each), rank 0's first, in one collective into one
+        buffer."""
         if self.size == 1:
-            return [tensor]
-        parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        self.group.allgather([parts], [tensor.contiguous()]).wait()
-        return parts
+            return tensor[None]
+        out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
+        self.group._allgather_base(out, tensor.contiguous()).wait()
+        return out.view(self.size, *tensor.shape)
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """[N, C] on each rank -> [N, size * C], rank 0's columns first."""
-        return tensor if self.size == 1 else torch.cat(self.gather(tensor), dim=1)
+        if self.size == 1:
+            return tensor
+        return self.gather(tensor).permute(1, 0, 2).reshape(tensor.shape[0], -1)
 
 
 def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:

@@ -107,21 +107,61 @@ def _mix32(x):
 
 
 @triton.jit
+def _confidence(kind, token_logit, top1, top2, run_max, run_sum, run_ent):
+    """A row's confidence measure of the kind it asks for, and its logsumexp, from its whole-vocabulary statistics."""
+    lse2 = run_max + tl.log2(run_sum)
+    prob = tl.exp2(token_logit * LOG2_E - lse2)
+    margin = tl.exp2(top1 * LOG2_E - lse2) - tl.exp2(top2 * LOG2_E - lse2)
+    neg_entropy = LN_2 * (run_ent / run_sum - tl.log2(run_sum))
+    confidence = tl.where(kind == PROB, prob, tl.where(kind == MARGIN, margin, neg_entropy))
+    return confidence, lse2 * LN_2
+
+
+@triton.jit
 def _finish_row(
     row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
     run_max, run_sum, run_ent, top1, top2, token,
 ):
     """The row's confidence measure and logsumexp from its whole-vocabulary statistics, and its token."""
-    lse2 = run_max + tl.log2(run_sum)
     token_logit = tl.load(row_ptr + token).to(tl.float32)
-    prob = tl.exp2(token_logit * LOG2_E - lse2)
-    margin = tl.exp2(top1 * LOG2_E - lse2) - tl.exp2(top2 * LOG2_E - lse2)
-    neg_entropy = LN_2 * (run_ent / run_sum - tl.log2(run_sum))
-    kind = tl.load(kind_ptr + row)
-    confidence = tl.where(kind == PROB, prob, tl.where(kind == MARGIN, margin, neg_entropy))
+    confidence, logsumexp = _confidence(tl.load(kind_ptr + row), token_logit, top1, top2, run_max, run_sum, run_ent)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(confidence_ptr + row, confidence)
-    tl.store(logsumexp_ptr + row, lse2 * LN_2)
+    tl.store(logsumexp_ptr + row, logsumexp)
+
+
+@triton.jit
+def _add_tile(x, offsets, start, run_max, run_sum, run_ent, top1, top1_index, top2):
+    """The running statistics after one more tile `x` of a row (entries start + offsets): the online softmax in
+    base 2 with its entropy accumulator, and the top-2 logits with the first argmax."""
+    tile_top1, tile_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    tile_top2 = tl.max(tl.where(offsets == tile_arg, float("-inf"), x), axis=0)
+    top2 = tl.maximum(tl.maximum(top2, tile_top2), tl.minimum(top1, tile_top1))
+    top1_index = tl.where(tile_top1 > top1, start + tile_arg, top1_index)  # strict: the first max wins
+    top1 = tl.maximum(top1, tile_top1)
+
+    y = x * LOG2_E
+    new_max = tl.maximum(run_max, tile_top1 * LOG2_E)
+    alpha = tl.exp2(run_max - new_max)
+    p = tl.exp2(y - new_max)
+    # Shifting the reference point of the entropy terms by (run_max - new_max) adds that times the sum.
+    run_ent = alpha * (run_ent + (run_max - new_max) * run_sum) + tl.sum(tl.where(p > 0, p * (y - new_max), 0.0), axis=0)
+    run_sum = run_sum * alpha + tl.sum(p, axis=0)
+    return new_max, run_sum, run_ent, top1, top1_index, top2
+
+
+@triton.jit
+def _merge_parts(part_max, part_sum, part_ent, part_top1, part_top2, parts):
+    """A row's statistics from those of its parts (chunks of its vocabulary, in vocabulary order), as one program's
+    loop over them would find; with the part that holds the first maximum."""
+    run_max = tl.max(part_max, axis=0)
+    weight = tl.exp2(part_max - run_max)
+    run_sum = tl.sum(part_sum * weight, axis=0)
+    run_ent = tl.sum(weight * (part_ent + (part_max - run_max) * part_sum), axis=0)
+    # Ties go to the earliest part, as they go to the earliest tile inside one.
+    top1, top1_part = tl.max(part_top1, axis=0, return_indices=True, return_indices_tie_break_left=True)
+    top2 = tl.maximum(tl.max(part_top2, axis=0), tl.max(tl.where(parts == top1_part, float("-inf"), part_top1), axis=0))
+    return run_max, run_sum, run_ent, top1, top1_part, top2
 
 
 @triton.jit
@@ -157,20 +197,8 @@ def _sample_and_confidence_kernel(
         x = next_tile.to(tl.float32)  # [BLOCK_V]
         next_tile = tl.load(row_ptr + BLOCK_V + index, mask=index + BLOCK_V < chunk_end, other=float("-inf"))
 
-        tile_top1, tile_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
-        tile_top2 = tl.max(tl.where(offsets == tile_arg, float("-inf"), x), axis=0)
-        top2 = tl.maximum(tl.maximum(top2, tile_top2), tl.minimum(top1, tile_top1))
-        top1_index = tl.where(tile_top1 > top1, start + tile_arg, top1_index)  # strict: the first max wins
-        top1 = tl.maximum(top1, tile_top1)
-
-        y = x * LOG2_E
-        new_max = tl.maximum(run_max, tile_top1 * LOG2_E)
-        alpha = tl.exp2(run_max - new_max)
-        p = tl.exp2(y - new_max)
-        # Shifting the reference point of the entropy terms by (run_max - new_max) adds that times the sum.
-        run_ent = alpha * (run_ent + (run_max - new_max) * run_sum) + tl.sum(tl.where(p > 0, p * (y - new_max), 0.0), axis=0)
-        run_sum = run_sum * alpha + tl.sum(p, axis=0)
-        run_max = new_max
+        run_max, run_sum, run_ent, top1, top1_index, top2 = _add_tile(
+            x, offsets, start, run_max, run_sum, run_ent, top1, top1_index, top2)
 
         if sampled:
             noise_hash = _mix32(key ^ _mix32(index.to(tl.uint32)))
@@ -217,13 +245,8 @@ def _merge_chunks_kernel(
     chunk_top2 = tl.load(stats_ptr + 4, mask=valid, other=float("-inf"))
     chunk_best = tl.load(stats_ptr + 5, mask=valid, other=float("-inf"))
 
-    run_max = tl.max(chunk_max, axis=0)
-    weight = tl.exp2(chunk_max - run_max)  # [CHUNKS]
-    run_sum = tl.sum(chunk_sum * weight, axis=0)
-    run_ent = tl.sum(weight * (chunk_ent + (chunk_max - run_max) * chunk_sum), axis=0)
-    # Ties go to the earliest chunk, as they go to the earliest tile inside one.
-    top1, top1_chunk = tl.max(chunk_top1, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    top2 = tl.maximum(tl.max(chunk_top2, axis=0), tl.max(tl.where(chunks == top1_chunk, float("-inf"), chunk_top1), axis=0))
+    run_max, run_sum, run_ent, top1, top1_chunk, top2 = _merge_parts(
+        chunk_max, chunk_sum, chunk_ent, chunk_top1, chunk_top2, chunks)
     _, best_chunk = tl.max(chunk_best, axis=0, return_indices=True, return_indices_tie_break_left=True)
     sampled = tl.load(temperature_ptr + row) > 0
     token_chunk = tl.where(sampled, best_chunk, top1_chunk)
@@ -275,3 +298,134 @@ def sample_and_confidence(
             CHUNKS=triton.next_power_of_2(num_chunks), STATS=NUM_STATS,
         )
     return out
+
+
+# The statistics of one (row, chunk) of a rank's share of the vocabulary, in the order of shard_stats' last
+# dimension: those a merge needs, the chunk's first argmax as a vocabulary id (a float: exact up to 2^24, far past
+# any vocabulary), and the logit of the row's current token where the chunk holds it (0 elsewhere, so the merge sums).
+NUM_SHARD_STATS = 7  # base-2 max, sum of exponentials, entropy accumulator, top-1, top-2, top-1 id, current logit
+# Programs a shard_stats launch aims for: about two per multiprocessor of an H100 or H200 (132). A constant, not the
+# device's count: every rank must cut its share into as many chunks for the all-gather between them.
+SHARD_PROGRAMS = 256
+
+
+def shard_launch(num_rows: int, columns: int) -> tuple[int, int, int]:
+    """(tile width, entries per chunk, chunks) for rows of `columns` entries, from their sizes alone."""
+    tiles = triton.cdiv(columns, 4096)
+    launch = SamplerLaunch(block_v=4096, num_warps=4,
+                           num_chunks=max(1, min(tiles, MAX_CHUNKS, triton.cdiv(SHARD_PROGRAMS, max(1, num_rows)))))
+    return chunk_layout(columns, launch)
+
+
+@triton.jit
+def _shard_stats_kernel(
+    logits_ptr, current_ptr, stats_ptr, stride_row, held, chunk_size, vocab_start, mask_column,
+    BLOCK_V: tl.constexpr, STATS: tl.constexpr,
+):
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    row_ptr = logits_ptr + row.to(tl.int64) * stride_row
+    chunk_begin = chunk * chunk_size
+    chunk_end = tl.minimum(held, chunk_begin + chunk_size)
+    offsets = tl.arange(0, BLOCK_V)
+    run_max = -1.0e30
+    run_sum = 0.0
+    run_ent = 0.0
+    top1 = float("-inf")
+    top1_index = 0
+    top2 = float("-inf")
+    for start in range(chunk_begin, chunk_end, BLOCK_V):
+        index = start + offsets
+        x = tl.load(row_ptr + index, mask=index < chunk_end, other=float("-inf")).to(tl.float32)
+        x = tl.where(index == mask_column, float("-inf"), x)
+        run_max, run_sum, run_ent, top1, top1_index, top2 = _add_tile(
+            x, offsets, start, run_max, run_sum, run_ent, top1, top1_index, top2)
+    current = tl.load(current_ptr + row) - vocab_start
+    here = (current >= chunk_begin) & (current < chunk_end)
+    current_logit = tl.load(row_ptr + current, mask=here, other=0.0).to(tl.float32)
+    current_logit = tl.where(here & (current == mask_column), float("-inf"), current_logit)
+    out = stats_ptr + (row * tl.num_programs(1) + chunk) * STATS
+    tl.store(out + 0, run_max)
+    tl.store(out + 1, run_sum)
+    tl.store(out + 2, run_ent)
+    tl.store(out + 3, top1)
+    tl.store(out + 4, top2)
+    tl.store(out + 5, (top1_index + vocab_start).to(tl.float32))
+    tl.store(out + 6, current_logit)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_parts"])
+def _merge_shards_kernel(
+    stats_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr, current_logit_ptr,
+    num_rows, chunks_per_rank, num_parts,
+    PARTS: tl.constexpr, STATS: tl.constexpr,
+):
+    """One program per row: every rank's chunks, in vocabulary order (rank by rank), combined into the row's token,
+    confidence, logsumexp and current token's logit."""
+    row = tl.program_id(0)
+    parts = tl.arange(0, PARTS)
+    valid = parts < num_parts
+    rank = parts // chunks_per_rank
+    ptr = stats_ptr + ((rank * num_rows + row) * chunks_per_rank + parts % chunks_per_rank) * STATS
+    part_max = tl.load(ptr + 0, mask=valid, other=-1.0e30)
+    part_sum = tl.load(ptr + 1, mask=valid, other=0.0)
+    part_ent = tl.load(ptr + 2, mask=valid, other=0.0)
+    part_top1 = tl.load(ptr + 3, mask=valid, other=float("-inf"))
+    part_top2 = tl.load(ptr + 4, mask=valid, other=float("-inf"))
+    part_index = tl.load(ptr + 5, mask=valid, other=0.0)
+    part_current = tl.load(ptr + 6, mask=valid, other=0.0)
+    run_max, run_sum, run_ent, top1, top1_part, top2 = _merge_parts(
+        part_max, part_sum, part_ent, part_top1, part_top2, parts)
+    token = tl.sum(tl.where(parts == top1_part, part_index, 0.0), axis=0)
+    confidence, logsumexp = _confidence(tl.load(kind_ptr + row), top1, top1, top2, run_max, run_sum, run_ent)
+    tl.store(tokens_ptr + row, token.to(tl.int64))
+    tl.store(confidence_ptr + row, confidence)
+    tl.store(logsumexp_ptr + row, logsumexp)
+    tl.store(current_logit_ptr + row, tl.sum(part_current, axis=0))
+
+
+def shard_stats(
+    logits: torch.Tensor,  # [N, C]: one rank's columns of the vocabulary, from vocab_start
+    current: torch.Tensor,  # [N] int64: each row's current token (a vocabulary id)
+    vocab_start: int,
+    held: int,  # columns that hold vocabulary entries; the rest are the last rank's padding
+    mask_column: int,  # a column read as -inf (the mask token's), or -1
+) -> torch.Tensor:
+    """[N, chunks, NUM_SHARD_STATS] float32: a greedy row's statistics over this rank's share, for merge_shard_stats
+    after an all-gather. The chunk count depends on N and C alone, the same on every rank."""
+    num_rows, columns = logits.shape
+    if logits.stride(1) != 1:
+        raise ValueError("shard_stats: logits need a contiguous vocabulary dimension")
+    block_v, chunk_size, num_chunks = shard_launch(num_rows, columns)
+    stats = torch.empty(num_rows, num_chunks, NUM_SHARD_STATS, dtype=torch.float32, device=logits.device)
+    if num_rows:
+        _shard_stats_kernel[(num_rows, num_chunks)](
+            logits, current, stats, logits.stride(0), held, chunk_size, vocab_start, mask_column,
+            BLOCK_V=block_v, STATS=NUM_SHARD_STATS, num_warps=4,
+        )
+    return stats
+
+
+def merge_shard_stats(
+    gathered: torch.Tensor,  # [ranks * N, chunks, NUM_SHARD_STATS]: every rank's shard_stats, rank 0's first
+    confidence_kind: torch.Tensor,  # [N] int64, one of the CONFIDENCE_* values
+    num_ranks: int,
+) -> tuple[SamplerOutput, torch.Tensor]:
+    """The greedy rows' token, confidence and logsumexp over the whole vocabulary, as sample_and_confidence gives
+    them from whole rows, and [N] float32 the logit of each row's current token."""
+    num_rows = gathered.shape[0] // num_ranks
+    chunks = gathered.shape[1]
+    device = gathered.device
+    out = SamplerOutput(
+        tokens=torch.empty(num_rows, dtype=torch.int64, device=device),
+        confidence=torch.empty(num_rows, dtype=torch.float32, device=device),
+        logsumexp=torch.empty(num_rows, dtype=torch.float32, device=device),
+    )
+    current_logit = torch.empty(num_rows, dtype=torch.float32, device=device)
+    if num_rows:
+        _merge_shards_kernel[(num_rows,)](
+            gathered, confidence_kind, out.tokens, out.confidence, out.logsumexp, current_logit,
+            num_rows, chunks, num_ranks * chunks,
+            PARTS=triton.next_power_of_2(num_ranks * chunks), STATS=NUM_SHARD_STATS,
+        )
+    return out, current_logit

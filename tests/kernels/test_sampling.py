@@ -175,3 +175,57 @@ def test_few_rows_are_cut_into_chunks_that_fill_the_gpu(vocab):
     assert all(chunks[rows] == 1 for rows in launches if rows >= num_sms)
     assert all(rows * chunks[rows] >= num_sms or chunks[rows] == tiles for rows in launches if rows < num_sms)
     assert len({compiled_variant(vocab, launch) for launch in launches.values()}) <= 7
+
+
+def shard_merge(logits: torch.Tensor, current: torch.Tensor, kinds: torch.Tensor, ranks: int, mask: int):
+    """What `greedy_over_shards` computes on CUDA: each rank's shard_stats over its share (the last one padded
+    past the vocabulary with rows no id reaches), stacked as the all-gather stacks them, then merged."""
+    vocab = logits.shape[1]
+    columns = -(-vocab // ranks)
+    padded = torch.cat([logits, torch.full((logits.shape[0], columns * ranks - vocab), 7.0, device=DEVICE,
+                                           dtype=logits.dtype)], dim=1)  # padding above every logit: it must not count
+    parts = []
+    for rank in range(ranks):
+        start = rank * columns
+        held = min(columns, vocab - start)
+        mask_column = mask - start if 0 <= mask - start < held else -1
+        parts.append(kernel_sampling.shard_stats(padded[:, start:start + columns].contiguous(), current, start, held,
+                                                 mask_column))
+    return kernel_sampling.merge_shard_stats(torch.cat(parts), kinds, ranks)
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_greedy_rows_merged_over_ranks_shares_match_the_reference_on_whole_rows(ranks, dtype):
+    vocab = VOCABS[0] if FULL_SHAPES else 1001
+    logits = (randn(NUM_ROWS, vocab, dtype=torch.float32, gen=generator(ranks)) * 3).to(dtype)
+    mask = vocab // 2 + 3
+    # Ties across a rank's boundary and within a rank: the lower id wins, as argmax over the whole row does.
+    boundary = -(-vocab // ranks) if ranks > 1 else vocab // 3  # rank 1's first id
+    logits[0, [boundary - 1, boundary, vocab - 1]] = 50
+    logits[1, [5, 9]] = 50
+    logits[2, mask] = 60  # the mask token's logit is the row's largest, and never chosen
+    gen = generator(ranks + 100)
+    current = torch.randint(0, vocab, (NUM_ROWS,), generator=gen, device=DEVICE)
+    current[:3] = mask
+    current[3] = vocab - 1
+    kinds = cycled([int(k) for k in Confidence], NUM_ROWS)
+    out, current_logit = shard_merge(logits, current, kinds, ranks, mask)
+
+    whole = logits.float().clone()
+    whole[:, mask] = float("-inf")
+    zeros = torch.zeros(NUM_ROWS, device=DEVICE)
+    ref = sample_reference(whole, zeros, zeros.long(), kinds)
+    assert_same_result(out, ref)
+    assert out.tokens[0] == boundary - 1 and out.tokens[1] == 5 and out.tokens[2] != mask
+    assert torch.equal(current_logit, whole.gather(1, current[:, None]).squeeze(1))  # -inf for the mask token
+
+
+def test_shard_chunks_depend_on_the_sizes_alone():
+    """Every rank cuts its share into as many chunks, whatever its device, for the all-gather between them."""
+    assert kernel_sampling.shard_launch(1, 63232) == (4096, 4096, 16)
+    assert kernel_sampling.shard_launch(32, 63232) == (4096, 8192, 8)
+    assert kernel_sampling.shard_launch(512, 63232)[2] == 1
+    stats = kernel_sampling.shard_stats(torch.zeros(3, 9000, device=DEVICE), torch.zeros(3, dtype=torch.int64,
+                                                                                           device=DEVICE), 0, 9000, -1)
+    assert stats.shape == (3, kernel_sampling.shard_launch(3, 9000)[2], kernel_sampling.NUM_SHARD_STATS)

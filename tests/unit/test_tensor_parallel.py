@@ -228,15 +228,17 @@ def test_expert_parallel_on_a_dense_model_is_refused(checkpoints):
     assert child_pids() - before == set()
 
 
-@pytest.mark.parametrize("confidence", ["prob", "margin"])
+@pytest.mark.parametrize("confidence", ["prob", "margin", "neg_entropy"])
 def test_greedy_steps_sample_from_each_ranks_share_of_the_logits(checkpoints, monkeypatch, confidence):
     """A step whose rows are all greedy never gathers the whole logits: the ranks trade six numbers a row
-    (sampling.greedy_over_shards). Its tokens are one rank's, in float64, for a dense and a MoE family."""
+    (sampling.greedy_over_shards), whatever the confidence. Its tokens are one rank's, in float64, for a dense and
+    a MoE family."""
     import diffulex_backend.runner as runner
 
     calls = []
     original = runner.greedy_over_shards
-    monkeypatch.setattr(runner, "greedy_over_shards", lambda *args: calls.append(1) or original(*args))
+    monkeypatch.setattr(runner, "greedy_over_shards",
+                        lambda *args, **kwargs: calls.append(1) or original(*args, **kwargs))
     params = [SamplingParams(max_tokens=16, ignore_eos=True, confidence=confidence),
               SamplingParams(max_tokens=12, ignore_eos=True, confidence=confidence, remask_threshold=0.3)]
     for family, shape in (("llada", {"vocab_size": 259}), ("llada2", {})):
