@@ -10,14 +10,17 @@ Then it runs, each as a pytest process of its own with the runtime's Python:
     defaults and with a KIND_GPU instance, a LoRA adapter and page retention among them, token-equal to the
     in-process engine at batch 1; and the shipped model_repository as `make serve` runs it;
   * the server and client suites whose models run on the GPU: the served model's contract, its threads' deaths,
-    data parallelism on KIND_GPU instances, page retention, integers at their limits, the client and CLI.
+    data parallelism on KIND_GPU instances, page retention, integers at their limits, the client and CLI;
+  * on a machine of two GPUs or more, tensor parallelism served through tritonserver, one rank on each of two GPUs
+    over NCCL (on one GPU the table says it did not run).
 A section passes when pytest passes and skips nothing: a test skipped here is a test the GPU never ran. To keep the
 check within one ten-minute command, these run on CI's CPU only: request parsing and the engine loop in process
 (no device work), tensor parallelism over gloo (CPU ranks), stub death and shutdown, and the load tests (soak, fuzz,
 hostile requests, perf_analyzer, genai-perf).
 On a machine of several GPUs the sections are shared out, longest first, and the GPUs run their shares at once,
 each section in a process that sees its GPU alone: on two H200s the four took 338 s, 315 s on one GPU and 299 s on
-the other, where one after another they would take about 615 s.
+the other, where one after another they would take about 615 s. A section that needs two GPUs runs after the shares,
+seeing the first two.
 
     python3 tools/gpu_check.py [--runtime .gpu-runtime] [--out DIR] [--commit SHA] [--gpus N]
 
@@ -53,6 +56,7 @@ class Section:
     paths: tuple[str, ...]
     pytest_args: tuple[str, ...] = ()
     seconds: int = 60  # what it took on an H200, kernels compiled afresh (docs/gpu-check.md): for sharing out GPUs
+    gpus: int = 1  # GPUs it needs at once; a section of several runs after the shared ones, on the first GPUs
 
 
 # The served path first: it is what users run, and what no other check covers.
@@ -69,6 +73,8 @@ SECTIONS = (
             "test_triton_server.py", "test_thread_death.py", "test_data_parallel.py", "test_page_retention_served.py",
             "test_integer_limits.py", "test_served_logprobs.py")),
         "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=299),
+    Section("served: tensor parallelism, one rank on each of two GPUs", ("tests/server/test_tensor_parallel_gpu.py",),
+            seconds=90, gpus=2),
 )
 
 
@@ -89,10 +95,15 @@ class Outcome:
     skipped: int
     returncode: int
     seconds: float
+    not_run: str = ""  # why the section did not run (too few GPUs here); it then counts neither way
 
     @property
     def passed(self) -> bool:
         return self.returncode == 0 and self.tests > 0 and self.failed == 0 and self.skipped == 0
+
+    @property
+    def result(self) -> str:
+        return f"not run: {self.not_run}" if self.not_run else "pass" if self.passed else "FAIL"
 
 
 def install_runtime(runtime: Path, prefix: Path) -> Path:
@@ -137,7 +148,7 @@ def run_share(python: Path, share: list[Section], log_dir: Path, deadline: float
     for section in share:
         outcome = run_section(python, section, log_dir, deadline, gpu)
         outcomes.append(outcome)
-        print(f"{'pass' if outcome.passed else 'FAIL'}  {outcome.seconds:5.0f} s  {outcome.tests} tests, "
+        print(f"{outcome.result}  {outcome.seconds:5.0f} s  {outcome.tests} tests, "
               f"{outcome.failed} failed, {outcome.skipped} skipped  {section.name}"
               + ("" if gpu is None else f"  (GPU {gpu})"), flush=True)
     return outcomes
@@ -181,8 +192,11 @@ def table(outcomes: list[Outcome], commit: str, device: str, num_gpus: int, seco
     for out in outcomes:
         paths = ", ".join(f"`{path}`" for path in out.section.paths)
         lines.append(f"| {out.section.name} ({paths}) | {out.tests} | {out.failed} | {out.skipped} | "
-                     f"{'pass' if out.passed else 'FAIL'} | {out.seconds:.0f} |")
-    verdict = "pass" if outcomes and all(out.passed for out in outcomes) else "FAIL"
+                     f"{out.result} | {out.seconds:.0f} |")
+    ran = [out for out in outcomes if not out.not_run]
+    verdict = "pass" if ran and all(out.passed for out in ran) else "FAIL"
+    if len(ran) < len(outcomes):
+        verdict += f" ({len(outcomes) - len(ran)} not run)"
     lines += [f"| all | {sum(o.tests for o in outcomes)} | {sum(o.failed for o in outcomes)} | "
               f"{sum(o.skipped for o in outcomes)} | {verdict} | {seconds:.0f} |", ""]
     return "\n".join(lines)
@@ -209,18 +223,31 @@ def main(argv: list[str] | None = None) -> int:
     if not chosen:
         parser.error(f"--only {args.only} names no section")
     gpus = visible_gpus(python)
-    shares = share_out(chosen, len(gpus) if args.gpus == "all" else min(int(args.gpus), len(gpus)))
-    # Each GPU runs its share in a thread of its own; the sections themselves are processes.
-    with ThreadPoolExecutor(len(shares)) as pool:
-        finished = pool.map(lambda index: run_share(python, shares[index], log_dir, deadline,
-                                                    gpus[index] if len(shares) > 1 else None), range(len(shares)))
-        by_section = {outcome.section: outcome for share in finished for outcome in share}
+    by_section = {}
+    shares = share_out([section for section in chosen if section.gpus == 1],
+                       len(gpus) if args.gpus == "all" else min(int(args.gpus), len(gpus)))
+    if shares:
+        # Each GPU runs its share in a thread of its own; the sections themselves are processes.
+        with ThreadPoolExecutor(len(shares)) as pool:
+            finished = pool.map(lambda index: run_share(python, shares[index], log_dir, deadline,
+                                                        gpus[index] if len(shares) > 1 else None), range(len(shares)))
+            by_section = {outcome.section: outcome for share in finished for outcome in share}
+    for section in chosen:
+        if section.gpus == 1:
+            continue
+        if len(gpus) < section.gpus:
+            by_section[section] = Outcome(section, 0, 0, 0, 0, 0.0,
+                                          not_run=f"needs {section.gpus} GPUs, {len(gpus)} here")
+            print(f"{by_section[section].result}  {section.name}", flush=True)
+        else:
+            by_section[section], = run_share(python, [section], log_dir, deadline, ",".join(gpus[:section.gpus]))
     outcomes = [by_section[section] for section in chosen]
-    report = table(outcomes, commit_of(args.commit), device_line(python), len(shares), time.monotonic() - started)
+    report = table(outcomes, commit_of(args.commit), device_line(python), max(1, len(shares)),
+                   time.monotonic() - started)
     (REPOSITORY_ROOT / "docs" / "gpu-check.md").write_text(report)
     (log_dir / "gpu-check.md").write_text(report)
     print(report)
-    return 0 if all(out.passed for out in outcomes) else 1
+    return 0 if all(out.passed for out in outcomes if not out.not_run) else 1
 
 
 if __name__ == "__main__":

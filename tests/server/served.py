@@ -1,5 +1,6 @@
 """Talking to the test server: HTTP generate and SSE, metrics, and gRPC streams, as a client would."""
 
+import base64
 import json
 import os
 import queue
@@ -31,6 +32,24 @@ def generate(server, body: dict, model: str = "diffulex") -> dict:
     status, payload = post(f"{server.http_url}/v2/models/{model}/generate", body)
     assert status == 200, payload
     return json.loads(payload)
+
+
+def load_shipped(server, name: str, instance_group: str | None = None, **values) -> None:
+    """Load the shipped config.pbtxt and model.py under another name, through the load API's file override, with
+    some engine parameters (and the instance_group) replaced; `model` defaults to the shipped demo checkpoint."""
+    from google.protobuf import json_format, text_format
+    from tritonclient.grpc import model_config_pb2
+    from triton_server import SHIPPED_MODEL, with_instance_group, with_parameters
+
+    config_text = with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), name,
+                                  **{"model": SHIPPED_MODEL / "demo-llada", **values})
+    if instance_group is not None:
+        config_text = with_instance_group(config_text, instance_group)
+    config = json_format.MessageToJson(text_format.Parse(config_text, model_config_pb2.ModelConfig()))
+    model_file = base64.b64encode((SHIPPED_MODEL / "1" / "model.py").read_bytes()).decode()
+    status, payload = post(f"{server.http_url}/v2/repository/models/{name}/load",
+                           {"parameters": {"config": config, "file:1/model.py": model_file}})
+    assert status == 200, payload
 
 
 def generate_stream(server, body: dict) -> list[dict]:

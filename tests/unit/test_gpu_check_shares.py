@@ -1,5 +1,6 @@
 """tools/gpu_check.py shares its sections out over the GPUs a machine has: every section runs once, on one GPU, in
-the table's order there, and the longest shares balance."""
+the table's order there, and the longest shares balance; a section that needs two GPUs runs after them on the first
+two, or, where the machine has one, is written down as not run."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ def gpu_check():
 
 @pytest.mark.parametrize("num_gpus", [0, 1, 2, 3, 4, 8])
 def test_every_section_runs_once_on_one_gpu_in_the_table_s_order(gpu_check, num_gpus):
-    sections = list(gpu_check.SECTIONS)
+    sections = [section for section in gpu_check.SECTIONS if section.gpus == 1]
     shares = gpu_check.share_out(sections, num_gpus)
     assert len(shares) == max(1, min(num_gpus, len(sections)))
     assert sorted(s.name for share in shares for s in share) == sorted(s.name for s in sections)
@@ -32,7 +33,7 @@ def test_every_section_runs_once_on_one_gpu_in_the_table_s_order(gpu_check, num_
 
 def test_two_gpus_run_the_server_suites_beside_everything_else(gpu_check):
     # The server and client suites take about as long as the other three sections together.
-    shares = gpu_check.share_out(list(gpu_check.SECTIONS), 2)
+    shares = gpu_check.share_out([section for section in gpu_check.SECTIONS if section.gpus == 1], 2)
     names = sorted([[s.name for s in share] for share in shares], key=len)
     assert names[0] == ["served: server and client suites, on the GPU"]
     assert len(names[1]) == 3
@@ -43,3 +44,45 @@ def test_a_share_never_waits_for_another_longer_than_its_longest_section(gpu_che
     for num_gpus in (2, 3):
         loads = [sum(s.seconds for s in share) for share in gpu_check.share_out(sections, num_gpus)]
         assert max(loads) - min(loads) <= max(s.seconds for s in sections)
+
+
+@pytest.fixture
+def fake_machine(gpu_check, monkeypatch, tmp_path):
+    """gpu_check.main with `gpus` GPUs whose sections pass without running: it returns the exit code, the table
+    and each section's (name, GPUs it saw, order of its start)."""
+    (tmp_path / "docs").mkdir()
+    monkeypatch.setattr(gpu_check, "REPOSITORY_ROOT", tmp_path)
+    monkeypatch.setattr(gpu_check, "install_runtime", lambda runtime, prefix: Path(sys.executable))
+    monkeypatch.setattr(gpu_check, "device_line", lambda python: "a fake GPU")
+
+    def run(gpus: int, failing: str = ""):
+        ran = []
+        monkeypatch.setattr(gpu_check, "visible_gpus", lambda python: [str(i) for i in range(gpus)])
+
+        def run_section(python, section, log_dir, deadline, gpu=None):
+            ran.append((section.name, gpu))
+            return gpu_check.Outcome(section, 3, int(section.name == failing), 0, int(section.name == failing), 1.0)
+
+        monkeypatch.setattr(gpu_check, "run_section", run_section)
+        code = gpu_check.main(["--out", str(tmp_path / "out"), "--commit", "abc"])
+        return code, (tmp_path / "docs" / "gpu-check.md").read_text(), ran
+    return run
+
+
+def test_the_two_gpu_section_runs_last_on_the_first_two_gpus(gpu_check, fake_machine):
+    (two_gpus,) = [section for section in gpu_check.SECTIONS if section.gpus == 2]
+    code, report, ran = fake_machine(gpus=3)
+    assert code == 0 and ran[-1] == (two_gpus.name, "0,1")
+    assert {gpu for _, gpu in ran[:-1]} == {"0", "1", "2"}
+    assert report.splitlines()[-1].startswith(f"| all | {3 * len(gpu_check.SECTIONS)} | 0 | 0 | pass |")
+
+
+def test_one_gpu_writes_the_two_gpu_section_down_as_not_run_and_judges_the_rest(gpu_check, fake_machine):
+    (two_gpus,) = [section for section in gpu_check.SECTIONS if section.gpus == 2]
+    code, report, ran = fake_machine(gpus=1)
+    assert code == 0 and two_gpus.name not in [name for name, _ in ran]
+    assert f"| {two_gpus.name} (`tests/server/test_tensor_parallel_gpu.py`) | 0 | 0 | 0 | not run: needs 2 GPUs, " \
+           f"1 here | 0 |" in report
+    assert "| pass (1 not run) |" in report.splitlines()[-1]
+    code, report, _ = fake_machine(gpus=1, failing="offline API")
+    assert code == 1 and "| FAIL (1 not run) |" in report.splitlines()[-1]
