@@ -20,6 +20,7 @@ Writes tensor_parallel.csv/.md and tensor_parallel_host.csv/.md to --out.
 
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
     python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini --dtypes bfloat16,float32
+    python benchmarks/tensor_parallel.py --out DIR --models llada2-mini --sizes 1,2,2ep   # experts split whole too
     python benchmarks/tensor_parallel.py --checkpoint CKPT --out DIR        # a checkpoint written once beforehand
     python benchmarks/tensor_parallel.py --out DIR --threads share,all      # the thread shares against none
     python benchmarks/tensor_parallel.py --smoke --out DIR                  # anywhere: a tiny model, two CPU ranks
@@ -223,7 +224,8 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
-    parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values; the first is the baseline")
+    parser.add_argument("--sizes", default="1,2", help="tensor_parallel_size values, the first the baseline; a "
+                        "value ending in 'ep' (2ep) runs a MoE model with expert_parallel on")
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--dtypes", default=None,
                         help="comma-separated engine dtypes (default: bfloat16 on a GPU, float32 on a CPU); float32 "
@@ -241,7 +243,8 @@ def main(argv=None) -> int:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         torch.set_num_threads(1)
-    sizes = [int(s) for s in args.sizes.split(",")]
+    sizes = args.sizes.split(",")
+    ranks = {size: int(size.removesuffix("ep")) for size in sizes}
     batches = [1, 2] if args.smoke else [int(b) for b in args.batches.split(",")]
     dtypes = (args.dtypes or ("float32" if device.type == "cpu" else "bfloat16")).split(",")
     bandwidth = measure_ceilings(device, SMOKE if args.smoke else FULL).bandwidth
@@ -268,7 +271,8 @@ def main(argv=None) -> int:
                     torch.cuda.empty_cache()
             for threads, dtype in itertools.product(args.threads.split(","), dtypes):
                 with thread_pools(threads):
-                    runs = {size: run_engine(checkpoint, size, batches, args.smoke, device, dtype) for size in sizes}
+                    runs = {size: run_engine(checkpoint, ranks[size], batches, args.smoke, device, dtype,
+                                             expert_parallel=size.endswith("ep")) for size in sizes}
                 base = runs[sizes[0]]
                 for batch in batches:
                     for size in sizes:
@@ -278,7 +282,7 @@ def main(argv=None) -> int:
                         table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch,
                                   step_ms=result["step_ms"], collective_ms=result["collective_ms"],
                                   speedup=base[batch]["step_ms"] / result["step_ms"],
-                                  ideal_speedup=size / sizes[0], weight_floor_ms=floor_ms,
+                                  ideal_speedup=ranks[size] / ranks[sizes[0]], weight_floor_ms=floor_ms,
                                   step_vs_weight_floor=result["step_ms"] / floor_ms, logit_max_diff=diff,
                                   logit_rel_diff=rel, outputs=first_difference(base[batch]["tokens"], result["tokens"]),
                                   note=f"{device}, prompt {16 if args.smoke else PROMPT}, "
