@@ -1,6 +1,7 @@
 """A smoke run of the prefill benchmark on a tiny model, so the script that measures time to the first response
 per attention backend cannot rot between runs: every request answers in the first step, the attention floor counts
-the pairs the mask lets through, and a backend the machine cannot run gets a row that says why."""
+the pairs the mask lets through, a backend the machine cannot run gets a row that says why, and each backend that
+runs is served through a real tritonserver too, its first streamed responses timed against the in-process ones."""
 import sys
 
 import pytest
@@ -9,10 +10,18 @@ from benchmark_smoke import REPO, csv_rows, run_smoke
 
 
 def test_smoke_run_reports_each_backend_or_why_it_cannot_run(tmp_path):
-    run_smoke("prefill.py", tmp_path, "--batches", "1,2", "--backends", "torch,flash_attn")
+    run_smoke("prefill.py", tmp_path, "--batches", "1,2", "--backends", "torch,flash_attn", "--served")
     rows = csv_rows(tmp_path / "prefill.csv")
+    served = [r for r in rows if r["mode"] == "served"]
+    rows = [r for r in rows if r["mode"] == "in process"]
     assert [(r["batch"], r["backend"]) for r in rows] == [(b, k) for b in ("1", "2") for k in ("torch", "flash_attn")]
     ran = [r for r in rows if r["backend"] == "torch"]
+    # Served: only the backend that ran in process, at each batch, against its in-process figure.
+    assert [(r["batch"], r["backend"]) for r in served] == [("1", "torch"), ("2", "torch")]
+    for row, in_process in zip(served, ran):
+        assert float(row["served_vs_in_process"]) == pytest.approx(
+            float(row["ttft_ms"]) / float(in_process["ttft_ms"]), rel=2e-3)
+        assert "HTTP generate_stream" in row["note"]
     for row in ran:
         assert float(row["ttft_ms"]) > 0 and float(row["ttft_vs_first_backend"]) == 1
         assert float(row["ttft_vs_floor"]) == pytest.approx(float(row["ttft_ms"]) / float(row["compute_floor_ms"]),
