@@ -32,7 +32,7 @@ import triton.language as tl
 
 from .device import multiprocessor_count
 from .dtypes import dot_dtype
-from .kv_store import store_kv
+from .kv_store import fp8_row_bytes, fp8_rows, store_kv
 from .pdl import use_pdl, wait_for_previous_kernel
 
 LOG2_E = 1.4426950408889634
@@ -61,15 +61,16 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION:
 # Token and split counts change with every batch: specialized on them, each new length class would compile again.
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "window"])
 def _paged_attention_kernel(
-    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+    q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
     out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
     stride_cache_page, stride_cache_slot, stride_cache_head, stride_page_table,
+    stride_scale_page, stride_scale_slot, stride_scale_head,
     num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -118,8 +119,17 @@ def _paged_attention_kernel(
             page = tl.load(page_row + pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
             slot_offset = page * stride_cache_page + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
             cache_offset = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
+            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
+            if KV_FP8:  # each row times its own scale, in float32, then rounded as the reference rounds it
+                scale_offset = (page * stride_scale_page + (pos % PAGE_SIZE) * stride_scale_slot
+                                + kv_head * stride_scale_head)
+                k_scale = tl.load(k_scale_ptr + scale_offset, mask=key_valid, other=0.0)
+                v_scale = tl.load(v_scale_ptr + scale_offset, mask=key_valid, other=0.0)
+                k = k.to(tl.float32) * k_scale[:, None]
+                v = v.to(tl.float32) * v_scale[:, None]
+            k = k.to(DOT_DTYPE)
+            v = v.to(DOT_DTYPE)
             visible = key_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > window_edge[:, None])
@@ -327,10 +337,10 @@ class _EmptyBatch:
 
 
 def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                     device: torch.device, window: int | None = None) -> None:
+                     device: torch.device, window: int | None = None, kv_fp8: bool = False) -> None:
     """Runs every launch variant once, with and without a cache, and the merge at every power of two of splits,
     so that no prompt length or context length compiles a kernel while requests wait. A windowed layer's launches
-    are variants of their own (`window`)."""
+    are variants of their own (`window`), and so are those over a cache of FP8 rows (`kv_fp8`)."""
     int32 = dict(dtype=torch.int32, device=device)
     batch = _EmptyBatch(cu_seqlens_q=torch.tensor([0, 1], **int32), context_lens=torch.zeros(1, **int32),
                         page_tables=torch.zeros(1, 1, **int32),
@@ -338,7 +348,8 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
                         block_ids=torch.zeros(1, **int32))
     query = torch.zeros(1, num_heads, head_dim, dtype=dtype, device=device)
     key = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
-    cache = torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device)
+    cache = (torch.zeros(1, page_size, num_kv_heads, fp8_row_bytes(head_dim), dtype=torch.uint8, device=device)
+             if kv_fp8 else torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device))
     for launch in launch_variants(head_dim, query.element_size()):
         if launch.num_splits == 1:
             paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, window=window)
@@ -361,7 +372,7 @@ def paged_attention(
     query: torch.Tensor,  # [T, heads, head_dim]
     key: torch.Tensor,  # [T, kv_heads, head_dim]
     value: torch.Tensor,  # [T, kv_heads, head_dim]
-    k_cache: torch.Tensor | None,  # [num_pages, page_size, kv_heads, head_dim]
+    k_cache: torch.Tensor | None,  # [num_pages, page_size, kv_heads, head_dim], or FP8 rows (kv_store.fp8_rows)
     v_cache: torch.Tensor | None,
     meta: AttentionMetadata,
     scale: float,
@@ -394,9 +405,15 @@ def paged_attention(
     launch = plan_launch(query, key, meta, window=window) if launch is None else launch
 
     has_cache = k_cache is not None
+    kv_fp8 = has_cache and k_cache.dtype == torch.uint8
+    k_scales = v_scales = key  # never read unless KV_FP8
+    scale_strides = (0, 0, 0)
     if has_cache:
         if not kv_stored:
             store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if kv_fp8:
+            (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
+            scale_strides = (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2))
         page_size = k_cache.shape[1]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         max_context_len = meta.max_context_len
@@ -419,16 +436,16 @@ def paged_attention(
     num_seqs = meta.cu_seqlens_q.shape[0] - 1
     num_tiles = triton.cdiv(meta.max_seqlen_q * group, launch.block_m)
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
-        query, key, value, k_cache, v_cache,
+        query, key, value, k_cache, v_cache, k_scales, v_scales,
         meta.cu_seqlens_q, meta.context_lens, meta.page_tables, meta.block_ids,
         out, part_acc, part_max, part_sum,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         out.stride(0), out.stride(1),
-        *cache_strides, meta.page_tables.stride(0),
+        *cache_strides, meta.page_tables.stride(0), *scale_strides,
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, PRECISION=_precision(query), USE_PDL=use_pdl(query),
+        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, PRECISION=_precision(query), USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:

@@ -1,4 +1,10 @@
-"""Write the K/V of tokens into the paged cache at their slots (the kernel twin of `attention.store_kv`)."""
+"""Write the K/V of tokens into the paged cache at their slots (the kernel twin of `attention.store_kv`).
+
+A cache is either of the model's dtype, or FP8 rows: a uint8 cache whose every (slot, head) row holds the head's
+`head_dim` values in float8_e4m3fn followed by their float32 scale (`fp8_rows` gives the two typed views). Each row
+has its own scale, max|x| / 448, so no value of any head saturates and none is given up to a calibration; the row
+costs head_dim + 4 bytes instead of 2 x head_dim in bf16.
+"""
 from __future__ import annotations
 
 import torch
@@ -7,13 +13,54 @@ import triton.language as tl
 
 from .pdl import use_pdl, wait_for_previous_kernel
 
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+SCALE_BYTES = 4  # a row's float32 scale, after its values
+MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_AMAX = tl.constexpr(MIN_AMAX)
+
+
+def fp8_row_bytes(head_dim: int) -> int:
+    return head_dim + SCALE_BYTES
+
+
+def fp8_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values [..., head_dim] float8_e4m3fn, scales [...] float32): views of an FP8-row cache
+    [..., head_dim + SCALE_BYTES] uint8."""
+    head_dim = cache.shape[-1] - SCALE_BYTES
+    return cache[..., :head_dim].view(torch.float8_e4m3fn), cache[..., head_dim:].view(torch.float32).squeeze(-1)
+
+
+def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(values float8_e4m3fn, scales float32) of rows [..., head_dim], a scale per row: the reference of the
+    kernel's store."""
+    rows = rows.float()
+    scales = rows.abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX
+    return (rows / scales[..., None]).to(torch.float8_e4m3fn), scales
+
+
+@triton.jit
+def _round_to_e4m3(x):
+    """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in float32: the cast
+    that follows is then exact wherever it runs (Triton's CPU interpreter rounds some values to the wrong binade)."""
+    bits = x.to(tl.int32, bitcast=True)
+    # Normal: keep 3 of float32's 23 mantissa bits; a carry into the exponent is the right answer.
+    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # ~0xFFFFF
+    normal = bits.to(tl.float32, bitcast=True)
+    # Subnormal (below 2^-6): multiples of 2^-9, on the magnitude, so that the sign (of a zero too) stays.
+    y = tl.abs(x) * 512.0
+    r = tl.floor(y + 0.5)
+    r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r) / 512.0
+    return tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -r, r), normal)
+
 
 @triton.jit
 def _store_kv_kernel(
-    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
-    stride_cache_slot, stride_cache_head,
-    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr,
+    stride_cache_slot, stride_cache_head, stride_scale_slot, stride_scale_head,
+    KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, FP8: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
@@ -22,40 +69,58 @@ def _store_kv_kernel(
         return
     heads = tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
-    mask = (heads < KV_HEADS)[:, None]
+    head_valid = heads < KV_HEADS
+    mask = head_valid[:, None]
     # [BLOCK_H, HEAD_DIM]: one token's K (then V) for every kv head.
     src_k = key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :]
     src_v = value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :]
     dst = slot.to(tl.int64) * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
     k = tl.load(src_k, mask=mask)
     v = tl.load(src_v, mask=mask)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if FP8:
+        scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX) / _FP8_MAX  # [BLOCK_H]
+        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX) / _FP8_MAX
+        tl.store(k_cache_ptr + dst, _round_to_e4m3(k / k_scale[:, None]).to(tl.float8e4nv), mask=mask)
+        tl.store(v_cache_ptr + dst, _round_to_e4m3(v / v_scale[:, None]).to(tl.float8e4nv), mask=mask)
+        tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)
+        tl.store(v_scale_ptr + scale_dst, v_scale, mask=head_valid)
+    else:
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def store_kv(
     key: torch.Tensor,  # [T, kv_heads, head_dim]
     value: torch.Tensor,  # [T, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], or FP8 rows (uint8, head_dim + 4)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
 ) -> None:
     """Copy each token's K/V into cache slot `slot_mapping[t]` (flat over pages); tokens at -1 are skipped. The
-    caches may be column views of wider rows, as long as a slot's heads are contiguous."""
+    caches may be column views of wider rows, as long as a slot's heads are contiguous. Into an FP8-row cache each
+    (token, head) row goes with its own scale."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kv: key and value need a contiguous head_dim")
+    fp8 = k_cache.dtype == torch.uint8
+    k_scales = v_scales = slot_mapping  # never touched unless FP8
+    if fp8:
+        (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
     # A slot is flat over pages; a cache may be a column view of wider rows (DiffusionGemma's per-layer caches).
-    if not all(cache.stride() == k_cache.stride() and cache.stride(-1) == 1 and cache.stride(2) == head_dim
+    if not all(cache.stride() == k_cache.stride() and cache.stride(-1) == 1 and cache.shape[-1] == head_dim
                and cache.stride(0) == cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
-        raise ValueError("store_kv: k_cache and v_cache need the same strides, contiguous heads and slots "
-                         "evenly strided across pages")
+        raise ValueError("store_kv: k_cache and v_cache need the same strides, rows of head_dim contiguous values "
+                         "and slots evenly strided across pages")
     _store_kv_kernel[(num_tokens,)](
-        key, value, k_cache, v_cache, slot_mapping,
+        key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), USE_PDL=use_pdl(key),
-        num_warps=4, launch_pdl=use_pdl(key),
+        k_scales.stride(1) if fp8 else 0, k_scales.stride(2) if fp8 else 0,
+        KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), FP8=fp8,
+        USE_PDL=use_pdl(key), num_warps=4, launch_pdl=use_pdl(key),
     )

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import diffulex_kernels
+from diffulex_kernels import kv_store
 from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
 from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, choose_num_splits,
                                         compile_launches, launch_variants, plan_launch, shared_memory_bytes)
@@ -109,8 +110,41 @@ def assert_matches_reference(batch: Batch, num_splits: int | None, launch: Atten
     assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
     assert relative_error(out, ref) < REL_TOL[batch.query.dtype]
     # The in-forward K/V went to exactly the slots the reference wrote, and nowhere else.
-    assert torch.equal(batch.k_cache, k_cache_ref)
-    assert torch.equal(batch.v_cache, v_cache_ref)
+    assert_same_cache(batch.k_cache, k_cache_ref)
+    assert_same_cache(batch.v_cache, v_cache_ref)
+
+
+def assert_same_cache(cache: torch.Tensor, ref: torch.Tensor) -> None:
+    if cache.dtype != torch.uint8:
+        assert torch.equal(cache, ref)
+        return
+    # FP8 rows: the same values as numbers (the CPU interpreter writes a negative value that rounds to zero as +0)
+    # and the same scales.
+    (values, scales), (ref_values, ref_scales) = kv_store.fp8_rows(cache), kv_store.fp8_rows(ref)
+    assert torch.equal(values.float(), ref_values.float()) and torch.equal(scales, ref_scales)
+
+
+def as_fp8_rows(cache: torch.Tensor) -> torch.Tensor:
+    """The cache's rows quantized into a cache of FP8 rows, as the store writes them."""
+    packed = torch.empty(*cache.shape[:-1], kv_store.fp8_row_bytes(cache.shape[-1]), dtype=torch.uint8,
+                         device=cache.device)
+    values, scales = kv_store.fp8_rows(packed)
+    values[:], scales[:] = kv_store.quantize_rows(cache)
+    return packed
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("group", [1, 4])
+def test_fp8_rows_match_the_reference_over_the_same_rows(group, head_dim, dtype, num_splits):
+    """Over a cache of FP8 rows (kv_cache_dtype fp8) the kernel reads each row times its scale, as the reference
+    does, and stores the in-forward K/V as the reference quantizes them."""
+    heads, kv_heads = HEAD_SHAPES[group]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, dtype=dtype,
+                       pattern="blocks", seed=head_dim + group)
+    batch = dataclasses.replace(batch, k_cache=as_fp8_rows(batch.k_cache), v_cache=as_fp8_rows(batch.v_cache))
+    assert_matches_reference(batch, num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
@@ -278,6 +312,12 @@ def test_every_launch_plan_launch_picks_is_one_the_runner_compiles_ahead():
 def test_compiling_every_launch_ahead_runs_each_one(head_dim, dtype):
     compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=dtype,
                      device=torch.device(DEVICE))
+
+
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_compiling_the_launches_over_fp8_rows_ahead_runs_each_one(head_dim):
+    compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
+                     device=torch.device(DEVICE), kv_fp8=True)
 
 
 @pytest.mark.parametrize("window", [6, 512])

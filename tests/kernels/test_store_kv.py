@@ -5,6 +5,7 @@ import pytest
 import torch
 
 import diffulex_kernels
+from diffulex_kernels import kv_store
 from diffulex_backend.attention import store_kv as store_kv_reference
 from kernel_cases import DEVICE, FULL_SHAPES, assert_equal_after_rounding, generator, randn
 
@@ -49,3 +50,41 @@ def test_store_converts_to_the_cache_dtype():
     diffulex_kernels.store_kv(key, value, k_cache, v_cache, slots)
     assert_equal_after_rounding(k_cache, k_ref)
     assert_equal_after_rounding(v_cache, v_ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_fp8_rows_hold_the_reference_s_values_and_scales_and_nothing_else_changes(head_dim, dtype):
+    """Into a cache of FP8 rows each (token, head) row goes as the reference quantizes it: its values in
+    float8_e4m3fn and its scale max|x| / 448, so the largest value is 448 and none saturates. Rows of very different
+    sizes keep their own precision; an all-zero row stays zero; the bytes of every other slot stay as they were."""
+    gen = generator(head_dim)
+    key = randn(NUM_TOKENS, KV_HEADS, head_dim, dtype=torch.float32, gen=gen)
+    key *= torch.logspace(-4, 4, NUM_TOKENS, device=DEVICE)[:, None, None]  # rows from 1e-4 to 1e4
+    key[1, 1] = 0
+    key = key.to(dtype)
+    value = randn(NUM_TOKENS, KV_HEADS, head_dim, dtype=dtype, gen=gen)
+    row = kv_store.fp8_row_bytes(head_dim)
+    before = torch.randint(0, 256, (2, NUM_PAGES, 16, KV_HEADS, row), dtype=torch.uint8, device=DEVICE)
+    k_cache, v_cache = before.clone()
+    k_ref, v_ref = before.clone()
+    slots = make_slots(NUM_TOKENS, 16, seed=head_dim)
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    diffulex_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    written = slots >= 0
+    for cache, ref, old, rows in ((k_cache, k_ref, before[0], key), (v_cache, v_ref, before[1], value)):
+        flat, flat_ref, flat_old = (c.view(-1, KV_HEADS, row) for c in (cache, ref, old))
+        kept = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+        kept[slots[written]] = False
+        assert torch.equal(flat[kept], flat_old[kept])
+        values, scales = kv_store.fp8_rows(flat[slots[written]])
+        ref_values, ref_scales = kv_store.fp8_rows(flat_ref[slots[written]])
+        # Equal as numbers (the CPU interpreter writes a negative value that rounds to zero as +0).
+        assert torch.equal(values.float(), ref_values.float())
+        assert torch.equal(scales, ref_scales)
+        assert torch.equal(values.float().abs().amax(-1), torch.full_like(scales, 448).where(scales > 1e-14, 0))
+        # Half a unit of 3 mantissa bits, or of the subnormals' 2^-9 step (times the row's scale) below 2^-6.
+        error = (values.float() * scales[..., None] - rows[written].float()).abs()
+        assert bool((error <= 2 ** -4 * rows[written].float().abs() + 2 ** -10 * scales[..., None]).all())
+    assert written[1] and torch.equal(kv_store.fp8_rows(k_cache.view(-1, KV_HEADS, row)[slots[1]])[0][1].float(),
+                                      torch.zeros(head_dim, device=DEVICE))
