@@ -145,25 +145,41 @@ class AttentionMetadata:
 def store_kv(
     key: torch.Tensor,  # [T, kv_heads, head_dim]
     value: torch.Tensor,  # [T, kv_heads, head_dim]
-    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], or FP8 rows (uint8, head_dim + 4)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T]
 ) -> None:
     keep = slot_mapping >= 0
     slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = key[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = value[keep].to(v_cache.dtype)
+    for rows, cache in ((key[keep], k_cache), (value[keep], v_cache)):
+        if cache.dtype == torch.uint8:  # FP8 rows: each (token, head) row with its own scale
+            from diffulex_kernels.kv_store import fp8_rows, quantize_rows
+
+            values, scales = fp8_rows(cache)
+            values.view(-1, *values.shape[2:])[slots], scales.view(-1, scales.shape[2])[slots] = quantize_rows(rows)
+        else:
+            cache.view(-1, *cache.shape[2:])[slots] = rows.to(cache.dtype)
+
+
+def cache_rows(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:  # [*slots.shape, kv_heads, head_dim]
+    """The cached K (or V) rows at flat slots; from FP8 rows, their values times their scales, in float32."""
+    if cache.dtype != torch.uint8:
+        return cache.view(-1, *cache.shape[2:])[slots]
+    from diffulex_kernels.kv_store import fp8_rows
+
+    values, scales = fp8_rows(cache)
+    return values.view(-1, *values.shape[2:])[slots].float() * scales.view(-1, scales.shape[2])[slots][..., None]
 
 
 def gather_context(
-    cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], or FP8 rows
     page_table: torch.Tensor,  # [max_pages]
     context_len: int,
 ) -> torch.Tensor:  # [context_len, kv_heads, head_dim]
     page_size = cache.shape[1]
     pos = torch.arange(context_len, device=cache.device)
     slots = page_table[pos // page_size].long() * page_size + pos % page_size
-    return cache.view(-1, *cache.shape[2:])[slots]
+    return cache_rows(cache, slots)
 
 
 def paged_attention_reference(

@@ -17,6 +17,7 @@ from .registry import STRATEGIES, default_strategy
 from .sampling import SamplingMode
 
 QUANTIZATIONS = ("fp8",)  # the weight quantizations `quantization` names (quantization.py)
+KV_CACHE_DTYPES = ("auto", "fp8")  # the model's dtype, or FP8 rows with a scale each (diffulex_kernels.kv_store)
 
 
 MAX_TENSOR_PARALLEL = 64
@@ -83,6 +84,9 @@ class Config:
     # scale per output channel (quantization.py); None: the checkpoint's own (an FP8 checkpoint loads as FP8).
     quantization: str | None = None
     fp8_lm_head: bool = False  # with quantization "fp8", the output head too (it stays in the model dtype otherwise)
+    # "fp8": the KV cache holds float8_e4m3fn rows, each (token, head) with its own scale: about half the bytes of a
+    # bf16 page, so twice the pages in the same memory. "auto": the model's dtype.
+    kv_cache_dtype: str = "auto"
     # Where a request's profile_steps records its trace of the next steps (profiling.py); None refuses profile_steps,
     # so that no client can fill a disk it was not given.
     profile_dir: str | None = None
@@ -197,6 +201,8 @@ class Config:
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
             fail("quantization", f"one of {[None, *QUANTIZATIONS]} (null: the checkpoint's own weights)")
         check_bool("fp8_lm_head")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            fail("kv_cache_dtype", f"one of {list(KV_CACHE_DTYPES)}")
         if self.fp8_lm_head and self.quantization != "fp8":
             fail("fp8_lm_head", "false unless quantization is 'fp8' (it quantizes the output head with the rest)")
         if self.profile_dir is not None and (not isinstance(self.profile_dir, (str, os.PathLike))

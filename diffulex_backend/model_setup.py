@@ -9,11 +9,11 @@ import torch
 from .attention import paged_attention_reference
 from .config import Config
 from .flash_attention import PromptFlashAttention, refusal as flash_refusal
-from .loader import load_model
+from .loader import check_fp8_device, load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
 from .quantization import has_fp8, has_fp8_experts, quantize_model
 from .registry import STRATEGIES
-from .runner import kv_cache_shape, profile_peak_memory
+from .runner import kv_cache_layout, profile_peak_memory
 from .tensor_parallel import TensorParallel
 
 
@@ -134,7 +134,8 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
         activation_bytes *= 2
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    page_bytes = torch.empty(kv_cache_shape(model, 1, config.page_size), dtype=dtype).nbytes
+    shape, cache_dtype = kv_cache_layout(model, 1, config.page_size, dtype, config.kv_cache_dtype)
+    page_bytes = torch.empty(shape, dtype=cache_dtype).nbytes
     budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
     if budget < page_bytes * per_request:
         raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
@@ -145,8 +146,21 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
 def load_rank_model(config: Config, device: torch.device, dtype: torch.dtype, tp: TensorParallel):
     """This rank's share of the model, with its adapters and attention backend. Returns (model, lora_slots)."""
     model, lora_slots = load_model_with_adapters(config, device, dtype, tp)
+    check_kv_cache_dtype(config.kv_cache_dtype, model, device)
     select_attention(model, config.attention_backend, device, dtype)
     return model, lora_slots
+
+
+def check_kv_cache_dtype(kv_cache_dtype: str, model, device: torch.device) -> None:
+    """FP8 rows need a cache laid out as every layer's alike, and a GPU that converts to FP8: refused by name
+    otherwise, before a page is allocated."""
+    if kv_cache_dtype != "fp8":
+        return
+    if hasattr(model, "kv_cache_shape"):
+        raise ValueError(f"config field 'kv_cache_dtype' is 'fp8', but {type(model).__name__}'s cache is laid out "
+                         f"per layer and holds the model's dtype only; leave kv_cache_dtype 'auto'")
+    if device.type == "cuda":
+        check_fp8_device(device, "config field 'kv_cache_dtype' 'fp8'")
 
 
 def build_runner(config: Config, model, device: torch.device, dtype: torch.dtype, channel=None):

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from .attention import AttentionMetadata
+from .attention import AttentionMetadata, cache_rows
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class RetentionStats:
         key_valid = pos[None, :] < context[:, None]  # [B, C]
         table = meta.page_tables[:, :pages].long().clamp_min(0)  # padding columns read page 0, masked below
         slots = table[:, pos // ps] * ps + pos % ps  # [B, C]
-        k = k_cache.view(-1, *k_cache.shape[2:])[slots].float()  # [B, C, kv_heads, d]
+        k = cache_rows(k_cache, slots).float()  # [B, C, kv_heads, d]
         k = k.repeat_interleave(heads // k.shape[2], dim=2)
         logits = torch.einsum("bnhd,bchd->bhnc", q, k).mul_(scale)
         logits.masked_fill_(~key_valid[:, None, None, :], float("-inf"))

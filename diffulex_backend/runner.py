@@ -69,13 +69,20 @@ class StepResult:
     retained_pages: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
 
-def kv_cache_shape(model, num_pages: int, page_size: int) -> tuple[int, ...]:
-    """The KV cache of this rank: the KV heads its attention reads (all of them on one rank). A family whose layers
-    differ in KV shape (DiffusionGemma) lays out its own."""
+def kv_cache_layout(model, num_pages: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
+                    ) -> tuple[tuple[int, ...], torch.dtype]:
+    """(shape, dtype) of this rank's KV cache: the KV heads its attention reads (all of them on one rank), in the
+    model's dtype, or with kv_cache_dtype "fp8" as FP8 rows (uint8: head_dim fp8 values, then their float32
+    scale). A family whose layers differ in KV shape (DiffusionGemma) lays out its own."""
     if hasattr(model, "kv_cache_shape"):
-        return model.kv_cache_shape(num_pages, page_size)
+        return model.kv_cache_shape(num_pages, page_size), dtype
     arch = model.arch
-    return (2, arch.num_layers, num_pages, page_size, model.layers[0].attn.num_kv_heads, arch.head_dim)
+    shape = (2, arch.num_layers, num_pages, page_size, model.layers[0].attn.num_kv_heads)
+    if kv_cache_dtype == "fp8":
+        from diffulex_kernels.kv_store import fp8_row_bytes
+
+        return (*shape, fp8_row_bytes(arch.head_dim)), torch.uint8
+    return (*shape, arch.head_dim), dtype
 
 
 def sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, confidence_kind: torch.Tensor,
@@ -203,8 +210,8 @@ class ModelRunner:
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; forget() drops an entry.
         self.carry_hidden: dict[str, torch.Tensor] = {}
-        shape = kv_cache_shape(model, num_pages, config.page_size)
-        self.kv_cache = torch.zeros(shape, dtype=dtype, device=device) if num_pages else None
+        shape, cache_dtype = kv_cache_layout(model, num_pages, config.page_size, dtype, config.kv_cache_dtype)
+        self.kv_cache = torch.zeros(shape, dtype=cache_dtype, device=device) if num_pages else None
         self.flops_per_token = 2.0 * model.arch.num_params()
         self.attn_flops_per_pair = 4.0 * model.arch.num_layers * model.arch.num_heads * model.arch.head_dim
         self.use_kernels = model.fused_kernels
@@ -225,7 +232,8 @@ class ModelRunner:
             layouts = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.window)
                        for layer in model.layers}
             for heads, kv_heads, head_dim, window in layouts:
-                compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window)
+                compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
+                                  kv_fp8=config.kv_cache_dtype == "fp8")
                 if self.dense_prompts:
                     attention_fn.compile(heads, kv_heads, head_dim, dtype, device)
 

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend.attention import AttentionMetadata
+from diffulex_backend.attention import AttentionMetadata, cache_rows
 from diffulex_backend.models.decoder_lm import SoftInputs, TokenMerge
+from diffulex_backend.runner import kv_cache_layout
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, random_model
 from kernel_cases import DEVICE, REL_TOL, relative_error
 
@@ -31,15 +32,17 @@ def metadata(query_lens, context_lens, block_ids, slot_mapping, page_tables) -> 
     )
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("model_name", ["llada", "dream", "sdar"])  # plain, q/k/v bias + GQA, q/k norm
-def test_fused_forward_matches_the_torch_modules(model_name):
+def test_fused_forward_matches_the_torch_modules(model_name, kv_cache_dtype):
     shape = dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, head_dim=64)
     reference = random_model(model_name, **shape, device=DEVICE, seed=11)
     fused = random_model(model_name, **shape, device=DEVICE, seed=11, attention_fn=diffulex_kernels.paged_attention)
     fused.fused_kernels = True
-    arch = reference.arch
-    caches = [torch.zeros(2, arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, device=DEVICE)
-              for _ in range(2)]
+    layout, cache_dtype = kv_cache_layout(reference, 8, PAGE_SIZE, torch.float32, kv_cache_dtype)
+    caches = [torch.zeros(layout, dtype=cache_dtype, device=DEVICE) for _ in range(2)]
+    # Over FP8 rows a value the two forwards compute a rounding apart may land on either side of an FP8 step.
+    tolerance = TOLERANCE if kv_cache_dtype == "auto" else max(TOLERANCE, 2e-3)
     pages = [[0, 1, 2, 3], [4, 5, 6, 7]]
 
     # A causal prefill of two prompts (6 and 9 tokens) stores every token, then a decode step feeds an
@@ -62,5 +65,8 @@ def test_fused_forward_matches_the_torch_modules(model_name):
         for input_ids, positions, meta, soft_inputs in steps:
             want = reference(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[0], soft_inputs)
             got = fused(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[1], soft_inputs)
-            assert relative_error(got, want) < TOLERANCE
-    assert relative_error(caches[1], caches[0]) < TOLERANCE
+            assert relative_error(got, want) < tolerance
+    slots = torch.arange(8 * PAGE_SIZE, device=DEVICE)
+    stored = [torch.stack([cache_rows(cache[i, layer], slots) for i in range(2) for layer in range(cache.shape[1])])
+              for cache in caches]
+    assert relative_error(stored[1], stored[0]) < (TOLERANCE if kv_cache_dtype == "auto" else 1e-2)

@@ -57,6 +57,7 @@ INVALID = {
     "max_lora_rank": (True, "an integer >= 1"),
     "quantization": ("int4", "one of [None, 'fp8'] (null: the checkpoint's own weights)"),
     "fp8_lm_head": ("yes", "true or false"),
+    "kv_cache_dtype": ("fp16", "one of ['auto', 'fp8']"),
     "profile_dir": (5, "a writable directory or null"),
 }
 

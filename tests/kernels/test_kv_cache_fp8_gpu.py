@@ -1,0 +1,32 @@
+"""kv_cache_dtype "fp8" on the GPU: the engine's CUDA graphs over FP8 rows (the Triton attention's FP8 loads, the
+store's scales) give the tokens of its eager steps."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton attention needs a CUDA device")
+
+SHAPE = dict(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=4, intermediate_size=1024, head_dim=128)
+SETTINGS = dict(block_size=8, page_size=16, max_model_len=256, max_num_reqs=4, device="cuda", dtype="bfloat16",
+                attention_backend="triton")
+
+
+def test_graphs_over_fp8_rows_give_the_tokens_of_eager_steps(tmp_path):
+    path = str(write_random_checkpoint(tmp_path / "dream", "dream", seed=5, **SHAPE))
+    prompts = ["fp8 rows on the GPU", "a second prompt, longer than the first one, so that it spans pages"]
+    params = SamplingParams(max_tokens=48, ignore_eos=True)
+    outputs = []
+    for eager in (False, True):
+        llm = Diffulex(path, **SETTINGS, num_kv_pages=64, kv_cache_dtype="fp8", enforce_eager=eager)
+        try:
+            assert llm.runner.kv_cache.dtype == torch.uint8 and llm.model.fused_kernels
+            outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+            if not eager:
+                assert llm.runner.padded_forward.graphs, "no step replayed a graph"
+        finally:
+            llm.close()
+    assert outputs[0] == outputs[1]
