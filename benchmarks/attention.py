@@ -9,7 +9,9 @@ Backends, each timed alike (the median of calls launched from Python with the L2
   - torch_sdpa: torch's scaled_dot_product_attention over contiguous [batch, heads, tokens, head_dim] tensors
     (torch picks its flash, cuDNN or memory-efficient kernel): the reference a Hopper-tuned kernel should reach;
   - flash_attn_4: FlashAttention's CuTe-DSL kernels (`flash_attn.cute`, the flash-attn-4 package), varlen, over the
-    paged cache for blocks, where the package is installed; otherwise its rows say so.
+    paged cache for blocks, where the package is installed; otherwise its rows say so;
+  - triton_fp8_kv (blocks only): the engine's kernel over the same cache held as FP8 rows (kv_cache_dtype fp8),
+    whose memory floor counts the cached context at head_dim + 4 bytes a row instead of 2 x head_dim.
 Every row gives ms, the compute floor (4 x query-key pairs x heads x head_dim flops / the bf16 matmul rate), the
 memory floor (Q, K and V read once and the output written, over the copy bandwidth), the time over the larger floor,
 and the output's relative error against torch_sdpa's. Both ceilings are measured in the same run.
@@ -31,12 +33,13 @@ import torch.nn.functional as F
 from kernels import (BLOCK_LEN, FULL_MODELS, PAGE_SIZE, SMOKE_MODELS, ModelShape, attention_inputs,  # noqa: E402
                      device_header, measure_ceilings, randn, time_eager_ms)
 import diffulex_kernels  # noqa: E402
+from diffulex_kernels import kv_store  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["phase", "model", "batch", "tokens", "context", "backend", "ms", "compute_floor_ms", "memory_floor_ms",
           "vs_floor", "rel_err_vs_sdpa", "note"]
-BACKENDS = ("triton", "torch_sdpa", "flash_attn_4")
+BACKENDS = ("triton", "torch_sdpa", "flash_attn_4", "triton_fp8_kv")
 
 
 def flash_attn_4(device: torch.device):
@@ -99,6 +102,10 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     args = (t["query"], t["key"], t["value"], t["k_cache"], t["v_cache"], meta, scale)
     results["triton"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*args)),
                          diffulex_kernels.paged_attention(*args), "")
+    if phase == "block":
+        fp8_args = (*args[:3], fp8_rows_of(t["k_cache"]), fp8_rows_of(t["v_cache"]), *args[5:])
+        results["triton_fp8_kv"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*fp8_args)),
+                                    diffulex_kernels.paged_attention(*fp8_args), "")
     if fa4 is None:
         results["flash_attn_4"] = (float("nan"), None, missing)
         return results
@@ -122,6 +129,15 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     except Exception as error:  # a shape or layout the package refuses: the row says which
         results["flash_attn_4"] = (float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}")
     return results
+
+
+def fp8_rows_of(cache: torch.Tensor) -> torch.Tensor:
+    """The cache as FP8 rows (kv_cache_dtype fp8), each row quantized as the store writes it."""
+    packed = torch.empty(*cache.shape[:-1], kv_store.fp8_row_bytes(cache.shape[-1]), dtype=torch.uint8,
+                         device=cache.device)
+    values, scales = kv_store.fp8_rows(packed)
+    values[:], scales[:] = kv_store.quantize_rows(cache)
+    return packed
 
 
 def relative_error(out: torch.Tensor | None, ref: torch.Tensor) -> float:
@@ -163,11 +179,16 @@ def main(argv: list[str] | None = None) -> int:
         compute_ms = 1e3 * flops / ceilings.matmul_rate
         memory_ms = 1e3 * bytes_moved / ceilings.bandwidth
         reference = results["torch_sdpa"][1]
-        for backend in BACKENDS:
+        # The cached context's bytes, which FP8 rows shrink to (head_dim + 4) / (2 head_dim).
+        cache_bytes = 2 * batch * context * model.kv_heads * model.head_dim * 2
+        fp8_memory_ms = memory_ms - 1e3 * cache_bytes * (1 - (model.head_dim + 4) / (2 * model.head_dim)) \
+            / ceilings.bandwidth
+        for backend in (b for b in BACKENDS if b in results):
             ms, out, note = results[backend]
+            floor_ms = fp8_memory_ms if backend == "triton_fp8_kv" else memory_ms
             table.add(phase=phase, model=model.name, batch=batch, tokens=tokens, context=context, backend=backend,
-                      ms=ms, compute_floor_ms=compute_ms, memory_floor_ms=memory_ms,
-                      vs_floor=ms / max(compute_ms, memory_ms), rel_err_vs_sdpa=relative_error(out, reference),
+                      ms=ms, compute_floor_ms=compute_ms, memory_floor_ms=floor_ms,
+                      vs_floor=ms / max(compute_ms, floor_ms), rel_err_vs_sdpa=relative_error(out, reference),
                       note=note or str(device))
         del t, meta, results
         if device.type == "cuda":
