@@ -103,7 +103,8 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     results["triton"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*args)),
                          diffulex_kernels.paged_attention(*args), "")
     if phase == "block":
-        fp8_args = (*args[:3], fp8_rows_of(t["k_cache"]), fp8_rows_of(t["v_cache"]), *args[5:])
+        fp8_caches = kv_store.pack_fp8_rows(t["k_cache"]), kv_store.pack_fp8_rows(t["v_cache"])
+        fp8_args = (*args[:3], *fp8_caches, *args[5:])
         results["triton_fp8_kv"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*fp8_args)),
                                     diffulex_kernels.paged_attention(*fp8_args), "")
     if fa4 is None:
@@ -129,15 +130,6 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     except Exception as error:  # a shape or layout the package refuses: the row says which
         results["flash_attn_4"] = (float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}")
     return results
-
-
-def fp8_rows_of(cache: torch.Tensor) -> torch.Tensor:
-    """The cache as FP8 rows (kv_cache_dtype fp8), each row quantized as the store writes it."""
-    packed = torch.empty(*cache.shape[:-1], kv_store.fp8_row_bytes(cache.shape[-1]), dtype=torch.uint8,
-                         device=cache.device)
-    values, scales = kv_store.fp8_rows(packed)
-    values[:], scales[:] = kv_store.quantize_rows(cache)
-    return packed
 
 
 def relative_error(out: torch.Tensor | None, ref: torch.Tensor) -> float:

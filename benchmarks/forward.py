@@ -61,6 +61,7 @@ from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
+from diffulex_kernels.kv_store import SCALE_BYTES, pack_fp8_rows  # noqa: E402
 from diffulex_kernels.linear import linear, linear_silu_and_mul  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
@@ -268,12 +269,17 @@ def cached_context_plans(engine, batch: int, context: int, generator: torch.Gene
 
 
 def fill_cache(engine, seed: int) -> None:
-    """Random K/V in the pool, the same values for the same seed whatever the pool's dtype (drawn in bf16):
-    never time or compare on zeros."""
+    """Random K/V in the pool, the same values for the same seed whatever the pool's dtype (drawn in bf16; a pool of
+    FP8 rows holds them quantized, as the store writes them): never time or compare on zeros."""
     cache = engine.runner.kv_cache
     generator = torch.Generator(cache.device).manual_seed(seed)
     for slab in cache.flatten(0, 1):  # a layer's K or V at a time: no float32 copy of the whole pool
-        slab.copy_(torch.randn(slab.shape, generator=generator, device=cache.device, dtype=torch.bfloat16))
+        if cache.dtype == torch.uint8:
+            rows = torch.randn((*slab.shape[:-1], slab.shape[-1] - SCALE_BYTES), generator=generator,
+                               device=cache.device, dtype=torch.bfloat16)
+            pack_fp8_rows(rows, out=slab)
+        else:
+            slab.copy_(torch.randn(slab.shape, generator=generator, device=cache.device, dtype=torch.bfloat16))
 
 
 def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, vocab]

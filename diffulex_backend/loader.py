@@ -247,9 +247,10 @@ def _prepare_fp8(model: DecoderLM, scheme: Fp8Scheme, config_path: Path) -> None
         raise CheckpointError(f"{config_path}: {e}") from e
 
 
-def check_fp8_device(device: torch.device, what: str) -> None:
-    """FP8 tensor-core products need compute capability 8.9 (Ada) or newer: refused by name on an older GPU."""
+def check_fp8_device(device: torch.device, what: str, why: str = "for its FP8 products") -> None:
+    """FP8 tensor-core products and conversions need compute capability 8.9 (Ada) or newer: refused by name on an
+    older GPU."""
     capability = torch.cuda.get_device_capability(device)
     if capability < (8, 9):
-        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) for its FP8 products;"
+        raise ValueError(f"{what} needs a GPU of compute capability 8.9 or newer (Ada, Hopper) {why};"
                          f" {torch.cuda.get_device_name(device)} is {capability[0]}.{capability[1]}")

@@ -145,22 +145,14 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
 
 def load_rank_model(config: Config, device: torch.device, dtype: torch.dtype, tp: TensorParallel):
     """This rank's share of the model, with its adapters and attention backend. Returns (model, lora_slots)."""
+    if config.kv_cache_dtype == "fp8" and device.type == "cuda":  # before the weights take the GPU's time
+        check_fp8_device(device, "config field 'kv_cache_dtype' 'fp8'", "to convert K/V rows to FP8")
     model, lora_slots = load_model_with_adapters(config, device, dtype, tp)
-    check_kv_cache_dtype(config.kv_cache_dtype, model, device)
-    select_attention(model, config.attention_backend, device, dtype)
-    return model, lora_slots
-
-
-def check_kv_cache_dtype(kv_cache_dtype: str, model, device: torch.device) -> None:
-    """FP8 rows need a cache laid out as every layer's alike, and a GPU that converts to FP8: refused by name
-    otherwise, before a page is allocated."""
-    if kv_cache_dtype != "fp8":
-        return
-    if hasattr(model, "kv_cache_shape"):
+    if config.kv_cache_dtype == "fp8" and hasattr(model, "kv_cache_shape"):
         raise ValueError(f"config field 'kv_cache_dtype' is 'fp8', but {type(model).__name__}'s cache is laid out "
                          f"per layer and holds the model's dtype only; leave kv_cache_dtype 'auto'")
-    if device.type == "cuda":
-        check_fp8_device(device, "config field 'kv_cache_dtype' 'fp8'")
+    select_attention(model, config.attention_backend, device, dtype)
+    return model, lora_slots
 
 
 def build_runner(config: Config, model, device: torch.device, dtype: torch.dtype, channel=None):

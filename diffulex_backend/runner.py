@@ -34,7 +34,7 @@ from .models.decoder_lm import SoftInputs, TokenMerge
 from .plan import LogitBlock, SchedulerOutput, SeqPlan
 from .profiling import step_range
 from .retention import RetentionStats, select_pages
-from .sampling import SampleResult, greedy_over_shards, row_keys, sample_reference
+from .sampling import SampleResult, greedy_over_shards, row_keys, sample_reference, shard_columns
 from .upload import upload
 
 
@@ -224,6 +224,13 @@ class ModelRunner:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
             compile_sampler(model.arch.vocab_size, dtype, device)
+            if model.tp.size > 1 and self.token_merge is None:  # greedy steps sample over the ranks' shares
+                from diffulex_kernels.sampling import compile_shard_launches
+
+                columns = model.embed_tokens.num_embeddings
+                held, mask_column = shard_columns(columns, model.vocab_start, model.arch.vocab_size,
+                                                  acceptance.mask_token_id)
+                compile_shard_launches(columns, model.vocab_start, held, mask_column, model.tp.size, dtype, device)
         blocks_attention = attention_fn.blocks if self.dense_prompts else attention_fn
         if blocks_attention not in (None, paged_attention_reference):  # the Triton kernel
             from diffulex_kernels.attention import compile_launches as compile_attention

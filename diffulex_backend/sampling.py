@@ -215,6 +215,13 @@ def sample_reference(
     return SampleResult(tokens=tokens, confidence=confidence, logsumexp=lse)
 
 
+def shard_columns(columns: int, vocab_start: int, vocab_size: int, mask_token_id: int) -> tuple[int, int]:
+    """(columns of a rank's share that hold vocabulary entries, the mask token's column there or -1): the last
+    rank's columns past the vocabulary are the head's padding rows."""
+    held = min(columns, vocab_size - vocab_start)
+    return held, mask_token_id - vocab_start if 0 <= mask_token_id - vocab_start < held else -1
+
+
 def greedy_over_shards(
     logits: torch.Tensor,  # [N, C]: this rank's columns of the vocabulary, from vocab_start (padding past vocab_size)
     vocab_start: int,
@@ -233,8 +240,7 @@ def greedy_over_shards(
     On CUDA two kernels (diffulex_kernels.sampling's shard_stats, merge_shard_stats) stand around the all-gather;
     the tensor ops here are their reference."""
     columns = logits.shape[1]
-    held = min(columns, vocab_size - vocab_start)  # the last rank's columns past it are the head's padding rows
-    mask_column = mask_token_id - vocab_start if 0 <= mask_token_id - vocab_start < held else -1
+    held, mask_column = shard_columns(columns, vocab_start, vocab_size, mask_token_id)
     if use_kernel:
         from diffulex_kernels.sampling import merge_shard_stats, shard_stats
 
@@ -267,7 +273,8 @@ def greedy_over_shards(
     lse = torch.logsumexp(everyone[:, :, 3], dim=0)
     # sum p log p over the row, from each rank's sum of q log q over its share (q = p scaled by exp(lse - rank's lse))
     weight = torch.exp(everyone[:, :, 3] - lse)
-    neg_entropy = (weight * (everyone[:, :, 4] + everyone[:, :, 3] - lse)).sum(0)
+    # A rank whose share is all -inf (its one column the mask token) holds no mass: its term is 0, not NaN.
+    neg_entropy = torch.where(weight > 0, weight * (everyone[:, :, 4] + everyone[:, :, 3] - lse), 0).sum(0)
     p1, p2 = torch.exp(top1 - lse), torch.exp(top2 - lse)
     confidence = torch.where(confidence_kind == Confidence.PROB, p1,
                              torch.where(confidence_kind == Confidence.MARGIN, p1 - p2, neg_entropy))

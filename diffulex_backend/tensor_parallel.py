@@ -79,9 +79,7 @@ class TensorParallel:
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:
         """[N, C] on each rank -> [N, size * C], rank 0's columns first."""
-        if self.size == 1:
-            return tensor
-        return self.gather(tensor).permute(1, 0, 2).reshape(tensor.shape[0], -1)
+        return tensor if self.size == 1 else torch.cat(self.gather(tensor).unbind(0), dim=1)
 
 
 def check_shardable(arch: ModelArch, tp: TensorParallel) -> None:

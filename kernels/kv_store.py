@@ -39,6 +39,16 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (rows / scales[..., None]).to(torch.float8_e4m3fn), scales
 
 
+def pack_fp8_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """rows [..., head_dim] as FP8 rows [..., head_dim + SCALE_BYTES] uint8, each quantized as the store writes it;
+    into `out` when it is given."""
+    if out is None:
+        out = torch.empty(*rows.shape[:-1], fp8_row_bytes(rows.shape[-1]), dtype=torch.uint8, device=rows.device)
+    values, scales = fp8_rows(out)
+    values[:], scales[:] = quantize_rows(rows)
+    return out
+
+
 @triton.jit
 def _round_to_e4m3(x):
     """x (float32, |x| <= 448) rounded to the nearest float8_e4m3fn value, ties to even, still in float32: the cast
@@ -81,10 +91,12 @@ def _store_kv_kernel(
         scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX) / _FP8_MAX  # [BLOCK_H]
-        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX) / _FP8_MAX
-        tl.store(k_cache_ptr + dst, _round_to_e4m3(k / k_scale[:, None]).to(tl.float8e4nv), mask=mask)
-        tl.store(v_cache_ptr + dst, _round_to_e4m3(v / v_scale[:, None]).to(tl.float8e4nv), mask=mask)
+        # Divisions rounded as IEEE (and torch) round them, not the GPU's fast approximation: the same quotient, the
+        # same e4m3 value as the reference.
+        k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX), _FP8_MAX)  # [BLOCK_H]
+        v_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX), _FP8_MAX)
+        tl.store(k_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(k, k_scale[:, None])).to(tl.float8e4nv), mask=mask)
+        tl.store(v_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(v, v_scale[:, None])).to(tl.float8e4nv), mask=mask)
         tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)
         tl.store(v_scale_ptr + scale_dst, v_scale, mask=head_valid)
     else:
@@ -100,8 +112,8 @@ def store_kv(
     slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
 ) -> None:
     """Copy each token's K/V into cache slot `slot_mapping[t]` (flat over pages); tokens at -1 are skipped. The
-    caches may be column views of wider rows, as long as a slot's heads are contiguous. Into an FP8-row cache each
-    (token, head) row goes with its own scale."""
+    caches may be column views of wider rows, as long as each head's values are contiguous. Into an FP8-row cache
+    each (token, head) row goes with its own scale."""
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return

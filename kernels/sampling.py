@@ -317,6 +317,19 @@ def shard_launch(num_rows: int, columns: int) -> tuple[int, int, int]:
     return chunk_layout(columns, launch)
 
 
+def compile_shard_launches(columns: int, vocab_start: int, held: int, mask_column: int, num_ranks: int,
+                           dtype: torch.dtype, device: torch.device) -> None:
+    """Runs shard_stats and merge_shard_stats once for every chunk count a step's rows can give, over this rank's
+    share, so that no greedy step under tensor parallelism compiles one while requests wait."""
+    rows_of_chunks = {shard_launch(rows, columns)[2]: rows for rows in range(SHARD_PROGRAMS, 0, -1)}
+    for rows in rows_of_chunks.values():
+        current = torch.full((rows,), vocab_start, dtype=torch.int64, device=device)
+        stats = shard_stats(torch.zeros(rows, columns, dtype=dtype, device=device), current, vocab_start, held,
+                            mask_column)
+        merge_shard_stats(stats.repeat(num_ranks, 1, 1), torch.zeros(rows, dtype=torch.int64, device=device),
+                          num_ranks)
+
+
 @triton.jit
 def _shard_stats_kernel(
     logits_ptr, current_ptr, stats_ptr, stride_row, held, chunk_size, vocab_start, mask_column,

@@ -124,15 +124,6 @@ def assert_same_cache(cache: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(values.float(), ref_values.float()) and torch.equal(scales, ref_scales)
 
 
-def as_fp8_rows(cache: torch.Tensor) -> torch.Tensor:
-    """The cache's rows quantized into a cache of FP8 rows, as the store writes them."""
-    packed = torch.empty(*cache.shape[:-1], kv_store.fp8_row_bytes(cache.shape[-1]), dtype=torch.uint8,
-                         device=cache.device)
-    values, scales = kv_store.fp8_rows(packed)
-    values[:], scales[:] = kv_store.quantize_rows(cache)
-    return packed
-
-
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
@@ -143,7 +134,8 @@ def test_fp8_rows_match_the_reference_over_the_same_rows(group, head_dim, dtype,
     heads, kv_heads = HEAD_SHAPES[group]
     batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, dtype=dtype,
                        pattern="blocks", seed=head_dim + group)
-    batch = dataclasses.replace(batch, k_cache=as_fp8_rows(batch.k_cache), v_cache=as_fp8_rows(batch.v_cache))
+    batch = dataclasses.replace(batch, k_cache=kv_store.pack_fp8_rows(batch.k_cache),
+                                v_cache=kv_store.pack_fp8_rows(batch.v_cache))
     assert_matches_reference(batch, num_splits)
 
 

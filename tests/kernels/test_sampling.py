@@ -229,3 +229,27 @@ def test_shard_chunks_depend_on_the_sizes_alone():
     stats = kernel_sampling.shard_stats(torch.zeros(3, 9000, device=DEVICE), torch.zeros(3, dtype=torch.int64,
                                                                                            device=DEVICE), 0, 9000, -1)
     assert stats.shape == (3, kernel_sampling.shard_launch(3, 9000)[2], kernel_sampling.NUM_SHARD_STATS)
+
+
+def test_a_rank_s_share_cut_into_several_chunks_merges_as_one():
+    """Few rows over a share wider than one tile: each rank's share in several chunks, merged across chunks and
+    ranks in vocabulary order, with a tie across a chunk's edge."""
+    vocab, ranks, rows = 20000, 2, 4
+    columns = -(-vocab // ranks)
+    assert kernel_sampling.shard_launch(rows, columns)[2] > 1
+    logits = randn(rows, vocab, dtype=torch.float32, gen=generator(5)) * 3
+    logits[0, [4095, 4096]] = 40  # a tie across rank 0's first chunk edge
+    current = torch.arange(rows, device=DEVICE) * 4001
+    kinds = cycled([int(k) for k in Confidence], rows)
+    mask = 7
+    out, current_logit = shard_merge(logits, current, kinds, ranks, mask)
+    whole = logits.clone()
+    whole[:, mask] = float("-inf")
+    zeros = torch.zeros(rows, device=DEVICE)
+    assert_same_result(out, sample_reference(whole, zeros, zeros.long(), kinds))
+    assert out.tokens[0] == 4095
+    assert torch.equal(current_logit, whole.gather(1, current[:, None]).squeeze(1))
+
+
+def test_compiling_the_shard_launches_ahead_runs_each_chunk_count():
+    kernel_sampling.compile_shard_launches(9000, 9000, 8999, 3, 2, torch.float32, DEVICE)

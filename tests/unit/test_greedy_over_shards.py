@@ -107,3 +107,21 @@ def test_greedy_rows_over_shares_give_the_whole_rows_answer(groups, size, rows, 
     torch.testing.assert_close(result.confidence.double(), ref.confidence, **tolerance)
     torch.testing.assert_close(result.logsumexp.double(), ref.logsumexp, **tolerance)
     assert torch.equal(current_logit.double(), whole.gather(1, current[:, None]).squeeze(1))
+
+
+@pytest.mark.parametrize("use_kernel", [False, True], ids=["tensor ops", "kernels"])
+def test_a_rank_whose_whole_share_is_the_mask_token_adds_nothing(groups, use_kernel):
+    """Seven ids over three ranks leave the last rank one column, the mask token's: its share is all -inf, holds
+    no mass, and every confidence kind comes out as the whole row's (no NaN)."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, generator=gen)
+    kinds = torch.tensor([int(k) for k in Confidence])
+    current = torch.tensor([0, 6, 3])
+    dtype = torch.float32 if use_kernel else torch.float64
+    result, current_logit = over_ranks(groups[3], logits.to(dtype), 6, current, kinds, use_kernel)
+    whole = logits.double().clone()
+    whole[:, 6] = float("-inf")
+    ref = sample_reference(whole, torch.zeros(3, dtype=torch.float64), torch.zeros(3, dtype=torch.long), kinds)
+    assert torch.equal(result.tokens, ref.tokens)
+    torch.testing.assert_close(result.confidence.double(), ref.confidence, rtol=1e-5, atol=1e-6)
+    assert torch.equal(current_logit.double(), whole.gather(1, current[:, None]).squeeze(1))

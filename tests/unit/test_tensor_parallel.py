@@ -230,7 +230,7 @@ def test_expert_parallel_on_a_dense_model_is_refused(checkpoints):
 
 @pytest.mark.parametrize("confidence", ["prob", "margin", "neg_entropy"])
 def test_greedy_steps_sample_from_each_ranks_share_of_the_logits(checkpoints, monkeypatch, confidence):
-    """A step whose rows are all greedy never gathers the whole logits: the ranks trade six numbers a row
+    """A step whose rows are all greedy never gathers the whole logits: the ranks trade a few numbers a row
     (sampling.greedy_over_shards), whatever the confidence. Its tokens are one rank's, in float64, for a dense and
     a MoE family."""
     import diffulex_backend.runner as runner
@@ -276,7 +276,7 @@ def test_a_start_that_fails_on_rank_0_alone_ends_at_once(checkpoints, monkeypatc
 @pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1]], ids=["greedy", "sampled"])
 def test_a_decode_step_issues_the_collectives_its_layers_need_and_one_plan_broadcast(checkpoints, family, params):
     """Per step: the plan in one broadcast; one all-reduce for the embedding lookup and one after attention and
-    after the MLP (or MoE) of each layer; one all-gather for the sampler: of six numbers a row when every row is
+    after the MLP (or MoE) of each layer; one all-gather for the sampler: of a few numbers a row when every row is
     greedy, of the rows' logits when one samples."""
     engine = Diffulex(checkpoints(family, {}), **SETTINGS, tensor_parallel_size=2)
     try:
