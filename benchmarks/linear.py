@@ -85,7 +85,7 @@ def main() -> None:
                     assert error < 1e-2, f"{model} {tokens} tokens: relative error {error:.2e} against cuBLAS"
             rows.append(dict(model=model, tokens=tokens, kernel="streaming" if tokens <= MAX_TOKENS else "cuBLAS",
                              cublas_ms=f"{library_ms:.4g}", engine_ms=f"{engine_ms:.4g}",
-                             engine_vs_cublas=f"{engine_ms / library_ms:.3f}",
+                             engine_vs_cublas=f"{engine_ms / library_ms:.4g}",
                              engine_tb_per_s=f"{weight_bytes / engine_ms / 1e9:.3g}"))
             print(" | ".join(f"{k}={v}" for k, v in rows[-1].items()), flush=True)
         del weights

@@ -16,7 +16,10 @@ from .pdl import use_pdl, wait_for_previous_kernel
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 SCALE_BYTES = 4  # a row's float32 scale, after its values
 MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
-_FP8_MAX = tl.constexpr(FP8_MAX)
+# A scale is max|x| times this float32 reciprocal, here and in the reference: a product rounds alike everywhere,
+# where a division by a constant may be compiled into this product on one side and not on the other.
+INV_FP8_MAX = 1.0 / FP8_MAX
+_INV_FP8_MAX = tl.constexpr(INV_FP8_MAX)
 _MIN_AMAX = tl.constexpr(MIN_AMAX)
 
 
@@ -35,7 +38,7 @@ def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float8_e4m3fn, scales float32) of rows [..., head_dim], a scale per row: the reference of the
     kernel's store."""
     rows = rows.float()
-    scales = rows.abs().amax(-1).clamp_min(MIN_AMAX) / FP8_MAX
+    scales = rows.abs().amax(-1).clamp_min(MIN_AMAX) * INV_FP8_MAX
     return (rows / scales[..., None]).to(torch.float8_e4m3fn), scales
 
 
@@ -91,10 +94,10 @@ def _store_kv_kernel(
         scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        # Divisions rounded as IEEE (and torch) round them, not the GPU's fast approximation: the same quotient, the
-        # same e4m3 value as the reference.
-        k_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX), _FP8_MAX)  # [BLOCK_H]
-        v_scale = tl.math.div_rn(tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX), _FP8_MAX)
+        # The row divided by its scale as IEEE (and torch) round it, not by the GPU's fast approximation: the same
+        # quotient, the same e4m3 value as the reference.
+        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX) * _INV_FP8_MAX  # [BLOCK_H]
+        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX) * _INV_FP8_MAX
         tl.store(k_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(k, k_scale[:, None])).to(tl.float8e4nv), mask=mask)
         tl.store(v_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(v, v_scale[:, None])).to(tl.float8e4nv), mask=mask)
         tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)

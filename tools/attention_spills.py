@@ -28,7 +28,7 @@ from diffulex_kernels.attention import (HEAD_DIMS, AttentionLaunch, _paged_atten
 from diffulex_kernels.dtypes import triton_dtype  # noqa: E402
 
 POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
-FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr"}
+FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr", "v_scale_ptr"}
 INT_POINTERS = {"cu_seqlens_q_ptr", "context_lens_ptr", "page_tables_ptr", "block_ids_ptr"}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -53,7 +53,7 @@ def signature(dtype: torch.dtype, constants: dict) -> dict[str, str]:
 def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work: Path) -> str:
     constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=True, SPLIT=launch.num_splits > 1,
                      BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=triton_dtype(dtype),
-                     HAS_WINDOW=False, PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
+                     HAS_WINDOW=False, KV_FP8=False, PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
     source = triton.compiler.ASTSource(fn=_paged_attention_kernel, signature=signature(dtype, constants),
                                        constexprs=constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
