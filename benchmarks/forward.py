@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import csv
 import gc
 import json
@@ -59,6 +60,7 @@ from diffulex_backend.model_setup import select_attention  # noqa: E402
 from diffulex_backend.layers import moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
+from diffulex_backend.runner import kv_cache_layout  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.kv_store import SCALE_BYTES, pack_fp8_rows  # noqa: E402
@@ -86,6 +88,7 @@ class Plan:
     diffulex_new_tokens: int
     reps: int
     smoke: bool
+    kv_cache_dtype: str = "auto"  # the engine's cache: the model's dtype, or "fp8" rows
 
 
 FULL = Plan(batches=(1, 8, 32, 64), contexts=(512, 2048), decode_batches=(1, 8, 32, 64), decode_context=512,
@@ -208,18 +211,19 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def page_bytes(model) -> int:
-    arch = model.arch
-    itemsize = model.embed_tokens.weight.element_size()
-    return 2 * arch.num_layers * PAGE_SIZE * arch.num_kv_heads * arch.head_dim * itemsize
+def page_bytes(model, kv_cache_dtype: str = "auto") -> int:
+    """A KV page's bytes over every layer, laid out as the engine lays it out."""
+    shape, dtype = kv_cache_layout(model, 1, PAGE_SIZE, model.embed_tokens.weight.dtype, kv_cache_dtype)
+    return math.prod(shape) * dtype.itemsize
 
 
-def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float) -> int:
+def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float, kv_cache_dtype: str = "auto"
+               ) -> int:
     """`wanted` pages, or as many as fit in free memory less `reserve_bytes`."""
     if device.type != "cuda":
         return wanted
     free, _ = torch.cuda.mem_get_info(device)
-    return max(1, min(wanted, int((free - reserve_bytes) // page_bytes(model))))
+    return max(1, min(wanted, int((free - reserve_bytes) // page_bytes(model, kv_cache_dtype))))
 
 
 def long_prompt_setup(model: str, smoke: bool, prompt: int) -> tuple[torch.device, Plan, dict, str, torch.dtype]:
@@ -237,7 +241,7 @@ def long_prompt_setup(model: str, smoke: bool, prompt: int) -> tuple[torch.devic
 
 def make_engine(model, model_dir: str, device: torch.device, plan: Plan, **kwargs) -> RandomWeightEngine:
     settings = dict(block_size=BLOCK, page_size=PAGE_SIZE, enable_prefix_caching=False, device=str(device),
-                    dtype="float32" if device.type == "cpu" else "bfloat16")
+                    dtype="float32" if device.type == "cpu" else "bfloat16", kv_cache_dtype=plan.kv_cache_dtype)
     settings.update(kwargs)
     return RandomWeightEngine(model, model_dir, **settings)
 
@@ -298,13 +302,14 @@ def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, 
 # ---- sections ------------------------------------------------------------------------------------------------
 
 def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int,
-           experts_touched: float | None = None) -> dict:
+           experts_touched: float | None = None, kv_cache_dtype: str = "auto") -> dict:
     """The floors of one forward of `tokens` tokens (batch requests over `context` cached tokens each).
 
     Weight floor: the bytes of the weights the forward reads, over the bandwidth. A dense model reads them all.
     A MoE model reads everything but the routed experts, and of those only the experts its tokens reach:
     `experts_touched` per MoE layer (the mean over layers), as measured on this forward (`routed_experts`);
     without it, the number uniform routing would reach (ModelArch.expected_touched_experts).
+    Memory floor: those weights and the cached K/V the attention reads, as the cache holds them (kv_cache_dtype).
     Compute floor: 2 * active params * tokens, where a token's active params are all but the routed experts
     it does not take (equal to all params for a dense model)."""
     arch = model.arch
@@ -318,7 +323,7 @@ def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int,
         return arch.num_params() * itemsize - all_experts + arch.touched_expert_bytes(touched, itemsize)
 
     weight_bytes = weight_bytes_with(experts_touched)
-    kv_bytes = batch * context * arch.num_layers * 2 * arch.num_kv_heads * arch.head_dim * itemsize
+    kv_bytes = batch * context * page_bytes(model, kv_cache_dtype) / PAGE_SIZE
     result = dict(weight_floor_ms=1e3 * weight_bytes / ceilings.bandwidth,
                   compute_floor_ms=1e3 * 2 * arch.num_active_params() * tokens / ceilings.matmul_rate,
                   memory_floor_ms=1e3 * (weight_bytes + kv_bytes) / ceilings.bandwidth)
@@ -411,7 +416,8 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
     largest = max(plan.batches) * -(-(max(plan.contexts) + BLOCK) // PAGE_SIZE)
     with_plain = plain_supported(model)
     # Leave room for plain PyTorch's largest case: its cache, the concatenated copy and the logits.
-    pages = pool_pages(model, device, largest, reserve_bytes=16e9 if with_plain else 8e9)
+    pages = pool_pages(model, device, largest, reserve_bytes=16e9 if with_plain else 8e9,
+                       kv_cache_dtype=plan.kv_cache_dtype)
     engine = make_engine(model, model_dir, device, plan, max_model_len=max(plan.contexts) + 2 * BLOCK,
                          max_num_reqs=max(plan.batches), max_num_batched_tokens=max(4096, max(plan.batches) * BLOCK),
                          num_kv_pages=pages)
@@ -443,8 +449,8 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
             else:
                 note += "; " + PLAIN_SKIPPED
             free_memory(device)
-            f = floors(model, ceilings, batch, context, tokens,
-                       touched_per_layer(routes) if routes else None)
+            f = floors(model, ceilings, batch, context, tokens, touched_per_layer(routes) if routes else None,
+                       plan.kv_cache_dtype)
             report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
                        tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, **plain_columns, **f,
                        engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
@@ -471,7 +477,8 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
         if model.arch.num_experts:
             fill_cache(engine, seed=9)
             routes = routed_experts(engine, cached_context_plans(engine, batch, context, generator))
-        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None)
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None,
+                   plan.kv_cache_dtype)
         plain_step_ms = None
         if plain is not None:
             block, positions, (past_k, past_v) = plain_inputs(model, batch, context, generator, device)
@@ -680,7 +687,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
             kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3
         kinds.pop("host", None)
         breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
-        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None)
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None,
+                   plan.kv_cache_dtype)
         floor_ms = max(f["weight_floor_ms"], f["compute_floor_ms"])
         report.add(section="profile", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
                    tokens=batch * BLOCK, engine_ms=forward_ms, **f,
@@ -720,7 +728,7 @@ def memory_section(report: Report, name: str, model, model_dir: str, device, pla
                     SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True))
     free, total = torch.cuda.mem_get_info(device)
     report.add(section="memory", model=name, case=f"gpu_memory_utilization={utilization}",
-               note=f"{pages} KV pages ({pages * page_bytes(model) / 1e9:.1f} GB); after generating, the device "
+               note=f"{pages} KV pages ({pages * page_bytes(model, plan.kv_cache_dtype) / 1e9:.1f} GB); after generating, the device "
                     f"holds {(total - free) / 1e9:.1f} GB in use of the {utilization * total / 1e9:.1f} GB allowed")
     del engine
     free_memory(device)
@@ -788,10 +796,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one iteration of each case")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+                        help="the engine's KV cache: the model's dtype, or FP8 rows (kv_cache_dtype)")
     args = parser.parse_args(argv)
     command = "python benchmarks/forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = SMOKE if args.smoke else FULL
+    plan = dataclasses.replace(SMOKE if args.smoke else FULL, kv_cache_dtype=args.kv_cache_dtype)
     if args.smoke:
         torch.set_num_threads(1)  # tiny shapes: more CPU threads only add synchronization
     report = Report(args.out)

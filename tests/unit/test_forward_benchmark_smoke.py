@@ -150,3 +150,25 @@ def test_routing_recorder_sees_every_moe_layer_and_restores_the_router():
         assert ids.shape == weights.shape == (5, model.arch.num_experts_per_tok)
     assert fwd.touched_per_layer(record.routes) == pytest.approx(
         sum(len(set(ids.flatten().tolist())) for ids, _ in record.routes) / len(moes))
+
+
+def test_the_memory_floor_counts_the_cache_as_it_is_held():
+    """With --kv-cache-dtype fp8 the cached K/V the attention reads count at head_dim + 4 bytes a row."""
+    fwd = import_forward_benchmark()
+    from diffulex_backend.testing.checkpoint import random_model
+
+    model = random_model(**fwd.SMOKE_SHAPE, dtype=torch.bfloat16, seed=0)
+    arch, ceilings = model.arch, fwd.Ceilings(bandwidth=1e12, matmul_rate=1e14)
+    auto, fp8 = (fwd.floors(model, ceilings, batch=2, context=64, tokens=64, kv_cache_dtype=kind)
+                 for kind in ("auto", "fp8"))
+    rows = 2 * 64 * arch.num_layers * 2 * arch.num_kv_heads  # (token, layer, K or V, head) rows read
+    assert auto["memory_floor_ms"] - auto["weight_floor_ms"] == pytest.approx(1e3 * rows * arch.head_dim * 2 / 1e12)
+    assert fp8["memory_floor_ms"] - fp8["weight_floor_ms"] == pytest.approx(1e3 * rows * (arch.head_dim + 4) / 1e12)
+
+
+def test_a_run_over_fp8_rows_fills_and_reads_them(tmp_path):
+    run_smoke("forward.py", tmp_path, "--sections", "forward", "--kv-cache-dtype", "fp8", cpu=True)
+    rows = [r for r in csv_rows(tmp_path / "forward.csv") if r["section"] == "forward"]
+    assert len(rows) == 4
+    for row in rows:
+        assert ratio(row, "engine_ms", "weight_floor_ms") > 1
