@@ -167,7 +167,7 @@ gpu-check:
 	$(PYTHON) tools/gpu_check.py $(GPU_CHECK_ARGS)
 
 gpu-runtime: setup
-	$(BIN)/python tools/pack_gpu_runtime.py pack --flash-attn "$(FLASH_ATTN_PACKAGES)"
+	$(BIN)/python tools/pack_gpu_runtime.py pack --flash-attn "$(FLASH_ATTN_PACKAGES)" --perf-analyzer
 
 setup-gpu:
 	$(PYTHON) -m pip install --no-deps $(FLASH_ATTN_PACKAGES)

@@ -4,6 +4,7 @@ A GPU image that ships PyTorch but no Triton Inference Server can still serve th
 Python backend and its stub come from the nvidia-pytriton wheel, which `make setup` installs here. Two steps:
 
     python tools/pack_gpu_runtime.py pack [--out .gpu-runtime] [--python-version 3.12] [--flash-attn "REQS"]
+                                          [--perf-analyzer]
         Here, with the development venv: writes OUT/tritonserver.tar.xz (bin/tritonserver, backends/python/ with
         the stub of the target's Python version, lib/ = the wheel's shared libraries without libpython3*, which
         the target's own Python provides) and OUT/wheels/ (numpy 1.26.4 for that Python, py-spy, and tritonclient's
@@ -11,6 +12,9 @@ Python backend and its stub come from the nvidia-pytriton wheel, which `make set
         fastapi and uvicorn with their dependencies), downloaded with pip unless already there. tritonclient's wheel is repacked without its perf_analyzer binaries (40 MB). About
         50 MB in all, small enough to travel with a checkout. With --flash-attn (as `make gpu-runtime` runs it),
         also OUT/flash-attn/: flash-attn's Hopper kernels and the CuTe DSL they compile with, about 100 MB more.
+        With --perf-analyzer (as `make gpu-runtime` runs it), also OUT/perf-analyzer/: the perf_analyzer binary of
+        this venv's tritonclient with the two libraries a GPU image may lack (libcudart.so.12 from
+        nvidia-cuda-runtime-cu12, libb64.so.0d), about 21 MB, for `benchmarks/data_parallel.py` and `make perf`.
 
     python3 tools/pack_gpu_runtime.py install [--runtime .gpu-runtime] [--prefix /tmp/sv]
         There, with the image's python3 (the one that holds torch): unpacks the server into PREFIX/tritonserver,
@@ -20,7 +24,8 @@ Python backend and its stub come from the nvidia-pytriton wheel, which `make set
         names (diffulex_backend, and the root's links diffulex_kernels and diffulex_client) into PREFIX/project,
         both added to the venv by a .pth file; writes
         PREFIX/bin/tritonserver (the launcher that diffulex_client.perf.tritonserver expects beside python) and
-        PREFIX/bin/py-spy. Then run the benchmark or the server tests with PREFIX/bin/python.
+        PREFIX/bin/py-spy, and where packed PREFIX/bin/perf_analyzer (a wrapper that puts its libraries on the
+        loader's path). Then run the benchmark or the server tests with PREFIX/bin/python.
 
 Why a second venv: the Python backend's stub breaks every BYTES input under numpy 2 ("unpack_from requires a
 buffer ..."), so the stub's Python needs numpy < 2; the image's scipy and scikit-learn are built against numpy 2
@@ -58,6 +63,13 @@ PLATFORMS = ("manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_5_x86
 LEFT_OUT_PREFIXES = ("numpy", "scipy", "sklearn", "scikit_learn")
 # flash-attn's wheels, in a folder of the runtime of their own.
 FLASH_ATTN_FOLDER = "flash-attn"
+# perf_analyzer and the libraries it links that a GPU image may not have, in a folder of their own.
+PERF_ANALYZER_FOLDER = "perf-analyzer"
+PERF_ANALYZER_LIBRARIES = ("libcudart.so.12", "libb64.so.0d")
+PERF_ANALYZER_WRAPPER = """#!/bin/sh
+# perf_analyzer with the libraries packed beside it on the loader's path (tools/pack_gpu_runtime.py).
+LD_LIBRARY_PATH="{folder}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "{folder}/perf_analyzer" "$@"
+"""
 # This checkout's packages, as its root names them for import.
 PROJECT_PACKAGES = ("diffulex_backend", "diffulex_kernels", "diffulex_client")
 
@@ -153,6 +165,45 @@ def download_flash_attn(out: Path, python_version: str, requirements: list[str])
     return sorted(folder.glob("*.whl"))
 
 
+def pack_perf_analyzer(out: Path, bin_dir: Path = Path(sys.executable).parent) -> list[Path]:
+    """OUT/perf-analyzer/: this venv's perf_analyzer binary (behind tools/wrap_perf_analyzer.py's wrapper when
+    `make setup` wrapped it) and the libraries of PERF_ANALYZER_LIBRARIES it links, found as the loader finds them
+    with the wrapper's path."""
+    binary = bin_dir / "perf_analyzer.bin"
+    if not binary.is_file():
+        binary = bin_dir / "perf_analyzer"
+    if not binary.is_file() or binary.read_bytes()[:4] != b"\x7fELF":
+        raise SystemExit(f"no perf_analyzer binary in {bin_dir}: run `make setup` first")
+    folder = out / PERF_ANALYZER_FOLDER
+    folder.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(binary, folder / "perf_analyzer")
+    import nvidia.cuda_runtime
+
+    search = os.pathsep.join(str(Path(p) / "lib") for p in nvidia.cuda_runtime.__path__)
+    linked = subprocess.run(["ldd", str(binary)], capture_output=True, text=True, check=True,
+                            env={**os.environ, "LD_LIBRARY_PATH": search}).stdout
+    paths = {line.split()[0]: line.split()[2] for line in linked.splitlines() if "=> /" in line}
+    for name in PERF_ANALYZER_LIBRARIES:
+        if name not in paths:
+            raise SystemExit(f"perf_analyzer links no {name} on this machine: run `make setup` first")
+        shutil.copy2(paths[name], folder / name)
+    return sorted(folder.iterdir())
+
+
+def install_perf_analyzer(runtime: Path, prefix: Path) -> Path | None:
+    """PREFIX/bin/perf_analyzer, where the runtime has it: the binary and its libraries in PREFIX/perf-analyzer."""
+    packed = runtime / PERF_ANALYZER_FOLDER
+    if not (packed / "perf_analyzer").is_file():
+        return None
+    folder = prefix / PERF_ANALYZER_FOLDER
+    shutil.copytree(packed, folder, dirs_exist_ok=True)
+    (folder / "perf_analyzer").chmod(0o755)
+    wrapper = prefix / "bin" / "perf_analyzer"
+    wrapper.write_text(PERF_ANALYZER_WRAPPER.format(folder=folder))
+    wrapper.chmod(0o755)
+    return wrapper
+
+
 def pack(args: argparse.Namespace) -> None:
     out = args.out
     out.mkdir(parents=True, exist_ok=True)
@@ -160,6 +211,8 @@ def pack(args: argparse.Namespace) -> None:
     wheels = download_wheels(out, args.python_version)
     if args.flash_attn:
         wheels += download_flash_attn(out, args.python_version, args.flash_attn.split())
+    if args.perf_analyzer:
+        wheels += pack_perf_analyzer(out)
     (out / "python-version").write_text(args.python_version + "\n")
     total = sum(path.stat().st_size for path in [archive, *wheels])
     for path in [archive, *wheels]:
@@ -242,6 +295,7 @@ def install(args: argparse.Namespace) -> None:
     client_command.write_text(f"#!{prefix / 'bin' / 'python'}\nimport sys\nfrom diffulex_client.cli import main\n"
                               "sys.exit(main())\n")
     client_command.chmod(0o755)
+    install_perf_analyzer(runtime, prefix)
     check = subprocess.run([str(prefix / "bin" / "python"), "-c", (
                             "import numpy, torch, transformers, diffulex_backend, diffulex_kernels;"
                             "from diffulex_backend.flash_attention import flash_attn_installed;"
@@ -263,6 +317,7 @@ def main(argv: list[str] | None = None) -> None:
     pack_parser.add_argument("--python-version", default="3.12", help="the GPU image's Python (major.minor)")
     pack_parser.add_argument("--flash-attn", default="", help="flash-attn's pinned requirements, space-separated "
                              "(the Makefile's FLASH_ATTN_PACKAGES); empty: leave it out")
+    pack_parser.add_argument("--perf-analyzer", action="store_true", help="also perf_analyzer and its libraries")
     install_parser = commands.add_parser("install", help="install it on the GPU machine")
     install_parser.add_argument("--runtime", type=Path, default=DEFAULT_RUNTIME)
     install_parser.add_argument("--prefix", type=Path, default=Path(tempfile.gettempdir()) / "diffulex-gpu-runtime")
