@@ -226,6 +226,15 @@ def pool_pages(model, device: torch.device, wanted: int, reserve_bytes: float, k
     return max(1, min(wanted, int((free - reserve_bytes) // page_bytes(model, kv_cache_dtype))))
 
 
+def long_prompt_arguments(parser: argparse.ArgumentParser) -> None:
+    """The arguments every long-prompt benchmark (prefill.py, retention.py) takes: where, which model, how long a
+    prompt, which batches."""
+    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
+    parser.add_argument("--model", default="llada-8b", choices=sorted(RELEASED_SHAPES))
+    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
+    parser.add_argument("--batches", default="1,8")
+
+
 def long_prompt_setup(model: str, smoke: bool, prompt: int) -> tuple[torch.device, Plan, dict, str, torch.dtype]:
     """(device, plan, shape, name, dtype) of a benchmark of long prompts over a random model of a released shape (a
     tiny one on one thread with `smoke`), its context limit raised to the prompt and two blocks: random weights at

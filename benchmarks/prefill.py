@@ -41,8 +41,9 @@ import numpy as np
 import torch
 
 from diffulex_backend import SamplingParams  # noqa: E402
-from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model, write_random_checkpoint  # noqa: E402
-from forward import BLOCK, PAGE_SIZE, long_prompt_setup, make_engine, measure_ceilings, write_model_dir  # noqa: E402
+from diffulex_backend.testing.checkpoint import random_model, write_random_checkpoint  # noqa: E402
+from forward import (BLOCK, PAGE_SIZE, long_prompt_arguments, long_prompt_setup, make_engine,  # noqa: E402
+                     measure_ceilings, write_model_dir)
 from result_table import ResultTable  # noqa: E402
 
 REPOSITORY_ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -143,10 +144,7 @@ def serve(checkpoint: str, backend: str, batches: list[int], prompt: int, device
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
-    parser.add_argument("--model", default="llada-8b", choices=sorted(RELEASED_SHAPES))
-    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
-    parser.add_argument("--batches", default="1,8")
+    long_prompt_arguments(parser)
     parser.add_argument("--backends", default="triton,flash_attn", help="attention_backend values; the first is "
                         "the baseline")
     parser.add_argument("--repeats", type=int, default=5)

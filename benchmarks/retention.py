@@ -26,9 +26,9 @@ import time
 import torch
 
 from diffulex_backend import SamplingParams  # noqa: E402
-from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_model  # noqa: E402
-from forward import (BLOCK, PAGE_SIZE, long_prompt_setup, make_engine, measure_ceilings, page_bytes,  # noqa: E402
-                     synchronize, write_model_dir)
+from diffulex_backend.testing.checkpoint import random_model  # noqa: E402
+from forward import (BLOCK, PAGE_SIZE, long_prompt_arguments, long_prompt_setup, make_engine,  # noqa: E402
+                     measure_ceilings, page_bytes, synchronize, write_model_dir)
 from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["model", "batch", "prompt", "retention_ratio", "kv_pages_per_request", "kv_mib_per_request", "step_ms",
@@ -67,10 +67,7 @@ def run(model, model_dir: str, device, plan, batch: int, prompt: int, ratio: flo
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
-    parser.add_argument("--model", default="llada-8b", choices=sorted(RELEASED_SHAPES))
-    parser.add_argument("--prompt", type=int, default=4096, help="prompt tokens")
-    parser.add_argument("--batches", default="1,8")
+    long_prompt_arguments(parser)
     parser.add_argument("--ratios", default="1.0,0.5,0.3")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, a 256-token prompt, one timed step")
     args = parser.parse_args(argv)

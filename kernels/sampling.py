@@ -49,6 +49,12 @@ class SamplerOutput(NamedTuple):
     logsumexp: torch.Tensor  # [N] float32: p(t) = exp(logit_t - logsumexp)
 
 
+def empty_output(num_rows: int, device: torch.device) -> SamplerOutput:
+    return SamplerOutput(tokens=torch.empty(num_rows, dtype=torch.int64, device=device),
+                         confidence=torch.empty(num_rows, dtype=torch.float32, device=device),
+                         logsumexp=torch.empty(num_rows, dtype=torch.float32, device=device))
+
+
 @dataclass(frozen=True)
 class SamplerLaunch:
     block_v: int  # vocabulary entries per loop step
@@ -270,11 +276,7 @@ def sample_and_confidence(
     if logits.stride(1) != 1:
         raise ValueError("sample_and_confidence: logits need a contiguous vocabulary dimension")
     if out is None:
-        out = SamplerOutput(
-            tokens=torch.empty(num_rows, dtype=torch.int64, device=logits.device),
-            confidence=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-            logsumexp=torch.empty(num_rows, dtype=torch.float32, device=logits.device),
-        )
+        out = empty_output(num_rows, logits.device)
     if num_rows == 0:
         return out
     if launch is None:
@@ -428,13 +430,8 @@ def merge_shard_stats(
     them from whole rows, and [N] float32 the logit of each row's current token."""
     num_rows = gathered.shape[0] // num_ranks
     chunks = gathered.shape[1]
-    device = gathered.device
-    out = SamplerOutput(
-        tokens=torch.empty(num_rows, dtype=torch.int64, device=device),
-        confidence=torch.empty(num_rows, dtype=torch.float32, device=device),
-        logsumexp=torch.empty(num_rows, dtype=torch.float32, device=device),
-    )
-    current_logit = torch.empty(num_rows, dtype=torch.float32, device=device)
+    out = empty_output(num_rows, gathered.device)
+    current_logit = torch.empty(num_rows, dtype=torch.float32, device=gathered.device)
     if num_rows:
         _merge_shards_kernel[(num_rows,)](
             gathered, confidence_kind, out.tokens, out.confidence, out.logsumexp, current_logit,
