@@ -26,11 +26,17 @@ One run measures, and prints as it goes:
     the same run. Only the engine is measured: a comparison with Diffulex holds only from one run that measures
     both on one machine;
   * a check: the engine's logits and greedy output with kernels and graphs against its torch path.
+With --quantization none,fp8 every section runs twice per model, in one process: over the bf16 weights, then over
+the same weights quantized to fp8 at load's rule (`quantization: fp8`, quantization.py), as MODEL-fp8. Its floors
+count the weights as they are held (fp8 projections at one byte with their scales, the embedding and output head
+in bf16) and its compute floor takes the fp8 matmul rate (cuBLASLt, a square product) measured at the start; a
+`fp8_vs_float_weights` row gives the logits' difference at one forward over the same inputs and cache.
 It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
 
     python benchmarks/forward.py --out DIR                     # GPU: LLaDA-8B
     python benchmarks/forward.py --out DIR --models llada-8b,dream-7b
     python benchmarks/forward.py --out DIR --models llada2-mini --sections forward,decode,profile
+    python benchmarks/forward.py --out DIR --sections forward,diffulex --quantization none,fp8 --batches 1,32
     python benchmarks/forward.py --smoke --out DIR             # anywhere: tiny dense and MoE shapes, one iteration each
 """
 from __future__ import annotations
@@ -60,6 +66,8 @@ from diffulex_backend.model_setup import select_attention  # noqa: E402
 from diffulex_backend.layers import moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
+from diffulex_backend.quantization import has_fp8, quantize_model  # noqa: E402
+from diffulex_backend.layers.fp8_linear import quantize_weight  # noqa: E402
 from diffulex_backend.runner import kv_cache_layout  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
@@ -111,6 +119,12 @@ SMOKE_MOE_SHAPE = dict(model_name="llada2", hidden_size=64, num_layers=3, num_he
 class Ceilings:
     bandwidth: float  # bytes/s, read + written
     matmul_rate: float  # flop/s, bf16
+    fp8_matmul_rate: float | None = None  # flop/s, cuBLASLt fp8; measured when the run quantizes
+
+    def rate_for(self, model) -> float:
+        """The matmul rate a model's products run at: fp8's for an FP8 model (the float rate on a CPU, where fp8
+        is the float32 reference)."""
+        return self.fp8_matmul_rate if has_fp8(model) and self.fp8_matmul_rate else self.matmul_rate
 
 
 class Report:
@@ -164,7 +178,7 @@ def wall_ms(fn, device: torch.device) -> float:
     return 1e3 * (time.perf_counter() - start)
 
 
-def measure_ceilings(device: torch.device, plan: Plan) -> Ceilings:
+def measure_ceilings(device: torch.device, plan: Plan, fp8: bool = False) -> Ceilings:
     n = 1 << (16 if plan.smoke else 30)  # 2 GiB of bf16
     src = torch.randn(n, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
@@ -178,7 +192,14 @@ def measure_ceilings(device: torch.device, plan: Plan) -> Ceilings:
         synchronize(device)
     copy_ms = device_ms(lambda: dst.copy_(src), device, reps=max(plan.reps, 3) * 2)
     matmul_ms = device_ms(lambda: a @ b, device, reps=max(plan.reps, 3) * 2)
-    return Ceilings(bandwidth=2 * 2 * n / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
+    ceilings = Ceilings(bandwidth=2 * 2 * n / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
+    if fp8 and device.type == "cuda":
+        (aq, _), (bq, _) = quantize_weight(a), quantize_weight(b)
+        rows, columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
+        fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=rows, scale_b=columns,
+                                                    out_dtype=torch.bfloat16), device, reps=max(plan.reps, 3) * 2)
+        ceilings.fp8_matmul_rate = 2 * m**3 / (fp8_ms * 1e-3)
+    return ceilings
 
 
 # ---- the engine around a random-weight model ---------------------------------------------------------------
@@ -320,25 +341,40 @@ def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int,
     without it, the number uniform routing would reach (ModelArch.expected_touched_experts).
     Memory floor: those weights and the cached K/V the attention reads, as the cache holds them (kv_cache_dtype).
     Compute floor: 2 * active params * tokens, where a token's active params are all but the routed experts
-    it does not take (equal to all params for a dense model)."""
+    it does not take (equal to all params for a dense model), at the rate of the model's products.
+    An FP8 model's bytes are those it holds: each parameter at its own dtype, the scales included."""
     arch = model.arch
-    itemsize = model.embed_tokens.weight.element_size()
     uniform = arch.expected_touched_experts(tokens)
     if experts_touched is None:
         experts_touched = uniform
-    all_experts = arch.touched_expert_bytes(arch.num_experts, itemsize)  # 0 for a dense model
+    model_bytes, expert_bytes = held_bytes(model)
+    bytes_per_expert = expert_bytes / arch.num_moe_layers / arch.num_experts if arch.num_experts else 0.0
 
     def weight_bytes_with(touched: float) -> float:
-        return arch.num_params() * itemsize - all_experts + arch.touched_expert_bytes(touched, itemsize)
+        return model_bytes - expert_bytes + arch.num_moe_layers * touched * bytes_per_expert
 
     weight_bytes = weight_bytes_with(experts_touched)
     kv_bytes = batch * context * page_bytes(model, kv_cache_dtype) / PAGE_SIZE
     result = dict(weight_floor_ms=1e3 * weight_bytes / ceilings.bandwidth,
-                  compute_floor_ms=1e3 * 2 * arch.num_active_params() * tokens / ceilings.matmul_rate,
+                  compute_floor_ms=1e3 * 2 * arch.num_active_params() * tokens / ceilings.rate_for(model),
                   memory_floor_ms=1e3 * (weight_bytes + kv_bytes) / ceilings.bandwidth)
     if arch.num_experts:  # beside it, the weight floor if the tokens were routed uniformly
         result["weight_floor_uniform_ms"] = 1e3 * weight_bytes_with(uniform) / ceilings.bandwidth
     return result
+
+
+def held_bytes(model) -> tuple[int, int]:
+    """(the bytes of every parameter as the model holds it, the routed experts' share of them): a float model's
+    num_params * itemsize; an FP8 one's projections at one byte a weight, plus their scales."""
+    total = experts = 0
+    for module in model.modules():
+        routed = isinstance(module, MoE)
+        for name, param in module.named_parameters(recurse=False):
+            size = param.numel() * param.element_size()
+            total += size
+            if routed and name.startswith(("w_gate_up", "w_down")):
+                experts += size
+    return total, experts
 
 
 def expert_columns(model, tokens: int, routes: list | None) -> dict:
@@ -391,13 +427,14 @@ def touched_per_layer(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
 
 
 def plain_supported(model) -> bool:
-    """plain_pytorch.py writes out the plain dense block: full rotary, no q/k norm, a dense MLP in every layer."""
+    """plain_pytorch.py writes out the plain dense block over float weights: full rotary, no q/k norm, a dense MLP
+    in every layer."""
     arch = model.arch
-    return not arch.num_experts and not arch.qk_norm and arch.partial_rotary_factor == 1
+    return not arch.num_experts and not arch.qk_norm and arch.partial_rotary_factor == 1 and not has_fp8(model)
 
 
-PLAIN_SKIPPED = ("plain PyTorch not run: plain_pytorch.py implements the dense block only (no experts, q/k norm "
-                 "or partial rotary)")
+PLAIN_SKIPPED = ("plain PyTorch not run: plain_pytorch.py implements the dense block over float weights only (no "
+                 "experts, q/k norm, partial rotary or fp8)")
 
 
 def plain_inputs(model, batch: int, context: int, generator: torch.Generator, device: torch.device):
@@ -753,7 +790,9 @@ SECTIONS = {"forward": forward_section, "decode": decode_section, "diffulex": di
 def write_markdown(report: Report, ceilings: Ceilings, command: str) -> None:
     lines = [f"`{command}`", "",
              f"HBM copy bandwidth {ceilings.bandwidth / 1e12:.2f} TB/s (read + write); "
-             f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s", ""]
+             f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
+             + (f"; fp8 matmul {ceilings.fp8_matmul_rate / 1e12:.0f} TFLOP/s" if ceilings.fp8_matmul_rate else ""),
+             ""]
     for section in ("forward", "decode_fixed_k", "diffulex", "check", "profile", "memory"):
         rows = [r for r in report.rows if r["section"] == section]
         if not rows:
@@ -799,6 +838,50 @@ def plot(report: Report, name: str) -> None:
     fig.savefig(report.out / f"forward_{name}.png", dpi=120)
 
 
+QUANTIZATIONS = ("none", "fp8")  # in the order a run takes them: fp8 quantizes the bf16 weights in place
+
+
+def quantized(model, quantization: str):
+    """The model over the same weights, quantized as `quantization: fp8` quantizes at load; none: as it is."""
+    if quantization == "fp8":
+        quantize_model(model)
+    return model
+
+
+def check_forward_logits(model, model_dir: str, device, plan: Plan) -> torch.Tensor:
+    """The logits of one forward of 4 blocks over the same random cache, whatever the weights: what fp8 weights
+    are compared by with the bf16 weights they were quantized from."""
+    engine = make_engine(model, model_dir, device, plan, max_model_len=plan.decode_context + 2 * BLOCK,
+                         max_num_reqs=4, num_kv_pages=4 * -(-(plan.decode_context + 2 * BLOCK) // PAGE_SIZE))
+    fill_cache(engine, seed=4)
+    logits = engine_logits(engine, cached_context_plans(engine, 4, plan.decode_context,
+                                                        torch.Generator().manual_seed(5))).float()
+    del engine
+    free_memory(device)
+    return logits
+
+
+def fp8_against_float(report: Report, name: str, fp8_logits: torch.Tensor, float_logits: torch.Tensor,
+                      context: int, float_dtype: torch.dtype) -> None:
+    rel = float((fp8_logits - float_logits).norm() / float_logits.norm())
+    argmax = float((fp8_logits.argmax(-1) == float_logits.argmax(-1)).float().mean())
+    dtype = str(float_dtype).removeprefix("torch.")
+    report.add(section="check", model=name, case="fp8_vs_float_weights", batch=4, context=context,
+               note=f"logits of fp8 weights against the {dtype} weights they were quantized from, one forward over "
+                    f"the same cache and blocks: rel diff {rel:.3e}, argmax agrees on {100 * argmax:.1f}% of rows")
+
+
+# The sections that read the float weights themselves (the float32 reference copy, the matmuls replayed alone).
+FLOAT_ONLY_SECTIONS = ("check", "profile")
+
+
+def parse_list(text: str, choices=None, cast=str) -> tuple:
+    values = tuple(cast(v) for v in text.split(","))
+    if choices is not None and (bad := [v for v in values if v not in choices]):
+        raise SystemExit(f"{bad} not among {list(choices)}")
+    return values
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
@@ -807,36 +890,65 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one iteration of each case")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
                         help="the engine's KV cache: the model's dtype, or FP8 rows (kv_cache_dtype)")
+    parser.add_argument("--quantization", default="none",
+                        help="comma-separated, of none (bf16 weights) and fp8 (the same weights quantized as "
+                             "`quantization: fp8` does), run in that order over one model")
+    parser.add_argument("--batches", help="comma-separated batches of every section (default: the plan's)")
+    parser.add_argument("--contexts", help="comma-separated cached contexts of the forward section")
     args = parser.parse_args(argv)
     command = "python benchmarks/forward.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    sections = parse_list(args.sections, SECTIONS)
+    quantizations = parse_list(args.quantization, QUANTIZATIONS)
+    if list(quantizations) != sorted(set(quantizations), key=QUANTIZATIONS.index):
+        raise SystemExit(f"--quantization {args.quantization}: each at most once, in the order {QUANTIZATIONS}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     plan = dataclasses.replace(SMOKE if args.smoke else FULL, kv_cache_dtype=args.kv_cache_dtype)
+    if args.batches:
+        batches = parse_list(args.batches, cast=int)
+        plan = dataclasses.replace(plan, batches=batches, decode_batches=batches, diffulex_batches=batches)
+    if args.contexts:
+        plan = dataclasses.replace(plan, contexts=parse_list(args.contexts, cast=int))
     if args.smoke:
         torch.set_num_threads(1)  # tiny shapes: more CPU threads only add synchronization
     report = Report(args.out)
-    ceilings = measure_ceilings(device, plan)
+    ceilings = measure_ceilings(device, plan, fp8="fp8" in quantizations)
     report.add(section="ceiling", case="hbm_copy", note=f"{ceilings.bandwidth / 1e12:.3g} TB/s read + write")
     report.add(section="ceiling", case="bf16_matmul", note=f"{ceilings.matmul_rate / 1e12:.3g} TFLOP/s")
+    if ceilings.fp8_matmul_rate:
+        report.add(section="ceiling", case="fp8_matmul", note=f"{ceilings.fp8_matmul_rate / 1e12:.3g} TFLOP/s")
     if args.smoke:
         models = {"smoke": SMOKE_SHAPE, "smoke-moe": SMOKE_MOE_SHAPE}
     else:
         models = {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
     failures = 0
     with tempfile.TemporaryDirectory() as tmp:
-        for name, shape in models.items():
+        for model_name, shape in models.items():
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
             model = random_model(**shape, dtype=dtype, device=device, seed=0)
-            model_dir = write_model_dir(shape, pathlib.Path(tmp) / name)
-            for section in args.sections.split(","):
-                start = time.perf_counter()
-                try:
-                    SECTIONS[section](report, name, model, model_dir, device, plan, ceilings)
-                except Exception:  # one broken section must not cost the device time of the others
-                    failures += 1
-                    traceback.print_exc()
-                    free_memory(device)
-                print(f"{name} {section}: {time.perf_counter() - start:.0f} s", flush=True)
-            plot(report, name)
+            model_dir = write_model_dir(shape, pathlib.Path(tmp) / model_name)
+            float_logits = None
+            for quantization in quantizations:
+                name = model_name if quantization == "none" else f"{model_name}-{quantization}"
+                if quantization == "fp8" and "none" in quantizations:
+                    float_logits = check_forward_logits(model, model_dir, device, plan)
+                model = quantized(model, quantization)
+                for section in sections:
+                    if has_fp8(model) and section in FLOAT_ONLY_SECTIONS:
+                        print(f"{name} {section}: not run over fp8 weights (it reads the float weights)", flush=True)
+                        continue
+                    start = time.perf_counter()
+                    try:
+                        SECTIONS[section](report, name, model, model_dir, device, plan, ceilings)
+                    except Exception:  # one broken section must not cost the device time of the others
+                        failures += 1
+                        traceback.print_exc()
+                        free_memory(device)
+                    print(f"{name} {section}: {time.perf_counter() - start:.0f} s", flush=True)
+                if float_logits is not None:
+                    fp8_against_float(report, name, check_forward_logits(model, model_dir, device, plan),
+                                      float_logits, plan.decode_context, dtype)
+                    float_logits = None
+                plot(report, name)
             del model
             free_memory(device)
     write_markdown(report, ceilings, command)

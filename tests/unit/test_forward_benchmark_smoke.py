@@ -172,3 +172,57 @@ def test_a_run_over_fp8_rows_fills_and_reads_them(tmp_path):
     assert len(rows) == 4
     for row in rows:
         assert ratio(row, "engine_ms", "weight_floor_ms") > 1
+
+
+def test_fp8_floors_count_the_weights_as_held_and_the_fp8_rate():
+    """An FP8 model's weight floor counts one byte a projection weight and four a scale, the rest at the model's
+    dtype; its compute floor divides by the fp8 rate."""
+    fwd = import_forward_benchmark()
+    from diffulex_backend.quantization import fp8_params
+    from diffulex_backend.testing.checkpoint import random_model
+
+    model = random_model(**fwd.SMOKE_SHAPE, dtype=torch.bfloat16, seed=0)
+    arch = model.arch
+    ceilings = fwd.Ceilings(bandwidth=1e12, matmul_rate=1e14, fp8_matmul_rate=2e14)
+    float_floors = fwd.floors(model, ceilings, batch=1, context=64, tokens=32)
+    assert float_floors["weight_floor_ms"] == pytest.approx(1e3 * arch.num_params() * 2 / 1e12)
+    projections = dict(model.named_parameters())
+    quantized = {name: projections[name] for name in fp8_params(model, lm_head=False)}
+    assert quantized and all(p.dim() == 2 for p in quantized.values())
+    fwd.quantized(model, "fp8")
+    fp8_floors = fwd.floors(model, ceilings, batch=1, context=64, tokens=32)
+    weights = sum(p.numel() for p in quantized.values())
+    scales = sum(p.shape[0] for p in quantized.values())  # one float32 scale an output channel
+    held = (arch.num_params() - weights) * 2 + weights * 1 + scales * 4
+    assert fp8_floors["weight_floor_ms"] == pytest.approx(1e3 * held / 1e12)
+    assert fp8_floors["compute_floor_ms"] == pytest.approx(float_floors["compute_floor_ms"] / 2)
+
+
+def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path):
+    run_smoke("forward.py", tmp_path, "--sections", "forward,check", "--quantization", "none,fp8", "--batches", "1",
+              cpu=True)
+    rows = csv_rows(tmp_path / "forward.csv")
+    forward = {(r["model"], r["case"]): r for r in rows if r["section"] == "forward"}
+    assert sorted(forward) == [(m, "b1_ctx64") for m in ("smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8")]
+    for model in ("smoke", "smoke-moe"):
+        float_row, fp8_row = forward[(model, "b1_ctx64")], forward[(f"{model}-fp8", "b1_ctx64")]
+        assert ratio(fp8_row, "engine_ms", "weight_floor_ms") > 1
+        # float32 weights on the CPU: the fp8 projections hold a quarter of their bytes (the exact count is
+        # test_fp8_floors_count_the_weights_as_held_and_the_fp8_rate's).
+        assert float(fp8_row["weight_floor_ms"]) < float(float_row["weight_floor_ms"])
+        assert "fp8" in fp8_row["note"]  # plain PyTorch reads float weights: not run, and the row says so
+    checks = {(r["model"], r["case"]): r["note"] for r in rows if r["section"] == "check"}
+    # The float32 reference copy is a float model's check only; the fp8 model gets its logits against the float's.
+    assert sorted(checks) == [("smoke", "kernels+graphs vs torch path"), ("smoke-fp8", "fp8_vs_float_weights"),
+                              ("smoke-moe", "kernels+graphs vs torch path"),
+                              ("smoke-moe-fp8", "fp8_vs_float_weights")]
+    for model in ("smoke-fp8", "smoke-moe-fp8"):
+        rel = float(checks[(model, "fp8_vs_float_weights")].split("rel diff ")[1].split(",")[0])
+        assert 0 < rel < 1  # quantized, so not equal; the same weights, so near
+
+
+def test_quantization_order_and_names_are_checked(tmp_path):
+    fwd = import_forward_benchmark()
+    for bad in ("fp8,none", "int4", "none,none"):
+        with pytest.raises(SystemExit):
+            fwd.main(["--smoke", "--out", str(tmp_path), "--quantization", bad])
