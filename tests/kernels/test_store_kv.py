@@ -73,12 +73,17 @@ def test_fp8_rows_hold_the_reference_s_values_and_scales_and_nothing_else_change
     diffulex_kernels.store_kv(key, value, k_cache, v_cache, slots)
     written = slots >= 0
     for cache, ref, old, rows in ((k_cache, k_ref, before[0], key), (v_cache, v_ref, before[1], value)):
-        flat, flat_ref, flat_old = (c.view(-1, KV_HEADS, row) for c in (cache, ref, old))
-        kept = torch.ones(flat.shape[0], dtype=torch.bool, device=DEVICE)
+        # Each row's values and scale through the typed views, flat over (page, slot): the bytes they cover are the
+        # whole cache, so "every other slot" covers every byte.
+        (values, scales), (ref_values, ref_scales), (old_values, old_scales) = (
+            (v.view(-1, KV_HEADS, head_dim), s.view(-1, KV_HEADS)) for v, s in map(kv_store.fp8_rows, (cache, ref, old)))
+        assert values.numel() + 4 * scales.numel() == cache.numel()
+        kept = torch.ones(values.shape[0], dtype=torch.bool, device=DEVICE)
         kept[slots[written]] = False
-        assert torch.equal(flat[kept], flat_old[kept])
-        values, scales = kv_store.fp8_rows(flat[slots[written]])
-        ref_values, ref_scales = kv_store.fp8_rows(flat_ref[slots[written]])
+        assert torch.equal(values[kept].view(torch.uint8), old_values[kept].view(torch.uint8))
+        assert torch.equal(scales[kept].view(torch.int32), old_scales[kept].view(torch.int32))
+        values, scales = values[slots[written]], scales[slots[written]]
+        ref_values, ref_scales = ref_values[slots[written]], ref_scales[slots[written]]
         # Equal as numbers (the CPU interpreter writes a negative value that rounds to zero as +0).
         assert torch.equal(values.float(), ref_values.float())
         assert torch.equal(scales, ref_scales)
@@ -86,5 +91,18 @@ def test_fp8_rows_hold_the_reference_s_values_and_scales_and_nothing_else_change
         # Half a unit of 3 mantissa bits, or of the subnormals' 2^-9 step (times the row's scale) below 2^-6.
         error = (values.float() * scales[..., None] - rows[written].float()).abs()
         assert bool((error <= 2 ** -4 * rows[written].float().abs() + 2 ** -10 * scales[..., None]).all())
-    assert written[1] and torch.equal(kv_store.fp8_rows(k_cache.view(-1, KV_HEADS, row)[slots[1]])[0][1].float(),
+    assert written[1] and torch.equal(kv_store.fp8_rows(k_cache)[0].view(-1, KV_HEADS, head_dim)[slots[1]][1].float(),
                                       torch.zeros(head_dim, device=DEVICE))
+
+
+def test_fp8_rows_lie_on_16_byte_boundaries_with_their_scales_after_every_row():
+    """The layout the attention kernel's wide loads depend on: each row's values start a multiple of 16 bytes into
+    the cache (head_dim 64 and 128 alike), and the scales follow every row's values."""
+    for head_dim in (64, 128):
+        cache = torch.zeros(3, 16, KV_HEADS, kv_store.fp8_row_bytes(head_dim), dtype=torch.uint8)
+        values, scales = kv_store.fp8_rows(cache)
+        assert values.data_ptr() == cache.data_ptr() and values.is_contiguous()
+        assert all(stride % 16 == 0 for stride in values.stride()[:-1])
+        assert scales.data_ptr() == cache.data_ptr() + values.numel() and scales.is_contiguous()
+    with pytest.raises(ValueError, match="contiguous uint8"):
+        kv_store.fp8_rows(cache[:, ::2])
