@@ -11,7 +11,7 @@ from .config import Config
 from .flash_attention import PromptFlashAttention, refusal as flash_refusal
 from .loader import check_fp8_device, load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
-from .quantization import has_fp8, has_fp8_experts, quantize_model
+from .quantization import has_fp8, quantize_model
 from .registry import STRATEGIES
 from .runner import kv_cache_layout, profile_peak_memory
 from .tensor_parallel import TensorParallel
@@ -77,11 +77,6 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
         merge_adapter(model, load_adapter(config.lora_path, model, "lora_path", config.max_lora_rank))
         if config.quantization is not None:
             quantize_model(model, lm_head=config.fp8_lm_head)
-    if device.type == "cuda" and has_fp8_experts(model):
-        # The fp8 expert kernels pass their tests alone, but a CUDA graph of an fp8 MoE step faults when it
-        # replays (tests/kernels/test_fp8_forward_gpu.py): refused, rather than served until it faults.
-        raise ValueError("fp8 mixture-of-experts layers (config field 'quantization' 'fp8', or an FP8 checkpoint) "
-                         "are not yet served on a GPU; leave 'quantization' unset for this model")
     adapters = [load_adapter(path, model, name, config.max_lora_rank)
                 for name, path in config.lora_module_paths.items()]
     attach_adapters(model, adapters)

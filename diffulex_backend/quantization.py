@@ -187,11 +187,6 @@ def has_fp8(model: nn.Module) -> bool:
     return any(p.dtype == FP8 for p in model.parameters())
 
 
-def has_fp8_experts(model: nn.Module) -> bool:
-    """Whether a mixture-of-experts stack ([E, N, K]) is fp8."""
-    return any(p.dtype == FP8 and p.dim() == 3 for p in model.parameters())
-
-
 def expand_scale(scale: torch.Tensor, rows: int, columns: int, block: tuple[int, int] | None, where: str
                  ) -> torch.Tensor:
     """A checkpoint scale for a weight of [rows, columns] as [rows, G] float32: per tensor and per channel give

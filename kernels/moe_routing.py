@@ -53,7 +53,10 @@ def _grouped_topk_kernel(
         biased = scores + tl.load(bias_ptr + expert, mask=valid, other=0.0).to(tl.float32)
     else:
         biased = scores
-    biased = tl.where(valid, biased, float("-inf"))
+    # A NaN score (a row of NaN or infinite logits: garbage in a CUDA graph's padding rows, or an overflowed
+    # input) ranks last, as -inf: NaN equals no maximum, and a pass that found no candidate would hand the
+    # expert kernels an index past the last expert, which they use as an address.
+    biased = tl.where(valid & (biased == biased), biased, float("-inf"))
     padding = (valid == 0).to(tl.int32)
 
     if NUM_GROUPS > 1:

@@ -135,3 +135,26 @@ def test_bad_groups_are_refused():
     with pytest.raises(ValueError, match="groups"):
         route_experts(torch.zeros(1, 10, device=DEVICE), None, top_k=2, num_groups=4, topk_groups=2, score=SOFTMAX,
                       renormalize=True, scaling=1.0)
+
+
+@pytest.mark.parametrize("score", [SOFTMAX, SIGMOID], ids=["softmax", "sigmoid"])
+@pytest.mark.parametrize("routing", [(8, 1, 1, 2), (16, 4, 2, 4)], ids=str)
+def test_rows_of_nan_or_infinite_logits_still_pick_experts_that_exist(routing, score):
+    """A CUDA graph's padding rows hold whatever was in memory, and an overflowed input gives infinite logits: the
+    expert kernels take the ids as addresses, so every row picks K distinct experts in range, whatever its
+    logits, and the finite rows beside it route as they would alone."""
+    experts, groups, kept, top_k = routing
+    arch = router_arch(experts, groups, kept, top_k, RouterScore.SIGMOID if score == SIGMOID else RouterScore.SOFTMAX,
+                       bias=False)
+    logits = torch.randn(6, experts, generator=generator(3), device=DEVICE)
+    logits[1] = float("nan")
+    logits[2, ::3] = float("nan")
+    logits[3] = float("inf")
+    logits[4, 0] = float("-inf")
+    logits[5, 1] = float("inf")
+    ids, _ = kernel_routing(logits, None, arch)
+    assert bool(((ids >= 0) & (ids < experts)).all()), ids
+    assert all(len(set(row.tolist())) == top_k for row in ids)
+    finite = [0, 4]
+    assert torch.equal(ids[finite], kernel_routing(logits[finite], None, arch)[0])
+    assert torch.equal(ids[finite], select_experts(logits[finite], None, arch)[0])
