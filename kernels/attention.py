@@ -45,16 +45,30 @@ SHARED_MEMORY_BYTES = 232448
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION: tl.constexpr):
-    """Fold one key tile into the running (acc, max, sum). k, v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N]."""
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, v_scale, PRECISION: tl.constexpr,
+                         ROW_SCALES: tl.constexpr):
+    """Fold one key tile into the running (acc, max, sum). k, v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N].
+
+    qk_scale: the softmax scale (in log2 units); with ROW_SCALES, k and v are FP8 rows' values (exact in the dot's
+    dtype) and qk_scale [BLOCK_N] is each key's row scale times it, v_scale [BLOCK_N] each value row's scale. A row's
+    scale then multiplies its column of scores, or of probabilities, once: BLOCK_M products a key where scaling the
+    rows themselves would take HEAD_DIM, and a float32 round trip of every cached element besides."""
+    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+    if ROW_SCALES:
+        qk = qk * qk_scale[None, :]
+    else:
+        qk = qk * qk_scale
     qk = tl.where(visible, qk, float("-inf"))
     # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+    if ROW_SCALES:
+        weights = p * v_scale[None, :]
+    else:
+        weights = p
+    acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 
@@ -119,21 +133,21 @@ def _paged_attention_kernel(
             page = tl.load(page_row + pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
             slot_offset = page * stride_cache_page + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
             cache_offset = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
-            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
-            if KV_FP8:  # each row times its own scale, in float32, then rounded as the reference rounds it
+            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+            visible = key_valid[None, :]
+            if HAS_WINDOW:
+                visible = visible & (pos[None, :] > window_edge[:, None])
+            if KV_FP8:  # e4m3 values are exact in DOT_DTYPE; each row's scale goes to its score or weight column
                 scale_offset = (page * stride_scale_page + (pos % PAGE_SIZE) * stride_scale_slot
                                 + kv_head * stride_scale_head)
                 k_scale = tl.load(k_scale_ptr + scale_offset, mask=key_valid, other=0.0)
                 v_scale = tl.load(v_scale_ptr + scale_offset, mask=key_valid, other=0.0)
-                k = k.to(tl.float32) * k_scale[:, None]
-                v = v.to(tl.float32) * v_scale[:, None]
-            k = k.to(DOT_DTYPE)
-            v = v.to(DOT_DTYPE)
-            visible = key_valid[None, :]
-            if HAS_WINDOW:
-                visible = visible & (pos[None, :] > window_edge[:, None])
-            acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION)
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, k_scale * scale_log2, v_scale,
+                                                     PRECISION, True)
+            else:
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, scale_log2,
+                                                     PRECISION, False)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -152,7 +166,7 @@ def _paged_attention_kernel(
         visible = k_block[None, :] <= q_block[:, None]
         if HAS_WINDOW:
             visible = visible & ((context_len + key_token)[None, :] > window_edge[:, None])
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, PRECISION)
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, scale_log2, PRECISION, False)
 
     if SPLIT:
         # Partials are [splits, tokens, heads(, head_dim)] in float32; the merge kernel reads them.
