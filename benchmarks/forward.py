@@ -13,7 +13,8 @@ One run measures, and prints as it goes:
         mean over MoE layers; `experts_touched_uniform` beside it is what uniform routing would reach); the
         active params are the non-expert ones plus K routed and the shared experts per token;
       - the engine's forward (graph replay and the block's logits) and its runner step (forward, sampler,
-        acceptance, the one sync);
+        acceptance, the one sync), and the step's time outside the forward (the step's wall time less the
+        forward's device time: what sampling, acceptance, the sync and the host add);
       - plain PyTorch (plain_pytorch.py) over the same weights: eager, and captured in one CUDA graph. It
         implements the plain dense block only, so it is not run for models with experts, q/k norms or partial
         rotary, and their rows say so;
@@ -77,7 +78,8 @@ from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
 PAGE_SIZE = 32
-FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms", "plain_ms",
+FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine_ms", "engine_step_ms",
+          "step_outside_forward_ms", "plain_ms",
           "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
           "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s",
           "experts_touched", "experts_touched_uniform", "weight_floor_uniform_ms", "note"]
@@ -498,7 +500,8 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
             f = floors(model, ceilings, batch, context, tokens, touched_per_layer(routes) if routes else None,
                        plan.kv_cache_dtype)
             report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
-                       tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms, **plain_columns, **f,
+                       tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms,
+                       step_outside_forward_ms=step_ms - forward_ms, **plain_columns, **f,
                        engine_vs_weight_floor=forward_ms / f["weight_floor_ms"],
                        engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
                        **expert_columns(model, tokens, routes), note=note)

@@ -55,6 +55,7 @@ class Setting:
     accept_threshold: float | None = None  # threshold strategies
     retention_ratio: float | None = None  # sparse attention: prompt pages kept, pages of one token each
     quantization: str | None = None  # "fp8": weights quantized at load (on a CPU, the float reference of the fp8 path)
+    kv_cache_dtype: str = "auto"  # "fp8": the KV cache holds FP8 rows (on a CPU too: the reference's e4m3 rounding)
 
     @property
     def label(self) -> str:
@@ -67,6 +68,8 @@ class Setting:
             label += f" retention={self.retention_ratio} (pages of 1 token)"
         if self.quantization is not None:
             label += f" {self.quantization} weights"
+        if self.kv_cache_dtype != "auto":
+            label += f" {self.kv_cache_dtype} KV cache"
         return label
 
 
@@ -90,6 +93,12 @@ def all_settings() -> list[Setting]:
     for model in ("demo-sdar", "demo-llada"):
         settings += [Setting(model, "multi_bd", buffer_size=b, accept_threshold=t, quantization="fp8")
                      for b in (1, 3) for t in (0.7, 0.9)]
+    # An FP8 KV cache (each cached K/V row in e4m3 with its own scale), beside the same float rows.
+    settings += [Setting("demo-llada", "vanilla", steps=BLOCK_SIZE, kv_cache_dtype="fp8")]
+    settings += [Setting("demo-llada", "fast_dllm", accept_threshold=t, kv_cache_dtype="fp8") for t in (0.7, 0.9)]
+    for model in ("demo-sdar", "demo-llada"):
+        settings += [Setting(model, "multi_bd", buffer_size=b, accept_threshold=t, kv_cache_dtype="fp8")
+                     for b in (1, 3) for t in (0.7, 0.9)]
     return settings
 
 
@@ -112,7 +121,7 @@ def run_setting(setting: Setting, problems: list[Problem], device: str, max_num_
         **({} if setting.steps is None else {"sampling_mode": "topk"}),
         retention_ratio=1.0 if setting.retention_ratio is None else setting.retention_ratio,
         max_num_reqs=max_num_reqs, max_num_batched_tokens=max_num_reqs * max_model_len, device=device,
-        quantization=setting.quantization,
+        quantization=setting.quantization, kv_cache_dtype=setting.kv_cache_dtype,
         **({} if setting.accept_threshold is None else {"accept_threshold": setting.accept_threshold}),
     )
     params = SamplingParams(max_tokens=GEN_LENGTH, steps=setting.steps)
@@ -188,6 +197,8 @@ def group_label(setting: Setting) -> str:
         label += f" steps={setting.steps}, retention (ratio marked)"
     if setting.quantization is not None:
         label += f", {setting.quantization} weights"
+    if setting.kv_cache_dtype != "auto":
+        label += f", {setting.kv_cache_dtype} KV cache"
     return label
 
 

@@ -52,6 +52,9 @@ def test_smoke_run_reports_every_section_with_its_ratios(tmp_path):
     for row in by_section["forward"]:
         for key in ("engine_ms", "engine_step_ms", "weight_floor_ms", "compute_floor_ms"):
             assert float(row[key]) > 0
+        # What the step adds to its forward, as its own column (4 significant digits each).
+        assert float(row["step_outside_forward_ms"]) == pytest.approx(
+            float(row["engine_step_ms"]) - float(row["engine_ms"]), abs=2e-3 * float(row["engine_step_ms"]))
         # A floor is a lower bound: no measured forward beats it, on the CPU as on the GPU.
         assert ratio(row, "engine_ms", "weight_floor_ms") > 1
         assert ratio(row, "engine_ms", "compute_floor_ms") > 1
