@@ -32,7 +32,7 @@ import triton  # noqa: E402
 from kernels import device_header, measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
 
 from diffulex_kernels.moe import (  # noqa: E402
-    MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_silu, plan_moe_launch, route_to_tiles,
+    MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles,
 )
 
 
@@ -84,10 +84,10 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
         assert error < 1.5e-2, f"{shape.name} T={tokens}: relative error {error:.2e} against the reference"
     hidden, w_gate_up, w_down, topk_ids, topk_weights = args
     routed = route_to_tiles(topk_ids, shape.experts, default.block_m)
-    act = gate_up_silu(hidden, w_gate_up, routed, shape.top_k, default)
+    act = gate_up_act(hidden, w_gate_up, routed, shape.top_k, default)
     stages_ms = [time_graph_ms(stage) for stage in (
         lambda: route_to_tiles(topk_ids, shape.experts, default.block_m),
-        lambda: gate_up_silu(hidden, w_gate_up, routed, shape.top_k, default),
+        lambda: gate_up_act(hidden, w_gate_up, routed, shape.top_k, default),
         lambda: down_and_combine(act, w_down, topk_weights, routed, tokens, default),
     )]
     reference_ms = time_eager_ms(lambda: fused_moe_reference(*args))

@@ -1,7 +1,7 @@
 """Fused mixture-of-experts MLP: a grouped GEMM over the routed tokens.
 
-    out[t] = sum_k topk_weights[t, k] * w_down[e] @ (silu(w_gate_up[e, :I] @ x_t) * (w_gate_up[e, I:] @ x_t)),
-    e = topk_ids[t, k]
+    out[t] = sum_k topk_weights[t, k] * w_down[e] @ (act(w_gate_up[e, :I] @ x_t) * (w_gate_up[e, I:] @ x_t)),
+    e = topk_ids[t, k], act SiLU (LLaDA2, SDAR, Qwen3) or gelu-tanh (DiffusionGemma)
 
 Three steps, none of which waits on the host, so the whole layer can live in a CUDA graph:
 
@@ -13,7 +13,7 @@ Three steps, none of which waits on the host, so the whole layer can live in a C
    tiles is only known on the device, so the grid is launched for the most tiles any routing can need, and the
    programs past the last real tile return at once, before any load.
 2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,
-   streams the expert's gate rows and the up rows that pair with them, and writes silu(gate) * up into
+   streams the expert's gate rows and the up rows that pair with them, and writes act(gate) * up into
    `act` [tiles * BLOCK_M, I], rounded once to hidden's dtype.
 3. `_down_kernel`: one program per (tile, BLOCK_N columns of H), product with the expert's down rows, scaled by the
    pair's routing weight, written in float32 to `pair_out` [T*K, H] at the pair's own row; then `_combine_kernel`
@@ -44,6 +44,10 @@ from .pdl import use_pdl, wait_for_previous_kernel
 # How the expert kernels scale their weights: not at all (float stacks), or fp8 stacks with one scale per row or
 # one per row and group of columns.
 NO_SCALE, PER_CHANNEL, GROUPED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
+# The gate's activation: SiLU, or GELU with its tanh approximation (torch's approximate="tanh").
+SILU, GELU_TANH = 0, 1
+_GELU_TANH = tl.constexpr(GELU_TANH)
+_SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @dataclass(frozen=True)
@@ -209,10 +213,10 @@ def _gate_up_kernel(
     num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, GROUPS, GROUP_K,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    W_SCALE: tl.constexpr,
+    W_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
 ):
     """W_SCALE: NO_SCALE, or fp8 weights with their [E, 2I, GROUPS] scales, PER_CHANNEL (GROUPS 1) or GROUPED
-    (GROUP_K columns per scale, a multiple of BLOCK_K)."""
+    (GROUP_K columns per scale, a multiple of BLOCK_K). ACTIVATION: SILU or GELU_TANH, of the gate."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
@@ -258,7 +262,12 @@ def _gate_up_kernel(
         s_ptrs = scale_ptr + expert.to(tl.int64) * 2 * INTER + offs_n
         acc_gate = acc_gate * tl.load(s_ptrs, mask=n_valid, other=0.0)[:, None]
         acc_up = acc_up * tl.load(s_ptrs + INTER, mask=n_valid, other=0.0)[:, None]
-    act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    if ACTIVATION == _GELU_TANH:
+        # tanh(y) as 2 sigmoid(2y) - 1, which saturates to +-1 where exp overflows.
+        y = _SQRT_2_OVER_PI * (acc_gate + 0.044715 * acc_gate * acc_gate * acc_gate)
+        act = 0.5 * acc_gate * (2.0 / (1.0 + tl.exp(-2.0 * y))) * acc_up
+    else:
+        act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_n[:, None]
     tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
 
@@ -337,8 +346,8 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 
 def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, launch: MoeLaunch | None = None, w_gate_up_scale: torch.Tensor | None = None,
-              w_down_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The routed experts' MLP, weighted and summed per token.
+              w_down_scale: torch.Tensor | None = None, activation: int = SILU) -> torch.Tensor:
+    """The routed experts' MLP, weighted and summed per token; the gate's activation SILU or GELU_TANH.
 
     hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
     in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32.
@@ -355,7 +364,7 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
         if scale is not None and scale.shape[-1] > 1 and (k // scale.shape[-1]) % launch.block_k:
             launch = replace(launch, block_k=k // scale.shape[-1])  # a K tile inside one scale group
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
-    act = gate_up_silu(hidden, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale)
+    act = gate_up_act(hidden, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale, activation)
     return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale)
 
 
@@ -381,9 +390,11 @@ def _kernel_options(tensor: torch.Tensor, launch: MoeLaunch) -> dict:
                 num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
-def gate_up_silu(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
-                 launch: MoeLaunch, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """silu(gate) * up of every routed row: [max_tiles * block_m, I] in hidden's dtype (padding rows unwritten)."""
+def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
+                launch: MoeLaunch, scale: torch.Tensor | None = None, activation: int = SILU) -> torch.Tensor:
+    """act(gate) * up of every routed row: [max_tiles * block_m, I] in hidden's dtype (padding rows unwritten)."""
+    if activation not in (SILU, GELU_TANH):
+        raise ValueError(f"fused_moe: activation must be SILU ({SILU}) or GELU_TANH ({GELU_TANH}), got {activation!r}")
     hidden, w_gate_up = hidden.contiguous(), w_gate_up.contiguous()
     num_experts, inter, hidden_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2, hidden.shape[1]
     act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
@@ -391,7 +402,7 @@ def gate_up_silu(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTi
         hidden, w_gate_up, act, routed.pair_ids, routed.tile_experts,
         num_pairs=hidden.shape[0] * top_k, num_experts=num_experts, H=hidden_size, INTER=inter,
         stride_xt=hidden.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-        stride_am=act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
+        stride_am=act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0, ACTIVATION=activation,
         **_scale_args(w_gate_up, scale), **_kernel_options(hidden, launch),
     )
     return act
@@ -420,8 +431,8 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
 
 
 def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor) -> torch.Tensor:
-    """fused_moe in plain torch, one expert at a time, in float32; silu(gate) * up is rounded to hidden's dtype,
+                        topk_weights: torch.Tensor, activation: int = SILU) -> torch.Tensor:
+    """fused_moe in plain torch, one expert at a time, in float32; act(gate) * up is rounded to hidden's dtype,
     where the kernel keeps it between its two products."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     inter = w_down.shape[2]
@@ -430,6 +441,8 @@ def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     for expert in topk_ids.unique().tolist():
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
         gate_up = x[token] @ w_gate_up[expert].float().T
-        act = (F.silu(gate_up[:, :inter]) * gate_up[:, inter:]).to(hidden.dtype).float()
+        gate = gate_up[:, :inter]
+        gate = F.gelu(gate, approximate="tanh") if activation == GELU_TANH else F.silu(gate)
+        act = (gate * gate_up[:, inter:]).to(hidden.dtype).float()
         pair_out[token, choice] = (act @ w_down[expert].float().T) * topk_weights[token, choice, None].float()
     return pair_out.sum(1).to(hidden.dtype)

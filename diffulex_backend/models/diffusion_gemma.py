@@ -305,9 +305,9 @@ class GemmaMLP(nn.Module):
 
 class GemmaMoE(nn.Module):
     """Gemma-4's router and experts: softmax over the router's logits, the top-k renormalised, each weight then
-    scaled per expert. The experts are stacked ([E, 2I, H] gate_up, [E, H, I] down) as the checkpoint holds them;
-    the loop is over experts, as transformers' eager path runs them, and finding each expert's tokens syncs the
-    host (layers/moe.py's fused kernel would not, but it takes SiLU only)."""
+    scaled per expert. The experts are stacked ([E, 2I, H] gate_up, [E, H, I] down) as the checkpoint holds them.
+    On a GPU they run as the fused-MoE kernel with a gelu-tanh gate (no host synchronisation, so a CUDA graph can
+    hold them); elsewhere the loop over experts, as transformers' eager path runs them, is the reference."""
 
     def __init__(self, arch: DiffusionGemmaArch):
         super().__init__()
@@ -320,10 +320,21 @@ class GemmaMoE(nn.Module):
         self.top_k, self.eps = arch.top_k_experts, arch.rms_norm_eps
 
     def forward(self, x: torch.Tensor, route_from: torch.Tensor) -> torch.Tensor:
+        experts, weights = self.route(route_from)
+        if x.is_cuda:
+            from diffulex_kernels.moe import GELU_TANH, fused_moe  # imports Triton: only on a GPU
+
+            return fused_moe(x, self.gate_up_proj, self.down_proj, experts, weights, activation=GELU_TANH)
+        return self.experts_loop(x, experts, weights)
+
+    def route(self, route_from: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(experts [T, K], weights [T, K] float32 at least) of each token."""
         scores = self.proj(rms(route_from, self.eps) * self.scale * route_from.shape[-1] ** -0.5)
         probs = torch.softmax(scores, dim=-1, dtype=torch.promote_types(scores.dtype, torch.float32))
         weights, experts = probs.topk(self.top_k, dim=-1)  # [T, K]
-        weights = (weights / weights.sum(-1, keepdim=True)) * self.per_expert_scale[experts]
+        return experts, (weights / weights.sum(-1, keepdim=True)) * self.per_expert_scale[experts]
+
+    def experts_loop(self, x: torch.Tensor, experts: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         for e in range(self.gate_up_proj.shape[0]):
             token, slot = torch.where(experts == e)

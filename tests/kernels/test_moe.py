@@ -8,7 +8,9 @@ import torch
 import torch.nn.functional as F
 
 from diffulex_kernels import fused_moe
-from diffulex_kernels.moe import MoeLaunch, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles
+from diffulex_kernels.moe import (
+    GELU_TANH, SILU, MoeLaunch, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles,
+)
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
 
 # (experts, hidden, intermediate): LLaDA2-mini's and Qwen3-30B-A3B's (SDAR-30B-A3B's) expert shapes, or small ones
@@ -38,7 +40,7 @@ def moe_inputs(tokens: int, shape: tuple[int, int, int], dtype: torch.dtype, gen
     return x, w_gate_up, w_down
 
 
-def per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor:
+def per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights, activation=SILU) -> torch.Tensor:
     """The contract, one (token, choice) at a time, in float64."""
     inter = w_down.shape[2]
     out = torch.zeros(x.shape, dtype=torch.float64, device=x.device)
@@ -46,19 +48,21 @@ def per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights) -> torch.Tensor
         for k in range(topk_ids.shape[1]):
             e = int(topk_ids[t, k])
             gate_up = w_gate_up[e].double() @ x[t].double()
-            act = F.silu(gate_up[:inter]) * gate_up[inter:]
+            gate = F.gelu(gate_up[:inter], approximate="tanh") if activation == GELU_TANH else F.silu(gate_up[:inter])
+            act = gate * gate_up[inter:]
             out[t] += float(topk_weights[t, k]) * (w_down[e].double() @ act)
     return out
 
 
-def check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, launch=None) -> torch.Tensor:
-    out = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, launch=launch)
+def check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, launch=None,
+                                   activation=SILU) -> torch.Tensor:
+    out = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, launch=launch, activation=activation)
     assert out.shape == x.shape and out.dtype == x.dtype
-    reference = fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)
+    reference = fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights, activation=activation)
     assert reference.shape == x.shape and reference.dtype == x.dtype
     tolerance = REL_TOL[x.dtype]
     assert relative_error(out, reference) < tolerance
-    assert relative_error(out, per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights)) < tolerance
+    assert relative_error(out, per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights, activation)) < tolerance
     return out
 
 
@@ -71,6 +75,28 @@ def test_routed_tokens_match_both_references(shape, tokens, top_k, dtype):
     x, w_gate_up, w_down = moe_inputs(tokens, shape, dtype, gen)
     topk_ids, topk_weights = route(tokens, shape[0], top_k, gen)
     check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_a_gelu_tanh_gate_matches_both_references(tokens, dtype):
+    """DiffusionGemma's experts: gelu with torch's tanh approximation in place of SiLU, including gates large enough
+    that tanh saturates (where exp overflows in float32). Against SiLU's result too: the activation was applied."""
+    gen = generator(tokens * 7 + 3)
+    x, w_gate_up, w_down = moe_inputs(tokens, EXPERT_SHAPES[0], dtype, gen)
+    topk_ids, topk_weights = route(tokens, EXPERT_SHAPES[0][0], 2, gen)
+    out = check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, activation=GELU_TANH)
+    assert relative_error(out, fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)) > 10 * REL_TOL[dtype]
+    w_gate_up[:, :4] *= 64  # the first gate columns reach |gate| of tens
+    check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, activation=GELU_TANH)
+
+
+def test_an_activation_other_than_silu_or_gelu_tanh_is_refused():
+    gen = generator(17)
+    x, w_gate_up, w_down = moe_inputs(3, EXPERT_SHAPES[0], torch.float32, gen)
+    topk_ids, topk_weights = route(3, EXPERT_SHAPES[0][0], 2, gen)
+    with pytest.raises(ValueError, match="activation must be SILU"):
+        fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, activation=7)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
@@ -182,3 +208,27 @@ def test_32_bit_weights_take_half_the_tile_depth_so_the_stages_fit_shared_memory
     for pairs in (32 * 8, 256 * 8, 2048 * 8):
         half, full = plan_moe_launch(pairs, 128, 2), plan_moe_launch(pairs, 128, 4)
         assert full.block_k == half.block_k // 2 and (full.block_m, full.block_n) == (half.block_m, half.block_n)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_diffusion_gemma_s_experts_through_the_kernel_match_their_loop(dtype):
+    """DiffusionGemma's MoE runs the kernel on a GPU and its loop over experts elsewhere: over the same router's
+    choices (weights scaled per expert) the two agree, with the checkpoint's own stack layout (gate rows, then up)."""
+    from types import SimpleNamespace
+
+    from diffulex_backend.models.diffusion_gemma import GemmaMoE
+
+    arch = SimpleNamespace(hidden_size=64, num_experts=8, moe_intermediate_size=48, top_k_experts=2, rms_norm_eps=1e-6)
+    moe = GemmaMoE(arch).to(device=DEVICE)
+    gen = generator(18)
+    with torch.no_grad():
+        for param in moe.parameters():
+            param.copy_(randn(*param.shape, dtype=torch.float32, gen=gen) * param.shape[-1] ** -0.5)
+        moe.per_expert_scale.copy_(1 + randn(8, dtype=torch.float32, gen=gen).abs())
+        moe.to(dtype)
+        x = randn(40, 64, dtype=dtype, gen=gen)
+        experts, weights = moe.route(randn(40, 64, dtype=dtype, gen=gen))
+        assert weights.dtype == torch.float32 and len(experts.unique()) > 4
+        loop = moe.experts_loop(x, experts, weights)
+        kernel = fused_moe(x, moe.gate_up_proj, moe.down_proj, experts, weights, activation=GELU_TANH)
+    assert relative_error(kernel, loop) < REL_TOL[dtype]
