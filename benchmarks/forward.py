@@ -124,8 +124,9 @@ class Ceilings:
     fp8_matmul_rate: float | None = None  # flop/s, cuBLASLt fp8; measured when the run quantizes
 
     def rate_for(self, model) -> float:
-        """The matmul rate a model's products run at: fp8's for an FP8 model (the float rate on a CPU, where fp8
-        is the float32 reference)."""
+        """The matmul rate of a model's products: fp8's for an FP8 model (the float rate on a CPU, where fp8 is the
+        float32 reference). An FP8 MoE model's experts multiply in bf16 (weight-only) and its output head stays in
+        bf16, so for it this floor is a lower bound below what its kernels can reach."""
         return self.fp8_matmul_rate if has_fp8(model) and self.fp8_matmul_rate else self.matmul_rate
 
 

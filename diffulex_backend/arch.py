@@ -121,12 +121,6 @@ class ModelArch:
             return 0.0
         return self.num_experts * (1 - (1 - self.num_experts_per_tok / self.num_experts) ** num_tokens)
 
-    def touched_expert_bytes(self, experts_touched_per_layer: float, bytes_per_param: int) -> float:
-        """Bytes of routed-expert weights one forward streams when each MoE layer's tokens land on
-        `experts_touched_per_layer` distinct experts: the weight floor of a decode step, which at a few tokens
-        is far under the whole model and far over the active parameters of one token."""
-        return self.num_moe_layers * experts_touched_per_layer * self.expert_params * bytes_per_param
-
     @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim

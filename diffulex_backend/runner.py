@@ -72,8 +72,9 @@ class StepResult:
 def kv_cache_layout(model, num_pages: int, page_size: int, dtype: torch.dtype, kv_cache_dtype: str = "auto"
                     ) -> tuple[tuple[int, ...], torch.dtype]:
     """(shape, dtype) of this rank's KV cache: the KV heads its attention reads (all of them on one rank), in the
-    model's dtype, or with kv_cache_dtype "fp8" as FP8 rows (uint8: head_dim fp8 values, then their float32
-    scale). A family whose layers differ in KV shape (DiffusionGemma) lays out its own."""
+    model's dtype, or with kv_cache_dtype "fp8" as FP8 rows (uint8 [..., head_dim + 4]: every row's head_dim fp8
+    values, then every row's float32 scale; kv_store.fp8_rows). A family whose layers differ in KV shape
+    (DiffusionGemma) lays out its own."""
     if hasattr(model, "kv_cache_shape"):
         return model.kv_cache_shape(num_pages, page_size), dtype
     arch = model.arch

@@ -65,10 +65,14 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, v_scale, PRE
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if ROW_SCALES:
-        weights = p * v_scale[None, :]
+        # Relative to the tile's largest value scale, so that a weak key's weight stays in float16's normal range
+        # (a probability times a raw scale of ~1e-4 would not); the tile's scale multiplies the product instead.
+        # A tile of masked keys only has scales of 0: the floor keeps its weights 0, not 0 / 0.
+        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
+        weights = p * (v_scale / v_max)[None, :]
+        acc = acc * alpha[:, None] + v_max * tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
     else:
-        weights = p
-    acc = acc * alpha[:, None] + tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
     return acc, m_new, l_i
 
 

@@ -306,8 +306,9 @@ class GemmaMLP(nn.Module):
 class GemmaMoE(nn.Module):
     """Gemma-4's router and experts: softmax over the router's logits, the top-k renormalised, each weight then
     scaled per expert. The experts are stacked ([E, 2I, H] gate_up, [E, H, I] down) as the checkpoint holds them.
-    On a GPU they run as the fused-MoE kernel with a gelu-tanh gate (no host synchronisation, so a CUDA graph can
-    hold them); elsewhere the loop over experts, as transformers' eager path runs them, is the reference."""
+    On a GPU they run as the fused-MoE kernel with a gelu-tanh gate, in bf16, fp16 or fp32, with no host
+    synchronisation per expert; elsewhere (and in float64, which the kernel does not take) the loop over experts, as
+    transformers' eager path runs them, is the reference."""
 
     def __init__(self, arch: DiffusionGemmaArch):
         super().__init__()
@@ -321,7 +322,7 @@ class GemmaMoE(nn.Module):
 
     def forward(self, x: torch.Tensor, route_from: torch.Tensor) -> torch.Tensor:
         experts, weights = self.route(route_from)
-        if x.is_cuda:
+        if x.is_cuda and x.dtype != torch.float64:
             from diffulex_kernels.moe import GELU_TANH, fused_moe  # imports Triton: only on a GPU
 
             return fused_moe(x, self.gate_up_proj, self.down_proj, experts, weights, activation=GELU_TANH)

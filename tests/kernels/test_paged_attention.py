@@ -125,7 +125,7 @@ def assert_same_cache(cache: torch.Tensor, ref: torch.Tensor) -> None:
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4])
 def test_fp8_rows_match_the_reference_over_the_same_rows(group, head_dim, dtype, num_splits):
@@ -136,6 +136,28 @@ def test_fp8_rows_match_the_reference_over_the_same_rows(group, head_dim, dtype,
                        pattern="blocks", seed=head_dim + group)
     batch = dataclasses.replace(batch, k_cache=kv_store.pack_fp8_rows(batch.k_cache),
                                 v_cache=kv_store.pack_fp8_rows(batch.v_cache))
+    assert_matches_reference(batch, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+def test_fp8_rows_of_small_values_behind_a_sink_keep_float16_s_precision(num_splits):
+    """float16's narrow exponent: a value row's scale (max|v| / 448, about 4e-4 for values near 0.1) times the
+    probability of a key 10 nats under the sink's (about 5e-5) is below float16's smallest step if the two are
+    multiplied before the product with V, and the thousands of weak keys, a tenth of the mass, would be lost."""
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.float16,
+                       pattern="blocks", seed=29, sequences=[(4, 2048), (3, 700)])
+    query = batch.query.clone()
+    query[..., 0] += 3  # every query leans on dimension 0
+    k_cache = batch.k_cache.clone()
+    for seq, context in enumerate(batch.meta.context_lens_host):
+        if context:  # the first cached key of the sequence, along dimension 0: 10 nats above a typical key
+            first = k_cache[int(batch.meta.page_tables[seq, 0]), 0]
+            first.zero_()
+            first[..., 0] = 27
+    batch = dataclasses.replace(batch, query=query, k_cache=kv_store.pack_fp8_rows(k_cache),
+                                v_cache=kv_store.pack_fp8_rows(0.1 + batch.v_cache * 0.02),
+                                value=0.1 + batch.value * 0.02)
     assert_matches_reference(batch, num_splits)
 
 
