@@ -86,7 +86,8 @@ def test_a_gelu_tanh_gate_matches_both_references(tokens, dtype):
     x, w_gate_up, w_down = moe_inputs(tokens, EXPERT_SHAPES[0], dtype, gen)
     topk_ids, topk_weights = route(tokens, EXPERT_SHAPES[0][0], 2, gen)
     out = check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, activation=GELU_TANH)
-    assert relative_error(out, fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)) > 10 * REL_TOL[dtype]
+    # SiLU's result is several tolerances away (0.14 at one token of the full shapes on a GPU, in bf16).
+    assert relative_error(out, fused_moe_reference(x, w_gate_up, w_down, topk_ids, topk_weights)) > 3 * REL_TOL[dtype]
     w_gate_up[:, :4] *= 64  # the first gate columns reach |gate| of tens
     check_against_both_references(x, w_gate_up, w_down, topk_ids, topk_weights, activation=GELU_TANH)
 
