@@ -197,12 +197,19 @@ def measure_ceilings(device: torch.device, plan: Plan, fp8: bool = False) -> Cei
     matmul_ms = device_ms(lambda: a @ b, device, reps=max(plan.reps, 3) * 2)
     ceilings = Ceilings(bandwidth=2 * 2 * n / (copy_ms * 1e-3), matmul_rate=2 * m**3 / (matmul_ms * 1e-3))
     if fp8 and device.type == "cuda":
-        (aq, _), (bq, _) = quantize_weight(a), quantize_weight(b)
-        rows, columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
-        fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=rows, scale_b=columns,
-                                                    out_dtype=torch.bfloat16), device, reps=max(plan.reps, 3) * 2)
-        ceilings.fp8_matmul_rate = 2 * m**3 / (fp8_ms * 1e-3)
+        ceilings.fp8_matmul_rate = fp8_matmul_rate(a, b, device, reps=max(plan.reps, 3) * 2)
     return ceilings
+
+
+def fp8_matmul_rate(a: torch.Tensor, b: torch.Tensor, device: torch.device, reps: int) -> float:
+    """flop/s of cuBLASLt's fp8 product (`torch._scaled_mm`, unit row-wise scales) of the square a @ b, each
+    quantized to fp8 first."""
+    (aq, _), (bq, _) = quantize_weight(a), quantize_weight(b)
+    m = a.shape[0]
+    rows, columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
+    fp8_ms = device_ms(lambda: torch._scaled_mm(aq, bq.t(), scale_a=rows, scale_b=columns, out_dtype=torch.bfloat16),
+                       device, reps=reps)
+    return 2 * m**3 / (fp8_ms * 1e-3)
 
 
 # ---- the engine around a random-weight model ---------------------------------------------------------------

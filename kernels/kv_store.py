@@ -4,9 +4,9 @@ A cache is either of the model's dtype, or FP8 rows: a uint8 cache [..., head_di
 rows (every (page, slot, head) in order), first all the rows' `head_dim` values in float8_e4m3fn, then all their
 float32 scales (`fp8_rows` gives the two typed views). Values apart from scales keep every row on a 16-byte
 boundary, so the attention kernel reads a row in wide loads, as it reads a bf16 row; a scale after each row would
-put rows 132 bytes apart, on 4-byte boundaries only, and make every load a quarter as wide. Each row has its own scale, max|x| / 448, so no value
-of any head saturates and none is given up to a calibration; the row costs head_dim + 4 bytes instead of 2 x
-head_dim in bf16.
+put rows 132 bytes apart, on 4-byte boundaries only, and make every load a quarter as wide. Each row has its own
+scale, max|x| / 448, so no value of any head saturates and none is given up to a calibration; the row costs
+head_dim + 4 bytes instead of 2 x head_dim in bf16.
 """
 from __future__ import annotations
 

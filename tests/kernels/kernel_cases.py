@@ -42,3 +42,22 @@ def assert_equal_after_rounding(out: torch.Tensor, expected: torch.Tensor) -> No
     else:
         one_ulp = expected.float().abs() * 2.0**-7
         assert ((out.float() - expected.float()).abs() <= one_ulp).all()
+
+
+def graph_and_eager_tokens(path: str, prompts: list[str], params, check=None, **settings) -> list[list[list[int]]]:
+    """The tokens of `prompts` from an engine whose steps replay CUDA graphs, then from one that steps eagerly,
+    over the same checkpoint and settings; `check(llm)` runs on each engine before it generates."""
+    from diffulex_backend import Diffulex
+
+    outputs = []
+    for eager in (False, True):
+        llm = Diffulex(path, **settings, enforce_eager=eager)
+        try:
+            if check is not None:
+                check(llm)
+            outputs.append([o.token_ids for o in llm.generate(prompts, params)])
+            if not eager:
+                assert llm.runner.padded_forward.graphs, "no step replayed a graph"
+        finally:
+            llm.close()
+    return outputs

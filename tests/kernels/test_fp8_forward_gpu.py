@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend import SamplingParams
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.fp8_linear import Fp8Linear, dequantize_weight
 from diffulex_backend.quantization import quantize_model
 from diffulex_backend.testing.checkpoint import random_model, write_random_checkpoint
+from kernel_cases import graph_and_eager_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused forward needs a CUDA device")
 
@@ -22,6 +23,9 @@ SHAPE = dict(hidden_size=512, num_layers=2, num_heads=8, num_kv_heads=8, interme
 # softmax: the same forward on the CPU, with torch's cast in place of the kernel's and float32 weights, is 0.141 to
 # 0.146 off at the last hidden state over four inputs. bf16 adds a few tenths of a percent; 0.2 leaves room for it.
 HIDDEN_BOUND = 0.2
+# The engines of the graph-against-eager tests.
+ENGINE = dict(block_size=8, page_size=8, max_model_len=256, max_num_reqs=4, num_kv_pages=64, device="cuda",
+              dtype="float32", attention_backend="triton")
 
 
 def metadata(tokens: int) -> AttentionMetadata:
@@ -67,18 +71,14 @@ def test_fp8_engine_graphs_give_the_tokens_of_eager_steps(tmp_path):
     path = str(write_random_checkpoint(tmp_path / "llada", "llada", seed=5, **SHAPE))
     prompts = ["fp8 on the GPU", "a second prompt, longer than the first one"]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    outputs = []
-    for eager in (False, True):
-        # float32 activations: every fp8 product takes the Triton kernel (cuBLASLt's takes bf16 only), whose rows
-        # do not depend on how many rows a step pads to, rather than switching kernels at 64 rows.
-        llm = Diffulex(path, block_size=8, page_size=8, max_model_len=256, max_num_reqs=4, num_kv_pages=64,
-                       device="cuda", dtype="float32", attention_backend="triton", quantization="fp8",
-                       enforce_eager=eager)
+
+    def check(llm):
         assert llm.model.fused_kernels and any(p.dtype == torch.float8_e4m3fn for p in llm.model.parameters())
-        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-        if not eager:
-            assert llm.runner.padded_forward.graphs, "no step replayed a graph"
-    assert outputs[0] == outputs[1]
+
+    # float32 activations: every fp8 product takes the Triton kernel (cuBLASLt's takes bf16 only), whose rows
+    # do not depend on how many rows a step pads to, rather than switching kernels at 64 rows.
+    graphs, eager = graph_and_eager_tokens(path, prompts, params, check, **ENGINE, quantization="fp8")
+    assert graphs == eager
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["float experts", "fp8 experts"])
@@ -91,15 +91,10 @@ def test_moe_graphs_give_the_tokens_of_eager_steps(tmp_path, quantization):
                                        topk_groups=1, dense_layers=(0,)))
     prompts = ["fp8 experts on the GPU", "a second prompt, longer than the first one"]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    outputs = []
-    for eager in (False, True):
-        llm = Diffulex(path, block_size=8, page_size=8, max_model_len=256, max_num_reqs=4, num_kv_pages=64,
-                       device="cuda", dtype="float32", attention_backend="triton", quantization=quantization,
-                       enforce_eager=eager)
+
+    def check(llm):
         assert any(p.dtype == torch.float8_e4m3fn and p.dim() == 3 for p in llm.model.parameters()) == (
             quantization == "fp8")
-        outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-        torch.cuda.synchronize()
-        if not eager:
-            assert llm.runner.padded_forward.graphs, "no step replayed a graph"
-    assert outputs[0] == outputs[1]
+
+    graphs, eager = graph_and_eager_tokens(path, prompts, params, check, **ENGINE, quantization=quantization)
+    assert graphs == eager

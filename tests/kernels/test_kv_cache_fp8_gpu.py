@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend import SamplingParams
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
+from kernel_cases import graph_and_eager_tokens
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton attention needs a CUDA device")
 
@@ -21,14 +22,10 @@ def test_graphs_over_fp8_rows_give_the_tokens_of_eager_steps(tmp_path):
     path = str(write_random_checkpoint(tmp_path / "dream", "dream", seed=5, **SHAPE))
     prompts = ["fp8 rows on the GPU", "a second prompt, longer than the first one, so that it spans pages"]
     params = SamplingParams(max_tokens=48, ignore_eos=True)
-    outputs = []
-    for eager in (False, True):
-        llm = Diffulex(path, **SETTINGS, num_kv_pages=64, kv_cache_dtype="fp8", enforce_eager=eager)
-        try:
-            assert llm.runner.kv_cache.dtype == torch.uint8 and llm.model.fused_kernels
-            outputs.append([o.token_ids for o in llm.generate(prompts, params)])
-            if not eager:
-                assert llm.runner.padded_forward.graphs, "no step replayed a graph"
-        finally:
-            llm.close()
-    assert outputs[0] == outputs[1]
+
+    def check(llm):
+        assert llm.runner.kv_cache.dtype == torch.uint8 and llm.model.fused_kernels
+
+    graphs, eager = graph_and_eager_tokens(path, prompts, params, check, **SETTINGS, num_kv_pages=64,
+                                           kv_cache_dtype="fp8")
+    assert graphs == eager
