@@ -32,7 +32,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from diffulex_client.perf.sweep import perf_analyzer_env, perf_analyzer_path
+from diffulex_client.perf.sweep import EXPORT_ATTEMPTS, export_is_whole, perf_analyzer_env, perf_analyzer_path
 
 REPOSITORY_ROOT = Path(__file__).resolve().parents[2]
 GENAI_PERF = REPOSITORY_ROOT / ".venv-genai-perf" / "bin" / "genai-perf"
@@ -82,7 +82,13 @@ def run_genai_perf(mode: str, artifact_dir: Path, **options) -> GenaiPerfResult:
     if not GENAI_PERF.is_file():
         raise SystemExit(f"{GENAI_PERF} is missing: run `make genai-perf-setup`")
     command = genai_perf_command(mode, artifact_dir=artifact_dir, **options)
-    done = subprocess.run(command, capture_output=True, text=True, env=genai_perf_env(), timeout=600)
+    for _ in range(EXPORT_ATTEMPTS):
+        done = subprocess.run(command, capture_output=True, text=True, env=genai_perf_env(), timeout=600)
+        # perf_analyzer 2.51 can exit 0 leaving an empty or cut export, on which genai-perf then fails
+        # (sweep.export_is_whole says why): such a run is made again; a failure with a whole export, or none, is not.
+        exports = list(artifact_dir.glob("**/profile_export.json"))
+        if done.returncode == 0 or not exports or all(map(export_is_whole, exports)):
+            break
     metrics, output_tokens = {}, None
     for path in artifact_dir.glob("*/profile_export_genai_perf.csv"):
         for row in csv.reader(path.read_text().splitlines()):

@@ -17,6 +17,7 @@ perf_analyzer is the binary that the tritonclient wheel installs beside this Pyt
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import subprocess
@@ -48,12 +49,40 @@ def perf_analyzer_env() -> dict[str, str]:
     return env
 
 
+# perf_analyzer runs made for one measurement while each leaves a broken export (see export_is_whole). Which runs
+# break depends on each process's heap addresses, so a second run is very likely whole; a third is a margin.
+EXPORT_ATTEMPTS = 3
+
+
+def export_is_whole(export_path: Path) -> bool:
+    """Whether perf_analyzer's profile export exists and parses as one whole JSON document.
+
+    perf_analyzer 2.51 (tritonclient 2.51.0, the newest whose binary runs on glibc 2.36) can leave an export that is
+    empty or cut short after exiting 0. It records every output the model declares from each response, and for one a
+    response leaves out (log_probs, output_log_probs, cum_log_probs and top_log_probs unless a request asks for them;
+    num_output_tokens and the like before the final response) it keeps a zero-byte copy, from which its exporter then
+    reads one number anyway: heap garbage, which exports show as log_probs values such as -3.6e+35. When the four
+    garbage bytes of an FP32 output happen to be a NaN or an infinity, rapidjson's writer refuses the number and stops
+    writing; perf_analyzer ignores that, closes the file and exits 0. The file then holds only the 64 KiB chunks its
+    write buffer had flushed: nothing for a short run, else exactly a multiple of 65,536 bytes, whose last JSON value is
+    cut mid-way. perf_analyzer 2.52 exports a left-out output as "" (triton-inference-server/perf_analyzer#153), but it
+    needs glibc 2.38. Whole exports are unaffected: the garbage never reaches report.py's own fields, which it reads
+    from the final response only (num_output_tokens) or from the timestamps."""
+    try:
+        with open(export_path, encoding="utf-8") as export:
+            json.load(export)
+    except (OSError, ValueError):  # ValueError: JSONDecodeError, or UnicodeDecodeError on a cut multi-byte character
+        return False
+    return True
+
+
 def run_perf_analyzer(url: str, model: str, input_data: Path, concurrency: int, requests_per_window: int,
                       export_path: Path, stability_percentage: float, max_trials: int) -> subprocess.CompletedProcess:
     """One concurrency level. perf_analyzer refuses to overwrite an export, so an old one is removed.
 
-    perf_analyzer has been seen to exit 0 with its measurements printed and an empty export (on a loaded 2-core
-    host): such a run is made once more, and a second empty export is a failure (exit 1) that says so."""
+    perf_analyzer 2.51 can exit 0 with its measurements printed and an export that is empty or cut short
+    (`export_is_whole` says why): such a run is made again, up to EXPORT_ATTEMPTS runs in all, and when none leaves
+    a whole export the result is a failure (exit 1) that says so."""
     command = [
         perf_analyzer_path(), "-m", model, "-u", url, "-i", "grpc", "--streaming",
         "--input-data", str(input_data), "--concurrency-range", str(concurrency),
@@ -61,13 +90,14 @@ def run_perf_analyzer(url: str, model: str, input_data: Path, concurrency: int, 
         "--stability-percentage", str(stability_percentage), "--max-trials", str(max_trials),
         "--profile-export-file", str(export_path),
     ]
-    for _ in range(2):
+    for _ in range(EXPORT_ATTEMPTS):
         export_path.unlink(missing_ok=True)
         result = subprocess.run(command, capture_output=True, text=True, env=perf_analyzer_env())
-        if result.returncode != 0 or (export_path.exists() and export_path.stat().st_size > 0):
+        if result.returncode != 0 or export_is_whole(export_path):
             return result
-    return subprocess.CompletedProcess(command, 1, result.stdout,
-                                       result.stderr + f"\nperf_analyzer exited 0 twice without writing {export_path}")
+    return subprocess.CompletedProcess(
+        command, 1, result.stdout, result.stderr + f"\nperf_analyzer exited 0 {EXPORT_ATTEMPTS} times without "
+        f"writing a whole export to {export_path} (empty or cut short: see export_is_whole)")
 
 
 def server_answers(client: DiffulexClient) -> bool:

@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +87,52 @@ def test_sweep_prints_the_finished_levels_and_fails_when_a_level_fails(server, t
     assert [line.split()[0] for line in lines[header + 2:] if line.strip()] == ["1"]  # level 4 never ran
     assert "perf_analyzer failed at concurrency 2 (exit 99)" in err and "the level-2 run broke" in err
     assert sorted(path.name for path in tmp_path.glob("profile_*.json")) == ["profile_concurrency_1.json"]
+
+
+# A stand-in for perf_analyzer 2.51 that exits 0 with its export cut where its 64 KiB write buffer last flushed, as
+# the real one does when it reads a NaN out of an output a response left out (sweep.export_is_whole), for its first
+# BROKEN runs, and exports whole after that; each run appends a line to RUNS.
+FAKE_PERF_ANALYZER = """#!{python}
+import json, pathlib, sys
+runs = pathlib.Path({runs!r})
+runs.write_text(runs.read_text() + "run\\n" if runs.exists() else "run\\n")
+export = pathlib.Path(sys.argv[sys.argv.index("--profile-export-file") + 1])
+whole = json.dumps({{"experiments": [{{"requests": [{{"timestamp": 1795787095268554170 + i}} for i in range(4000)]}}]}})
+broken = len(runs.read_text().splitlines()) <= {broken}
+export.write_text(whole[:65536] if broken else whole)
+print("Concurrency: 1, throughput: 1 infer/sec, latency 1 usec")
+"""
+
+
+def fake_perf_analyzer(tmp_path: Path, broken: int) -> Path:
+    script = tmp_path / "perf_analyzer"
+    script.write_text(FAKE_PERF_ANALYZER.format(python=sys.executable, runs=str(tmp_path / "runs"), broken=broken))
+    script.chmod(0o755)
+    return script
+
+
+def test_an_export_cut_at_a_write_buffer_or_empty_is_not_whole(tmp_path):
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({"experiments": [{"requests": [{"timestamp": 1795787095268554170}] * 4000}]}))
+    assert sweep.export_is_whole(whole)
+    cut, empty = tmp_path / "cut.json", tmp_path / "empty.json"
+    cut.write_bytes(whole.read_bytes()[:65536])
+    empty.write_bytes(b"")
+    assert not sweep.export_is_whole(cut) and not sweep.export_is_whole(empty)
+    assert not sweep.export_is_whole(tmp_path / "missing.json")
+
+
+@pytest.mark.parametrize("broken, returncode", [(0, 0), (sweep.EXPORT_ATTEMPTS - 1, 0), (sweep.EXPORT_ATTEMPTS, 1)])
+def test_a_run_that_exits_0_with_a_cut_export_is_made_again(tmp_path, monkeypatch, broken, returncode):
+    monkeypatch.setattr(sweep, "perf_analyzer_path", lambda: str(fake_perf_analyzer(tmp_path, broken)))
+    export = tmp_path / "profile.json"
+    result = run_perf_analyzer("localhost:1", "diffulex", PERF_DATA / "short_streaming.json", 1, 1, export, 10, 3)
+    runs = (tmp_path / "runs").read_text().splitlines()
+    assert (result.returncode, len(runs)) == (returncode, min(broken + 1, sweep.EXPORT_ATTEMPTS))
+    if returncode == 0:
+        assert sweep.export_is_whole(export)
+    else:
+        assert f"exited 0 {sweep.EXPORT_ATTEMPTS} times without writing a whole export" in result.stderr
 
 
 def test_the_environments_perf_analyzer_runs_without_a_library_path():
