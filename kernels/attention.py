@@ -45,19 +45,13 @@ SHARED_MEMORY_BYTES = 232448
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, v_scale, PRECISION: tl.constexpr,
-                         ROW_SCALES: tl.constexpr):
-    """Fold one key tile into the running (acc, max, sum). k, v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N].
+def _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION: tl.constexpr, ROW_SCALES: tl.constexpr):
+    """Fold one key tile's scores qk [BLOCK_M, BLOCK_N] (in log2 units) into the running (acc, max, sum);
+    v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N].
 
-    qk_scale: the softmax scale (in log2 units); with ROW_SCALES, k and v are FP8 rows' values (exact in the dot's
-    dtype) and qk_scale [BLOCK_N] is each key's row scale times it, v_scale [BLOCK_N] each value row's scale. A row's
-    scale then multiplies its column of scores, or of probabilities, once: BLOCK_M products a key where scaling the
-    rows themselves would take HEAD_DIM, and a float32 round trip of every cached element besides."""
-    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-    if ROW_SCALES:
-        qk = qk * qk_scale[None, :]
-    else:
-        qk = qk * qk_scale
+    With ROW_SCALES, v holds FP8 rows' values (exact in v's dtype) and v_scale [BLOCK_N] each value row's scale, which
+    multiplies its column of probabilities once: BLOCK_M products a row where scaling the rows themselves would take
+    HEAD_DIM, and a float32 round trip of every cached element besides."""
     qk = tl.where(visible, qk, float("-inf"))
     # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -76,6 +70,17 @@ def _online_softmax_step(acc, m_i, l_i, q, k, v, visible, qk_scale, v_scale, PRE
     return acc, m_new, l_i
 
 
+@triton.jit
+def _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head, stride_scale_page, stride_scale_slot,
+                stride_scale_head, PAGE_SIZE: tl.constexpr):
+    """The key and value rows' scales at cached positions `pos` [BLOCK_N]; 0 at or past ctx_end."""
+    valid = pos < ctx_end
+    page = tl.load(page_row + pos // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+    offset = page * stride_scale_page + (pos % PAGE_SIZE) * stride_scale_slot + kv_head * stride_scale_head
+    return (tl.load(k_scale_ptr + offset, mask=valid, other=0.0),
+            tl.load(v_scale_ptr + offset, mask=valid, other=0.0))
+
+
 # Token and split counts change with every batch: specialized on them, each new length class would compile again.
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "window"])
 def _paged_attention_kernel(
@@ -88,7 +93,9 @@ def _paged_attention_kernel(
     num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr, SCALES_AHEAD: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
@@ -106,10 +113,11 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
     row_valid = token < q_len
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(
+    q_in = tl.load(
         q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
         mask=row_valid[:, None], other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_M, HEAD_DIM]
+    )  # [BLOCK_M, HEAD_DIM]
+    q = q_in.to(DOT_DTYPE)
     q_block = tl.load(block_ids_ptr + q_start + token, mask=row_valid, other=0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -121,6 +129,14 @@ def _paged_attention_kernel(
 
     context_len = 0
     if HAS_CACHE:
+        if KV_FP8:
+            # FP8 rows widen to float16 in one conversion per pair of values, where bfloat16 takes three; the query
+            # goes to float16 too, each row over a power of two that puts its largest value near 2^8, so that no
+            # query overflows float16 and a bfloat16 query keeps every bit but of values under 2^-22 of its row's largest.
+            # q_unit multiplies the row's scores back.
+            q_amax = tl.maximum(tl.max(tl.abs(q_in.to(tl.float32)), 1), 1e-30)
+            q_unit = tl.exp2(tl.ceil(tl.log2(q_amax)) - 8.0)
+            q_fp8_dot = (q_in.to(tl.float32) / q_unit[:, None]).to(FP8_DOT_DTYPE)
         context_len = tl.load(context_lens_ptr + seq)
         ctx_first = 0
         if HAS_WINDOW:
@@ -131,27 +147,42 @@ def _paged_attention_kernel(
         ctx_begin = ctx_first + split * context_chunk
         ctx_end = tl.minimum(context_len, ctx_begin + context_chunk)
         page_row = page_tables_ptr + seq.to(tl.int64) * stride_page_table
+        k_scale_next = tl.zeros([BLOCK_N], tl.float32)
+        v_scale_next = tl.zeros([BLOCK_N], tl.float32)
+        if SCALES_AHEAD:
+            # The rows' scales are loaded a tile ahead: no product waits on them, so the compiler's pipelining of
+            # the dots' operands leaves their latency in every iteration otherwise.
+            k_scale_next, v_scale_next = _row_scales(page_row, k_scale_ptr, v_scale_ptr, ctx_begin + keys, ctx_end,
+                                                     kv_head, stride_scale_page, stride_scale_slot, stride_scale_head,
+                                                     PAGE_SIZE)
         for start in range(ctx_begin, ctx_end, BLOCK_N):
             pos = start + keys
             key_valid = pos < ctx_end
             page = tl.load(page_row + pos // PAGE_SIZE, mask=key_valid, other=0).to(tl.int64)
             slot_offset = page * stride_cache_page + (pos % PAGE_SIZE) * stride_cache_slot + kv_head * stride_cache_head
             cache_offset = slot_offset[:, None] + dims[None, :]  # [BLOCK_N, HEAD_DIM]
-            k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
-            v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
             visible = key_valid[None, :]
             if HAS_WINDOW:
                 visible = visible & (pos[None, :] > window_edge[:, None])
-            if KV_FP8:  # e4m3 values are exact in DOT_DTYPE; each row's scale goes to its score or weight column
-                scale_offset = (page * stride_scale_page + (pos % PAGE_SIZE) * stride_scale_slot
-                                + kv_head * stride_scale_head)
-                k_scale = tl.load(k_scale_ptr + scale_offset, mask=key_valid, other=0.0)
-                v_scale = tl.load(v_scale_ptr + scale_offset, mask=key_valid, other=0.0)
-                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, k_scale * scale_log2, v_scale,
-                                                     PRECISION, True)
+            if KV_FP8:  # e4m3 values are exact in FP8_DOT_DTYPE; each row's scale goes to its score or weight column
+                k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(FP8_DOT_DTYPE)
+                v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(FP8_DOT_DTYPE)
+                if SCALES_AHEAD:
+                    k_scale, v_scale = k_scale_next, v_scale_next
+                    k_scale_next, v_scale_next = _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos + BLOCK_N,
+                                                             ctx_end, kv_head, stride_scale_page, stride_scale_slot,
+                                                             stride_scale_head, PAGE_SIZE)
+                else:
+                    k_scale, v_scale = _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head,
+                                                   stride_scale_page, stride_scale_slot, stride_scale_head, PAGE_SIZE)
+                qk = tl.dot(q_fp8_dot, tl.trans(k), input_precision=PRECISION)
+                qk = qk * q_unit[:, None] * (k_scale * scale_log2)[None, :]
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION, True)
             else:
-                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, scale_log2,
-                                                     PRECISION, False)
+                k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+                v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
+                qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, None, PRECISION, False)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -170,7 +201,8 @@ def _paged_attention_kernel(
         visible = k_block[None, :] <= q_block[:, None]
         if HAS_WINDOW:
             visible = visible & ((context_len + key_token)[None, :] > window_edge[:, None])
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, q, k, v, visible, scale_log2, scale_log2, PRECISION, False)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
+        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, None, PRECISION, False)
 
     if SPLIT:
         # Partials are [splits, tokens, heads(, head_dim)] in float32; the merge kernel reads them.
@@ -380,6 +412,22 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             splits *= 2
 
 
+def fp8_dot_dtype(query: torch.Tensor, launch: AttentionLaunch) -> tl.dtype:
+    """What FP8 rows widen to: float16 under a half-type query (Hopper widens e4m3 to float16 in one instruction per
+    pair of values), else the query's own dot dtype (a float32 engine keeps its products in float32). The 256-row
+    tile keeps the query's dtype: with its registers full, the float16 copy of the query made it slower (Dream-7B at
+    batch 64 over 32k tokens, docs/kernels.md)."""
+    if query.dtype in (torch.bfloat16, torch.float16) and launch != WIDE:
+        return tl.float16
+    return dot_dtype(query)
+
+
+def scales_ahead(launch: AttentionLaunch) -> bool:
+    """Whether FP8 rows' scales load a tile ahead: tiles of up to 64 rows (LLaDA's 32-token blocks of one head) have
+    the registers for the next tile's scales; wider ones spill and lose more than the early load saves."""
+    return launch.block_m <= 64
+
+
 def _precision(query: torch.Tensor) -> str:
     """float32 multiplies in float32: an engine runs in float32 for exactness (a TF32 product's 10-bit mantissa,
     at Gemma's attention scale of 1, moves its softmax weights by percents). Half types multiply exactly anyway."""
@@ -463,7 +511,9 @@ def paged_attention(
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, PRECISION=_precision(query), USE_PDL=use_pdl(query),
+        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, FP8_DOT_DTYPE=fp8_dot_dtype(query, launch),
+        SCALES_AHEAD=kv_fp8 and scales_ahead(launch),
+        PRECISION=_precision(query), USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:
