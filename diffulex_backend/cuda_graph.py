@@ -19,6 +19,11 @@ adapter a segment of its own, so a bucket's sequences bound the segments and its
 rows; rows past the real segments are empty segments, which the kernels skip. A step without adapter rows replays
 the graph without the delta, the one a model without adapters replays.
 
+A model whose forward takes inputs of its own per row (DiffusionGemma: which rows are canvas rows, and their
+self-conditioning embeddings) names them as `row_inputs`; each has a static buffer of the bucket's rows, and rows
+past the real ones are zero. A runner that changes the batch's token ids on the device after building it (a canvas's
+random start) passes them to `run`, which writes them over the static buffer's.
+
 Steps that fit no bucket (prefill chunks, whole-sequence strategies) run eagerly. `PaddedForward` runs the
 padded forward eagerly too, on any device: it is how the padding is checked against the unpadded batch on the
 CPU torch path. `CUDAGraphForward` captures and replays it.
@@ -44,6 +49,14 @@ class GraphBucket:
     max_seqlen_q: int  # upper bound of any sequence's tokens: it sizes the attention grid
 
 
+@dataclass(frozen=True)
+class RowInput:
+    """A model input of one value per token row, beyond the ids: its shape past the row, and its dtype."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -52,7 +65,7 @@ class PaddedForward:
     """The model forward over a batch padded into static buffers, run eagerly."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
-                 merge: TokenMerge | None = None):
+                 merge: TokenMerge | None = None, row_inputs: dict[str, RowInput] | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -71,6 +84,9 @@ class PaddedForward:
         if merge is not None:
             self.static_soft_ids = torch.zeros((self.max_tokens, merge.top_k), dtype=torch.int64, device=device)
             self.static_soft_coef = torch.zeros((self.max_tokens, merge.top_k + 1), dtype=torch.float32, device=device)
+        # The model's own inputs per row, by keyword; a batch's rows first, then zeros.
+        self.static_rows = {name: torch.zeros((self.max_tokens, *spec.shape), dtype=spec.dtype, device=device)
+                            for name, spec in (row_inputs or {}).items()}
         # Adapter segments (slot, first row, end row) of a LoRA step, a row per sequence; None without adapters.
         self.static_lora = (torch.zeros((self.max_seqs, 3), dtype=torch.int64, device=device)
                             if has_adapters(model) else None)
@@ -87,11 +103,21 @@ class PaddedForward:
             return None  # segments that are not one per sequence: the LoRA graph's kernels are not sized for them
         return bucket
 
-    def run(self, bucket: GraphBucket, batch: ForwardBatch,
-            lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden] of the real rows
+    def run(self, bucket: GraphBucket, batch: ForwardBatch, lora: LoraBatch | None = None,
+            input_ids: torch.Tensor | None = None,  # [T] on the device: the batch's ids as the runner changed them
+            rows: dict[str, torch.Tensor] | None = None,  # row_inputs' values of the T real rows, on the device
+            ) -> torch.Tensor:  # [T, hidden] of the real rows
         layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
         # One copy for all seven inputs, from the batch's own (pinned) buffer unless a test asks for another bucket.
         self.static[: layout.size].copy_(batch.padded_flat(layout), non_blocking=True)
+        n = batch.num_tokens
+        if input_ids is not None:
+            self._static_batch(bucket).input_ids[:n].copy_(input_ids)
+        if set(rows or {}) != set(self.static_rows):
+            raise ValueError(f"PaddedForward.run: row inputs {sorted(rows or {})}, expected {sorted(self.static_rows)}")
+        for name, static in self.static_rows.items():
+            static[:n].copy_(rows[name])
+            static[n:bucket.num_tokens].zero_()
         if lora is not None:
             table = segment_table(lora, bucket.num_seqs, pin_memory=self.device.type == "cuda")
             self.static_lora[: bucket.num_seqs].copy_(table, non_blocking=True)
@@ -114,11 +140,15 @@ class PaddedForward:
         n = bucket.num_tokens
         return SoftInputs(self.static_soft_ids[:n], self.static_soft_coef[:n], self.merge)
 
+    def _static_batch(self, bucket: GraphBucket) -> ForwardBatch:
+        """The bucket's inputs, as views of the static buffer."""
+        layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
+        return ForwardBatch(self.static, layout, bucket.num_tokens, bucket.num_seqs, bucket.max_seqlen_q,
+                            self.max_context_len)
+
     def _static_inputs(self, bucket: GraphBucket,
                        batch: ForwardBatch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
-        static = ForwardBatch(self.static, layout, bucket.num_tokens, bucket.num_seqs, bucket.max_seqlen_q,
-                              self.max_context_len)
+        static = self._static_batch(bucket)
         empty_seqs = bucket.num_seqs - batch.num_seqs
         meta = AttentionMetadata(
             cu_seqlens_q=static.cu_seqlens_q, context_lens=static.context_lens, page_tables=static.page_tables,
@@ -130,20 +160,24 @@ class PaddedForward:
         )
         return static.input_ids, static.positions, meta
 
+    def _static_rows(self, bucket: GraphBucket) -> dict[str, torch.Tensor]:
+        return {name: static[: bucket.num_tokens] for name, static in self.static_rows.items()}
+
     def _forward(self, bucket: GraphBucket, batch: ForwardBatch,
                  with_lora: bool = False) -> torch.Tensor:  # [bucket tokens, hidden]
         input_ids, positions, meta = self._static_inputs(bucket, batch)
         return self._model_forward(input_ids, positions, meta, self._static_soft(bucket),
-                                   self._static_lora(bucket) if with_lora else None)
+                                   self._static_lora(bucket) if with_lora else None, self._static_rows(bucket))
 
     def _model_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                       soft: SoftInputs | None, lora: LoraSegments | None) -> torch.Tensor:
+                       soft: SoftInputs | None, lora: LoraSegments | None,
+                       rows: dict[str, torch.Tensor]) -> torch.Tensor:
         if lora is not None and self.model.fused_kernels:
             # DecoderLM.forward sends a forward with adapters to the torch modules; the fused one adds the delta.
             from .layers.fused_forward import fused_forward  # imports Triton: only with the kernels
 
             return fused_forward(self.model, input_ids, positions, meta, self.kv_cache, soft, lora)
-        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora)
+        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora, **rows)
 
 
 class CUDAGraphForward(PaddedForward):
@@ -151,8 +185,8 @@ class CUDAGraphForward(PaddedForward):
     reads only device metadata; the torch attention loops over host lengths that a graph would freeze."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
-                 merge: TokenMerge | None = None):
-        super().__init__(model, kv_cache, config, device, merge)
+                 merge: TokenMerge | None = None, row_inputs: dict[str, RowInput] | None = None):
+        super().__init__(model, kv_cache, config, device, merge, row_inputs)
         # By (bucket, with the LoRA delta): a bucket has a second graph once a step with adapter rows used it.
         self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
@@ -170,15 +204,16 @@ class CUDAGraphForward(PaddedForward):
         input_ids, positions, meta = self._static_inputs(bucket, batch)
         soft = self._static_soft(bucket)
         lora = self._static_lora(bucket) if with_lora else None
+        rows = self._static_rows(bucket)
         # One eager run on a side stream first, as capture requires: Triton compiles its kernels and cuBLAS
         # sets up its workspaces outside the graph. It stores the same K/V the replay stores again.
         main = torch.cuda.current_stream(self.device)
         warmup = torch.cuda.Stream(self.device)
         warmup.wait_stream(main)
         with torch.cuda.stream(warmup):
-            self._model_forward(input_ids, positions, meta, soft, lora)
+            self._model_forward(input_ids, positions, meta, soft, lora, rows)
         main.wait_stream(warmup)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self._model_forward(input_ids, positions, meta, soft, lora)
+            hidden = self._model_forward(input_ids, positions, meta, soft, lora, rows)
         return graph, hidden

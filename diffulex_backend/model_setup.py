@@ -125,7 +125,7 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     # measured by running it. They are counted twice: eager steps allocate them, and so does the CUDA
     # graphs' memory pool, which the caching allocator cannot hand to eager steps.
     activation_bytes = profile_peak_memory(model, config, device)
-    if model.fused_kernels and not config.enforce_eager:
+    if model.replays_graphs() and not config.enforce_eager:
         activation_bytes *= 2
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)

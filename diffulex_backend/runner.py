@@ -25,7 +25,7 @@ import torch
 from .acceptance import AcceptanceBatch, AcceptanceRule
 from .attention import AttentionMetadata, paged_attention_reference
 from .config import Config
-from .cuda_graph import CUDAGraphForward, PaddedForward
+from .cuda_graph import CUDAGraphForward, PaddedForward, RowInput
 from .flash_attention import PromptFlashAttention
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .layers.lora import LoraBatch
@@ -218,8 +218,9 @@ class ModelRunner:
         self.use_kernels = model.fused_kernels
         self.padded_forward: PaddedForward | None = None
         self.token_merge = self.make_token_merge()
-        if self.use_kernels and not config.enforce_eager and self.kv_cache is not None:
-            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
+        if model.replays_graphs() and not config.enforce_eager and self.kv_cache is not None:
+            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge,
+                                                   self.row_inputs())
         # Else the first steps of each size compile them, while requests wait.
         if self.use_kernels:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
@@ -296,6 +297,11 @@ class ModelRunner:
         """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
         return None
 
+    def row_inputs(self) -> dict[str, RowInput] | None:
+        """The model's own inputs per row beside the ids, which every forward of this runner passes (a graph holds
+        a static buffer for each), or None."""
+        return None
+
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests that finished, were aborted, or were preempted (they recompute from
         scratch): the plan's released ids, before its step."""
@@ -306,20 +312,25 @@ class ModelRunner:
         return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory,
                                    find_dense=self.dense_prompts)
 
-    def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None) -> torch.Tensor:  # [T, hidden]
+    def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None,
+                inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None,
+                rows: dict[str, torch.Tensor] | None = None) -> torch.Tensor:  # [T, hidden]
         """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows
-        replays its bucket's graph with the LoRA delta; one without replays the graph without it."""
+        replays its bucket's graph with the LoRA delta; one without replays the graph without it. `inputs`: the
+        batch's (input_ids, positions, metadata) when the runner already has them on the device, with ids it
+        changed there; `rows`: the model's own inputs per row (PaddedForward's row_inputs)."""
         bucket = None
         if self.padded_forward is not None:
             bucket = self.padded_forward.bucket_for(batch, lora)
         if bucket is not None:
-            if lora is None:
-                return self.padded_forward.run(bucket, batch)
-            return self.padded_forward.run(bucket, batch, lora)
-        input_ids, positions, meta = batch.to_device(self.device)
+            changed = {key: value for key, value in (("lora", lora), ("rows", rows),
+                                                     ("input_ids", None if inputs is None else inputs[0]))
+                       if value is not None}
+            return self.padded_forward.run(bucket, batch, **changed)
+        input_ids, positions, meta = batch.to_device(self.device) if inputs is None else inputs
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
         soft = None if soft is None else SoftInputs(*soft, self.token_merge)
-        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora)
+        return self.model(input_ids, positions, meta, self.kv_cache, soft, lora=lora, **(rows or {}))
 
     def logit_rows(self, plans: list[SeqPlan]) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """The hidden row that predicts each predicted position: its own row, or the row before it for shifted

@@ -30,7 +30,7 @@ class WarmUpReport:
 
 
 def warm_up_batch_sizes(engine) -> tuple[int, ...]:
-    if not engine.model.fused_kernels:
+    if not engine.model.replays_graphs():  # each batch size captures its bucket's graph; without graphs, one suffices
         return (1,)
     sizes, size = [], 1
     while size < engine.config.max_num_reqs:

@@ -182,6 +182,11 @@ class DecoderLM(nn.Module):
     KERNEL_HEAD_DIMS = (64, 128)
     FUSED_FORWARD = True
 
+    def replays_graphs(self) -> bool:
+        """Whether a step's forward may replay a CUDA graph (unless enforce_eager): the fused forward, whose kernels
+        read every length from the device."""
+        return self.fused_kernels
+
     def __init__(self, arch: ModelArch, attention_fn: AttentionFn, tp: TensorParallel = TensorParallel()):
         super().__init__()
         self.arch, self.tp = arch, tp

@@ -401,7 +401,7 @@ class DiffusionGemmaModel(DecoderLM):
     DECODING_STRATEGIES = ("diffusion_gemma",)  # no mask token: the masked strategies cannot decode it
     IGNORED_WEIGHT_PREFIXES = ("model.encoder.vision_tower.", "model.encoder.embed_vision.")  # text only
     # The Triton attention kernel serves both layer kinds (its window, head sizes 256 and 512); the rest of the
-    # forward is the torch modules, without CUDA graphs.
+    # forward is the torch modules, which a CUDA graph replays (strategies/diffusion_gemma.py).
     KERNEL_HEAD_DIMS = (64, 128, 256, 512)
     FUSED_FORWARD = False
 
@@ -415,6 +415,11 @@ class DiffusionGemmaModel(DecoderLM):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_conditioning = SelfConditioning(arch)
         self.lm_head = None  # tied to the embedding
+
+    def replays_graphs(self) -> bool:
+        # The torch modules capture as they are once the attention is the Triton kernel: no op of theirs reads a
+        # length on the host.
+        return all(layer.attn.attention_fn not in (None, paged_attention_reference) for layer in self.layers)
 
     # --- config.json ---------------------------------------------------------------------------------------
     @classmethod

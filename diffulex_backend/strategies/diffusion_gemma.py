@@ -18,8 +18,11 @@ whatever it is batched with; a preempted request restarts its canvas from step 0
 settings come from the checkpoint's generation_config.json (models/diffusion_gemma.py `DenoiseSchedule`); a
 request's own sampling settings that do not apply (temperature, top_k, thresholds, ...) are refused by name.
 
-The step is eager: the forward runs the torch modules, with the Triton attention kernel on a GPU, without CUDA graphs;
-the sampler is batched over every canvas of the step on the device, with one device-to-host copy at its end.
+On a GPU the forward is the torch modules with the Triton attention kernel, replayed from a CUDA graph when the batch
+fits a bucket (cuda_graph.py; the canvas rows and their self-conditioning input are the graph's row inputs, and a
+canvas's random start tokens are written over the batch's ids on the device); elsewhere, or with enforce_eager, it
+runs eagerly. The sampler is batched over every canvas of the step on the device, with one device-to-host copy at
+its end.
 """
 from __future__ import annotations
 
@@ -31,6 +34,7 @@ import torch
 
 from ..acceptance import AcceptanceRule
 from ..config import Config
+from ..cuda_graph import RowInput
 from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.diffusion_gemma import DiffusionGemmaModel
@@ -160,6 +164,12 @@ class DiffusionGemmaRequest(Request):
         self._start_canvas()
 
 
+def canvas_row_inputs(model: DiffusionGemmaModel) -> dict[str, RowInput]:
+    """The forward's inputs per row beside the ids: whether a row is a canvas row, and its self-conditioning input."""
+    return {"canvas": RowInput((), torch.bool),
+            "soft_embeds": RowInput((model.arch.hidden_size,), model.embed_tokens.weight.dtype)}
+
+
 class DiffusionGemmaRunner(ModelRunner):
     """Feeds each canvas with its self-conditioning input and runs the sampler batched over all canvases."""
 
@@ -177,6 +187,9 @@ class DiffusionGemmaRunner(ModelRunner):
         # The soft embeddings of each request's last step, [L, hidden] on the device: its next step's
         # self-conditioning input. forget() drops an entry.
         self.soft: dict[str, torch.Tensor] = {}
+
+    def row_inputs(self) -> dict[str, RowInput]:
+        return canvas_row_inputs(self.model)
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)
@@ -212,7 +225,8 @@ class DiffusionGemmaRunner(ModelRunner):
         start = random_tokens(seeds, CANVAS_KEY, positions, 0, self.model.arch.vocab_size)
         input_ids = torch.where(fresh, start, input_ids)
         with step_range("forward", self.device):
-            hidden = self.model(input_ids, positions, meta, self.kv_cache, canvas=canvas, soft_embeds=soft)
+            hidden = self.forward(batch, inputs=(input_ids, positions, meta),
+                                  rows={"canvas": canvas, "soft_embeds": soft})
         blocks = [(p, b) for p in plans for b in p.blocks]
         offsets, at = [], 0
         for plan, block in blocks:

@@ -12,7 +12,9 @@ import torch
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.cuda_graph import GraphBucket, PaddedForward, round_up_seqs, round_up_tokens
 from diffulex_backend.forward_batch import ForwardBatch, flat_layout
+from diffulex_backend.strategies.diffusion_gemma import canvas_row_inputs
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
+from diffulex_backend.testing.diffusion_gemma_checkpoint import TINY, write_random_diffusion_gemma_checkpoint
 
 PROMPTS = ["The quick brown fox", "hi", "diffusion language models decode blocks in parallel", "abc"]
 
@@ -29,9 +31,9 @@ class CountingPaddedForward(PaddedForward):
 
     runs = 0
 
-    def run(self, bucket, batch):
+    def run(self, bucket, batch, **changed):
         self.runs += 1
-        return super().run(bucket, batch)
+        return super().run(bucket, batch, **changed)
 
 
 @pytest.fixture(scope="module")
@@ -123,3 +125,21 @@ def test_prefill_and_oversized_batches_fit_no_bucket(checkpoints):
     forward = PaddedForward(engine.model, engine.runner.kv_cache, engine.config, engine.device)
     assert batch.max_seqlen_q == 97 > forward.max_seqlen_q
     assert forward.bucket_for(batch) is None
+
+
+def test_diffusion_gemma_s_padded_forward_gives_the_eager_tokens(tmp_path):
+    """DiffusionGemma's forward takes two inputs per row beside the ids (whether a row is a canvas row, and its
+    self-conditioning embedding) and its runner writes each canvas's random start tokens over the batch's ids: the
+    padded forward carries all three, and padding rows (no canvas, zero embeddings) change no real row."""
+    path = str(write_random_diffusion_gemma_checkpoint(tmp_path / "gemma", seed=5))
+    canvas = TINY["canvas_length"]
+    settings = dict(model_name="diffusion_gemma", block_size=canvas, page_size=4, max_model_len=128,
+                    max_num_batched_tokens=64, dtype="float64", device="cpu")
+    params = [SamplingParams(max_tokens=2 * canvas, seed=7 + i, ignore_eos=True) for i in range(len(PROMPTS))]
+    eager = [o.token_ids for o in Diffulex(path, **settings).generate(PROMPTS, params)]
+    engine = Diffulex(path, **settings)
+    runner = engine.runner
+    runner.padded_forward = forward = CountingPaddedForward(engine.model, runner.kv_cache, engine.config,
+                                                            engine.device, row_inputs=canvas_row_inputs(engine.model))
+    assert [o.token_ids for o in engine.generate(PROMPTS, params)] == eager
+    assert forward.runs > 5, "canvas steps should have gone through the padded forward"
