@@ -71,9 +71,8 @@ def test_each_graph_replay_gives_the_eager_forward_of_its_step(tmp_path, experts
     self-conditioning input and each canvas's random start must reach the replay, step after step. The hidden
     states are compared rather than the tokens: a random model's sampler turns float32 rounding (another GEMM
     kernel for the padded row count) into other tokens, where a missing input is off by the whole."""
-    moe = dict(num_experts=experts, top_k_experts=2, moe_intermediate_size=32) if experts else {}
     path = str(write_random_diffusion_gemma_checkpoint(tmp_path / "ckpt", seed=3, head_dim=64, global_head_dim=128,
-                                                       sliding_window=6, **moe))
+                                                       sliding_window=6, num_experts=experts))
     llm = Diffulex(path, **SETTINGS)
     runner = llm.runner
     graphs = runner.padded_forward
