@@ -93,8 +93,8 @@ def _paged_attention_kernel(
     num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr, SCALES_AHEAD: tl.constexpr,
-    PRECISION: tl.constexpr,
+    HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr, RESCALE_Q: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -129,10 +129,10 @@ def _paged_attention_kernel(
 
     context_len = 0
     if HAS_CACHE:
-        if KV_FP8:
-            # FP8 rows widen to float16 in one conversion per pair of values, where bfloat16 takes three; the query
-            # goes to float16 too, each row over a power of two that puts its largest value near 2^8, so that no
-            # query overflows float16 and a bfloat16 query keeps every bit but of values under 2^-22 of its row's largest.
+        if RESCALE_Q:
+            # FP8 rows widen to float16 in one conversion per pair of values, where bfloat16 takes three; a bfloat16
+            # query goes to float16 too, each row over a power of two that puts its largest value near 2^8, so that
+            # no query overflows float16 and each keeps every bit but of values under 2^-22 of its row's largest.
             # q_unit multiplies the row's scores back.
             q_amax = tl.maximum(tl.max(tl.abs(q_in.to(tl.float32)), 1), 1e-30)
             q_unit = tl.exp2(tl.ceil(tl.log2(q_amax)) - 8.0)
@@ -175,8 +175,11 @@ def _paged_attention_kernel(
                 else:
                     k_scale, v_scale = _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head,
                                                    stride_scale_page, stride_scale_slot, stride_scale_head, PAGE_SIZE)
-                qk = tl.dot(q_fp8_dot, tl.trans(k), input_precision=PRECISION)
-                qk = qk * q_unit[:, None] * (k_scale * scale_log2)[None, :]
+                if RESCALE_Q:
+                    qk = tl.dot(q_fp8_dot, tl.trans(k), input_precision=PRECISION)
+                    qk = qk * (q_unit[:, None] * (k_scale * scale_log2)[None, :])
+                else:
+                    qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * scale_log2)[None, :]
                 acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION, True)
             else:
                 k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
@@ -414,10 +417,10 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
 
 def fp8_dot_dtype(query: torch.Tensor, launch: AttentionLaunch) -> tl.dtype:
     """What FP8 rows widen to: float16 under a half-type query (Hopper widens e4m3 to float16 in one instruction per
-    pair of values), else the query's own dot dtype (a float32 engine keeps its products in float32). The 256-row
-    tile keeps the query's dtype: with its registers full, the float16 copy of the query made it slower (Dream-7B at
-    batch 64 over 32k tokens, docs/kernels.md)."""
-    if query.dtype in (torch.bfloat16, torch.float16) and launch != WIDE:
+    pair of values), else the query's own dot dtype (a float32 engine keeps its products in float32). Tiles past 128
+    rows keep the query's dtype: with their registers full, a float16 copy of a bfloat16 query made Dream-7B's
+    256-row tiles slower (docs/kernels.md)."""
+    if query.dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128:
         return tl.float16
     return dot_dtype(query)
 
@@ -500,6 +503,7 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     num_seqs = meta.cu_seqlens_q.shape[0] - 1
+    fp8_dot = fp8_dot_dtype(query, launch)
     num_tiles = triton.cdiv(meta.max_seqlen_q * group, launch.block_m)
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache, k_scales, v_scales,
@@ -511,8 +515,8 @@ def paged_attention(
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, FP8_DOT_DTYPE=fp8_dot_dtype(query, launch),
-        SCALES_AHEAD=kv_fp8 and scales_ahead(launch),
+        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, FP8_DOT_DTYPE=fp8_dot,
+        RESCALE_Q=kv_fp8 and fp8_dot != dot_dtype(query), SCALES_AHEAD=kv_fp8 and scales_ahead(launch),
         PRECISION=_precision(query), USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
