@@ -20,8 +20,8 @@ rows; rows past the real segments are empty segments, which the kernels skip. A 
 the graph without the delta, the one a model without adapters replays.
 
 A model whose forward takes inputs of its own per row (DiffusionGemma: which rows are canvas rows, and their
-self-conditioning embeddings) names them as `row_inputs`; each has a static buffer of the bucket's rows, and rows
-past the real ones are zero. A runner that changes the batch's token ids on the device after building it (a canvas's
+self-conditioning embeddings) names them (`model.row_inputs()`); each has a static buffer of the bucket's rows, and
+rows past the real ones are zero. A runner that changes the batch's token ids on the device after building it (a canvas's
 random start) passes them to `run`, which writes them over the static buffer's.
 
 Steps that fit no bucket (prefill chunks, whole-sequence strategies) run eagerly. `PaddedForward` runs the
@@ -49,14 +49,6 @@ class GraphBucket:
     max_seqlen_q: int  # upper bound of any sequence's tokens: it sizes the attention grid
 
 
-@dataclass(frozen=True)
-class RowInput:
-    """A model input of one value per token row, beyond the ids: its shape past the row, and its dtype."""
-
-    shape: tuple[int, ...]
-    dtype: torch.dtype
-
-
 def next_power_of_2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
@@ -65,7 +57,7 @@ class PaddedForward:
     """The model forward over a batch padded into static buffers, run eagerly."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
-                 merge: TokenMerge | None = None, row_inputs: dict[str, RowInput] | None = None):
+                 merge: TokenMerge | None = None):
         self.model = model
         self.kv_cache = kv_cache
         self.device = device
@@ -86,7 +78,7 @@ class PaddedForward:
             self.static_soft_coef = torch.zeros((self.max_tokens, merge.top_k + 1), dtype=torch.float32, device=device)
         # The model's own inputs per row, by keyword; a batch's rows first, then zeros.
         self.static_rows = {name: torch.zeros((self.max_tokens, *spec.shape), dtype=spec.dtype, device=device)
-                            for name, spec in (row_inputs or {}).items()}
+                            for name, spec in model.row_inputs().items()}
         # Adapter segments (slot, first row, end row) of a LoRA step, a row per sequence; None without adapters.
         self.static_lora = (torch.zeros((self.max_seqs, 3), dtype=torch.int64, device=device)
                             if has_adapters(model) else None)
@@ -110,14 +102,14 @@ class PaddedForward:
         layout = flat_layout(bucket.num_tokens, bucket.num_seqs, self.num_page_columns)
         # One copy for all seven inputs, from the batch's own (pinned) buffer unless a test asks for another bucket.
         self.static[: layout.size].copy_(batch.padded_flat(layout), non_blocking=True)
-        n = batch.num_tokens
+        real = batch.num_tokens
         if input_ids is not None:
-            self._static_batch(bucket).input_ids[:n].copy_(input_ids)
+            self._static_batch(bucket).input_ids[:real].copy_(input_ids)
         if set(rows or {}) != set(self.static_rows):
             raise ValueError(f"PaddedForward.run: row inputs {sorted(rows or {})}, expected {sorted(self.static_rows)}")
         for name, static in self.static_rows.items():
-            static[:n].copy_(rows[name])
-            static[n:bucket.num_tokens].zero_()
+            static[:real].copy_(rows[name])
+            static[real:bucket.num_tokens].zero_()
         if lora is not None:
             table = segment_table(lora, bucket.num_seqs, pin_memory=self.device.type == "cuda")
             self.static_lora[: bucket.num_seqs].copy_(table, non_blocking=True)
@@ -185,8 +177,8 @@ class CUDAGraphForward(PaddedForward):
     reads only device metadata; the torch attention loops over host lengths that a graph would freeze."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
-                 merge: TokenMerge | None = None, row_inputs: dict[str, RowInput] | None = None):
-        super().__init__(model, kv_cache, config, device, merge, row_inputs)
+                 merge: TokenMerge | None = None):
+        super().__init__(model, kv_cache, config, device, merge)
         # By (bucket, with the LoRA delta): a bucket has a second graph once a step with adapter rows used it.
         self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()

@@ -4,7 +4,8 @@ Everything a forward needs is built here and passed down explicitly (AttentionMe
 module state. Per-request work is a handful of slices; per-position work is batched tensor code.
 
 On CUDA with the Triton kernels (`model.fused_kernels`):
-  * a step that fits a decode bucket replays a captured CUDA graph (cuda_graph.py), unless enforce_eager;
+  * a step that fits a decode bucket replays a captured CUDA graph (cuda_graph.py), unless enforce_eager (so does
+    a model whose torch modules capture as they are: `model.replays_graphs()`);
   * host inputs travel through pinned memory with non-blocking copies (upload.py);
   * the forward is launched first, and the sampler and acceptance inputs are built on the host while the GPU
     runs it: they depend on the plans only, not on the forward's result;
@@ -25,7 +26,7 @@ import torch
 from .acceptance import AcceptanceBatch, AcceptanceRule
 from .attention import AttentionMetadata, paged_attention_reference
 from .config import Config
-from .cuda_graph import CUDAGraphForward, PaddedForward, RowInput
+from .cuda_graph import CUDAGraphForward, PaddedForward
 from .flash_attention import PromptFlashAttention
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .layers.lora import LoraBatch
@@ -219,8 +220,7 @@ class ModelRunner:
         self.padded_forward: PaddedForward | None = None
         self.token_merge = self.make_token_merge()
         if model.replays_graphs() and not config.enforce_eager and self.kv_cache is not None:
-            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge,
-                                                   self.row_inputs())
+            self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
         # Else the first steps of each size compile them, while requests wait.
         if self.use_kernels:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
@@ -297,11 +297,6 @@ class ModelRunner:
         """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
         return None
 
-    def row_inputs(self) -> dict[str, RowInput] | None:
-        """The model's own inputs per row beside the ids, which every forward of this runner passes (a graph holds
-        a static buffer for each), or None."""
-        return None
-
     def forget(self, request_ids: list[str]) -> None:
         """Drop the state of requests that finished, were aborted, or were preempted (they recompute from
         scratch): the plan's released ids, before its step."""
@@ -318,15 +313,13 @@ class ModelRunner:
         """The model forward: a graph replay when the batch fits a bucket, else eager. A batch with adapter rows
         replays its bucket's graph with the LoRA delta; one without replays the graph without it. `inputs`: the
         batch's (input_ids, positions, metadata) when the runner already has them on the device, with ids it
-        changed there; `rows`: the model's own inputs per row (PaddedForward's row_inputs)."""
+        changed there (a replay takes the ids: its positions and metadata are the batch's own, copied with the rest
+        of its flat buffer); `rows`: the model's inputs per row (model.row_inputs())."""
         bucket = None
         if self.padded_forward is not None:
             bucket = self.padded_forward.bucket_for(batch, lora)
         if bucket is not None:
-            changed = {key: value for key, value in (("lora", lora), ("rows", rows),
-                                                     ("input_ids", None if inputs is None else inputs[0]))
-                       if value is not None}
-            return self.padded_forward.run(bucket, batch, **changed)
+            return self.padded_forward.run(bucket, batch, lora, None if inputs is None else inputs[0], rows)
         input_ids, positions, meta = batch.to_device(self.device) if inputs is None else inputs
         soft = batch.soft_to_device(self.device) if self.token_merge is not None else None
         soft = None if soft is None else SoftInputs(*soft, self.token_merge)

@@ -30,13 +30,18 @@ class WarmUpReport:
 
 
 def warm_up_batch_sizes(engine) -> tuple[int, ...]:
-    if not engine.model.replays_graphs():  # each batch size captures its bucket's graph; without graphs, one suffices
+    """Each batch size captures its buckets' graphs; without graphs, one size suffices. Past the requests whose
+    blocks in flight fill a step's token budget, a larger batch steps in the same buckets (DiffusionGemma's
+    256-token canvases: 16 requests at the default budget of 4096 tokens)."""
+    if not engine.model.replays_graphs():
         return (1,)
+    config = engine.config
+    most = min(config.max_num_reqs, max(1, config.max_num_batched_tokens // (config.buffer_size * config.block_size)))
     sizes, size = [], 1
-    while size < engine.config.max_num_reqs:
+    while size < most:
         sizes.append(size)
         size *= 2
-    return (*sizes, engine.config.max_num_reqs)
+    return (*sizes, most)
 
 
 def prefill_lengths(config, max_tokens: int) -> list[int]:

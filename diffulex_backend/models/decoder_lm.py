@@ -89,6 +89,15 @@ class TokenMerge:
 
 
 @dataclass(frozen=True)
+class RowInput:
+    """A forward input of one value per token row beside the ids, passed by keyword: its shape past the row, and
+    its dtype (a CUDA graph holds a static buffer of it)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class SoftInputs:
     """Soft inputs (dmax): rows of the forward fed as a mixture of embeddings instead of their token's embedding."""
 
@@ -181,6 +190,10 @@ class DecoderLM(nn.Module):
     # forward), and whether the fused forward, the sampler kernel and CUDA graphs come with the kernel attention.
     KERNEL_HEAD_DIMS = (64, 128)
     FUSED_FORWARD = True
+
+    def row_inputs(self) -> dict[str, RowInput]:
+        """The forward's keyword inputs of one value per row, beside the ids: none here."""
+        return {}
 
     def replays_graphs(self) -> bool:
         """Whether a step's forward may replay a CUDA graph (unless enforce_eager): the fused forward, whose kernels

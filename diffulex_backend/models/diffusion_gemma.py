@@ -48,7 +48,7 @@ from diffulex_backend.attention import AttentionMetadata, paged_attention_refere
 from diffulex_backend.layers.norm import RMSNorm
 from diffulex_backend.layers.rotary import apply_rotary
 from diffulex_backend.arch import ModelArch
-from diffulex_backend.models.decoder_lm import CheckpointWeight, DecoderLM
+from diffulex_backend.models.decoder_lm import CheckpointWeight, DecoderLM, RowInput
 from diffulex_backend.models.hf_config import ConfigReader
 from diffulex_backend.registry import AutoModelForDiffusionLM
 from diffulex_backend.tensor_parallel import TensorParallel
@@ -415,6 +415,11 @@ class DiffusionGemmaModel(DecoderLM):
         self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_conditioning = SelfConditioning(arch)
         self.lm_head = None  # tied to the embedding
+
+    def row_inputs(self) -> dict[str, RowInput]:
+        """forward's `canvas` (whether a row is a canvas row) and `soft_embeds` (its self-conditioning input)."""
+        return {"canvas": RowInput((), torch.bool),
+                "soft_embeds": RowInput((self.arch.hidden_size,), self.embed_tokens.weight.dtype)}
 
     def replays_graphs(self) -> bool:
         # The torch modules capture as they are once the attention is the Triton kernel: no op of theirs reads a

@@ -34,7 +34,6 @@ import torch
 
 from ..acceptance import AcceptanceRule
 from ..config import Config
-from ..cuda_graph import RowInput
 from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.diffusion_gemma import DiffusionGemmaModel
@@ -164,12 +163,6 @@ class DiffusionGemmaRequest(Request):
         self._start_canvas()
 
 
-def canvas_row_inputs(model: DiffusionGemmaModel) -> dict[str, RowInput]:
-    """The forward's inputs per row beside the ids: whether a row is a canvas row, and its self-conditioning input."""
-    return {"canvas": RowInput((), torch.bool),
-            "soft_embeds": RowInput((model.arch.hidden_size,), model.embed_tokens.weight.dtype)}
-
-
 class DiffusionGemmaRunner(ModelRunner):
     """Feeds each canvas with its self-conditioning input and runs the sampler batched over all canvases."""
 
@@ -187,9 +180,6 @@ class DiffusionGemmaRunner(ModelRunner):
         # The soft embeddings of each request's last step, [L, hidden] on the device: its next step's
         # self-conditioning input. forget() drops an entry.
         self.soft: dict[str, torch.Tensor] = {}
-
-    def row_inputs(self) -> dict[str, RowInput]:
-        return canvas_row_inputs(self.model)
 
     def forget(self, request_ids: list[str]) -> None:
         super().forget(request_ids)

@@ -138,9 +138,9 @@ class CountingPaddedForward(PaddedForward):
         super().__init__(*args)
         self.steps = {True: 0, False: 0}
 
-    def run(self, bucket, batch, lora=None):
+    def run(self, bucket, batch, lora=None, *changed):
         self.steps[lora is not None] += 1
-        return super().run(bucket, batch, lora)
+        return super().run(bucket, batch, lora, *changed)
 
 
 @pytest.mark.parametrize("family", ["llada", "dream"])

@@ -61,3 +61,23 @@ def test_after_the_warm_up_no_prompt_compiles_a_kernel(checkpoint):
     finally:
         triton.knobs.runtime.jit_cache_hook = None
     assert compiled == [], "\n".join(compiled)
+
+
+@pytest.mark.parametrize("max_num_reqs, block_size, buffer_size, sizes", [
+    (64, 32, 1, (1, 2, 4, 8, 16, 32, 64)),  # LLaDA's defaults: 64 blocks of 32 fit the budget of 4096 tokens
+    (48, 32, 2, (1, 2, 4, 8, 16, 32, 48)),
+    (64, 256, 1, (1, 2, 4, 8, 16)),  # DiffusionGemma's canvases: 16 of them fill the budget
+    (64, 4096, 1, (1,)),
+])
+def test_warm_up_batch_sizes_stop_where_a_step_s_token_budget_is_full(max_num_reqs, block_size, buffer_size, sizes):
+    """With CUDA graphs, each batch size the scheduler forms captures its buckets; a batch past the token budget
+    steps in the buckets of a smaller one, and warming it up would only cost time."""
+    from types import SimpleNamespace
+
+    from diffulex_backend.warm_up import warm_up_batch_sizes
+
+    engine = SimpleNamespace(model=SimpleNamespace(replays_graphs=lambda: True), config=SimpleNamespace(
+        max_num_reqs=max_num_reqs, max_num_batched_tokens=4096, block_size=block_size, buffer_size=buffer_size))
+    assert warm_up_batch_sizes(engine) == sizes
+    engine.model.replays_graphs = lambda: False
+    assert warm_up_batch_sizes(engine) == (1,)

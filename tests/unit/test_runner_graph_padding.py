@@ -12,7 +12,6 @@ import torch
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.cuda_graph import GraphBucket, PaddedForward, round_up_seqs, round_up_tokens
 from diffulex_backend.forward_batch import ForwardBatch, flat_layout
-from diffulex_backend.strategies.diffusion_gemma import canvas_row_inputs
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
 from diffulex_backend.testing.diffusion_gemma_checkpoint import TINY, write_random_diffusion_gemma_checkpoint
 
@@ -31,9 +30,9 @@ class CountingPaddedForward(PaddedForward):
 
     runs = 0
 
-    def run(self, bucket, batch, **changed):
+    def run(self, bucket, batch, *changed):
         self.runs += 1
-        return super().run(bucket, batch, **changed)
+        return super().run(bucket, batch, *changed)
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +139,6 @@ def test_diffusion_gemma_s_padded_forward_gives_the_eager_tokens(tmp_path):
     engine = Diffulex(path, **settings)
     runner = engine.runner
     runner.padded_forward = forward = CountingPaddedForward(engine.model, runner.kv_cache, engine.config,
-                                                            engine.device, row_inputs=canvas_row_inputs(engine.model))
+                                                            engine.device)
     assert [o.token_ids for o in engine.generate(PROMPTS, params)] == eager
     assert forward.runs > 5, "canvas steps should have gone through the padded forward"
