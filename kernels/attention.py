@@ -415,20 +415,18 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             splits *= 2
 
 
-def fp8_dot_dtype(query: torch.Tensor, launch: AttentionLaunch) -> tl.dtype:
-    """What FP8 rows widen to: float16 under a half-type query (Hopper widens e4m3 to float16 in one instruction per
-    pair of values), else the query's own dot dtype (a float32 engine keeps its products in float32). Tiles past 128
-    rows keep the query's dtype: with their registers full, a float16 copy of a bfloat16 query made Dream-7B's
-    256-row tiles slower (docs/kernels.md)."""
-    if query.dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128:
-        return tl.float16
-    return dot_dtype(query)
-
-
-def scales_ahead(launch: AttentionLaunch) -> bool:
-    """Whether FP8 rows' scales load a tile ahead: tiles of up to 64 rows (LLaDA's 32-token blocks of one head) have
-    the registers for the next tile's scales; wider ones spill and lose more than the early load saves."""
-    return launch.block_m <= 64
+def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: AttentionLaunch, kv_fp8: bool) -> dict:
+    """How a launch reads FP8 rows (`dot`: the query's dot dtype):
+      - FP8_DOT_DTYPE, what the rows widen to: float16 under a half-type query (Hopper widens e4m3 to float16 in
+        one instruction per pair of values), else the query's dot dtype (a float32 engine keeps its products in
+        float32). Tiles past 128 rows keep the query's dtype: with their registers full, a float16 copy of a
+        bfloat16 query made Dream-7B's 256-row tiles slower (docs/kernels.md);
+      - RESCALE_Q: a query whose dot dtype is not that one goes to it over a power of two a row;
+      - SCALES_AHEAD: tiles of up to 64 rows (LLaDA's 32-token blocks of one head) have the registers to load the
+        next tile's scales early; wider ones spill and lose more than the early load saves."""
+    widen = tl.float16 if query_dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128 else dot
+    return dict(KV_FP8=kv_fp8, FP8_DOT_DTYPE=widen, RESCALE_Q=kv_fp8 and widen != dot,
+                SCALES_AHEAD=kv_fp8 and launch.block_m <= 64)
 
 
 def _precision(query: torch.Tensor) -> str:
@@ -503,7 +501,6 @@ def paged_attention(
 
     group = num_heads // num_kv_heads
     num_seqs = meta.cu_seqlens_q.shape[0] - 1
-    fp8_dot = fp8_dot_dtype(query, launch)
     num_tiles = triton.cdiv(meta.max_seqlen_q * group, launch.block_m)
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache, k_scales, v_scales,
@@ -515,8 +512,8 @@ def paged_attention(
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
-        HAS_WINDOW=window is not None, KV_FP8=kv_fp8, FP8_DOT_DTYPE=fp8_dot,
-        RESCALE_Q=kv_fp8 and fp8_dot != dot_dtype(query), SCALES_AHEAD=kv_fp8 and scales_ahead(launch),
+        HAS_WINDOW=window is not None,
+        **fp8_row_constants(query.dtype, dot_dtype(query), launch, kv_fp8),
         PRECISION=_precision(query), USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )

@@ -4,6 +4,7 @@ registers a thread, the bytes it spills to local memory (ptxas -v) and the share
 
     python tools/attention_spills.py                                  # float32 and bfloat16, every head size
     python tools/attention_spills.py --dtypes float32 --head-dims 128 --extra 128,64,4,2   # and one more tile
+    python tools/attention_spills.py --dtypes bfloat16 --head-dims 128 --kv-fp8           # over FP8 rows
 
 `--extra M,N,WARPS,STAGES` adds a tile of your own (unsplit, cached context) to each dtype and head size.
 """
@@ -24,7 +25,7 @@ from triton.backends.compiler import GPUTarget
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from diffulex_kernels.attention import (HEAD_DIMS, AttentionLaunch, _paged_attention_kernel,  # noqa: E402
-                                        _precision, launch_variants)
+                                        _precision, fp8_row_constants, launch_variants)
 from diffulex_kernels.dtypes import triton_dtype  # noqa: E402
 
 POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
@@ -39,6 +40,8 @@ def signature(dtype: torch.dtype, constants: dict) -> dict[str, str]:
     for name in _paged_attention_kernel.arg_names:
         if name in constants:
             kinds[name] = "constexpr"
+        elif name in ("k_cache_ptr", "v_cache_ptr") and constants["KV_FP8"]:
+            kinds[name] = "*fp8e4nv"  # FP8 rows' values (kv_store.fp8_rows)
         elif name in POINTERS:
             kinds[name] = f"*{element}"
         elif name in FLOAT_POINTERS:
@@ -50,10 +53,12 @@ def signature(dtype: torch.dtype, constants: dict) -> dict[str, str]:
     return kinds
 
 
-def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work: Path) -> str:
+def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work: Path, kv_fp8: bool = False) -> str:
+    dot = triton_dtype(dtype)
     constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=True, SPLIT=launch.num_splits > 1,
-                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=triton_dtype(dtype),
-                     HAS_WINDOW=False, KV_FP8=False, PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
+                     BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot, HAS_WINDOW=False,
+                     **fp8_row_constants(dtype, dot, launch, kv_fp8),
+                     PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
     source = triton.compiler.ASTSource(fn=_paged_attention_kernel, signature=signature(dtype, constants),
                                        constexprs=constants)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
@@ -64,7 +69,7 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
                             capture_output=True, text=True).stderr
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return (f"| {dtype} | {head_dim} | {launch.block_m} x {launch.block_n}, {launch.num_warps} warps, "
+    return (f"| {dtype}{' over FP8 rows' if kv_fp8 else ''} | {head_dim} | {launch.block_m} x {launch.block_n}, {launch.num_warps} warps, "
             f"{launch.num_stages} stages, {launch.num_splits} split(s) | {registers.group(1) if registers else '?'} | "
             f"{' / '.join(spills.groups()) if spills else '?'} | {kernel.metadata.shared} |")
 
@@ -74,6 +79,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     parser.add_argument("--extra", help="M,N,WARPS,STAGES: one more tile for every dtype and head size")
+    parser.add_argument("--kv-fp8", action="store_true", help="the launches over a cache of FP8 rows")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="attention-spills-"))
     print("| dtype | head size | launch | registers | spill stores / loads, bytes | shared bytes |")
@@ -87,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
                     m, n, warps, stages = (int(x) for x in args.extra.split(","))
                     launches.append(AttentionLaunch(m, n, 1, warps, stages))
                 for launch in launches:
-                    print(compile_one(dtype, head_dim, launch, Path(work)), flush=True)
+                    print(compile_one(dtype, head_dim, launch, Path(work), args.kv_fp8), flush=True)
     return 0
 
 

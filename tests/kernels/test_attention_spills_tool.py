@@ -1,5 +1,6 @@
 """tools/attention_spills.py compiles the attention kernel for sm_90a without a GPU: the float32 launches the runner
-compiles spill under a kilobyte a thread, as docs/kernels.md says, and each fits shared memory."""
+compiles spill under a kilobyte a thread, as docs/kernels.md says, each fits shared memory, and the launches over
+FP8 rows compile."""
 import os
 import subprocess
 import sys
@@ -20,4 +21,17 @@ def test_float32_launches_spill_under_a_kilobyte_a_thread():
     for row in rows:
         stores, loads = (int(x) for x in row[4].split(" / "))
         assert stores < 1024 and loads < 1024, row
+        assert int(row[5].rstrip(" |")) <= SHARED_MEMORY_BYTES, row
+
+
+def test_the_launches_over_fp8_rows_compile_for_hopper_and_fit_shared_memory():
+    """CI has no GPU: compiling for sm_90a here is what catches a kernel over FP8 rows that the interpreter runs and
+    Hopper's compiler refuses (the float16 widening, the rescaled query, the scales loaded a tile ahead)."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "attention_spills.py"), "--dtypes", "bfloat16",
+                           "--head-dims", "128", "--kv-fp8"], capture_output=True, text=True, env=env, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| torch.bfloat16 over FP8 rows")]
+    assert len(rows) == 9  # 16 to 128 rows, unsplit and split, and the 256-row tile
+    for row in rows:
         assert int(row[5].rstrip(" |")) <= SHARED_MEMORY_BYTES, row
