@@ -85,10 +85,13 @@ def run_genai_perf(mode: str, artifact_dir: Path, **options) -> GenaiPerfResult:
     for _ in range(EXPORT_ATTEMPTS):
         done = subprocess.run(command, capture_output=True, text=True, env=genai_perf_env(), timeout=600)
         # perf_analyzer 2.51 can exit 0 leaving an empty or cut export, on which genai-perf then fails
-        # (sweep.export_is_whole says why): such a run is made again; a failure with a whole export, or none, is not.
-        exports = list(artifact_dir.glob("**/profile_export.json"))
-        if done.returncode == 0 or not exports or all(map(export_is_whole, exports)):
+        # (sweep.export_is_whole says why): such a run is made again, without the broken export, which perf_analyzer
+        # would refuse to overwrite; a failure with a whole export, or none, is not.
+        broken = [path for path in artifact_dir.glob("**/profile_export.json") if not export_is_whole(path)]
+        if done.returncode == 0 or not broken:
             break
+        for path in broken:
+            path.unlink()
     metrics, output_tokens = {}, None
     for path in artifact_dir.glob("*/profile_export_genai_perf.csv"):
         for row in csv.reader(path.read_text().splitlines()):
