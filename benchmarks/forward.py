@@ -61,6 +61,10 @@ import torch
 
 from diffulex_backend import SamplingParams  # noqa: E402
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config, random_model, write_byte_tokenizer  # noqa: E402
+from diffulex_backend.testing.diffusion_gemma_checkpoint import (RELEASED_26B_A4B, TINY, TINY_SCHEDULE,  # noqa: E402
+                                                                 random_diffusion_gemma, tiny_config,
+                                                                 write_config_files)
+from diffulex_backend.models.diffusion_gemma import DenoiseSchedule, GemmaMoE  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.model_setup import select_attention  # noqa: E402
@@ -115,6 +119,13 @@ SMOKE_MOE_SHAPE = dict(model_name="llada2", hidden_size=64, num_layers=3, num_he
                        partial_rotary_factor=0.5, num_experts=64, num_experts_per_tok=2, moe_intermediate_size=32,
                        num_shared_experts=1, dense_layers=(0,), num_expert_groups=8, topk_groups=4,
                        routed_scaling_factor=2.5)
+
+# DiffusionGemma's shapes are text_config keys (diffusion_gemma_checkpoint.py), not ModelArch's: its canvases of
+# random tokens run in the canvas section only, and the other sections' 32-token blocks of masks do not apply.
+CANVAS_SHAPES = {"diffusion_gemma-26b-a4b": dict(model_name="diffusion_gemma", **RELEASED_26B_A4B)}
+SMOKE_CANVAS_SHAPE = dict(model_name="diffusion_gemma", **TINY)
+SMOKE_MODELS = {"smoke": SMOKE_SHAPE, "smoke-moe": SMOKE_MOE_SHAPE, "smoke-gemma": SMOKE_CANVAS_SHAPE}
+CANVAS_SECTIONS = ("canvas",)  # the sections a canvas model runs
 
 
 @dataclass
@@ -234,6 +245,21 @@ def write_model_dir(shape: dict, directory: pathlib.Path) -> str:
     (directory / "config.json").write_text(json.dumps(config, indent=2))
     write_byte_tokenizer(directory, shape["max_position_embeddings"])
     return str(directory)
+
+
+def is_canvas_model(shape: dict) -> bool:
+    return shape["model_name"] == "diffusion_gemma"
+
+
+def build_model(shape: dict, directory: pathlib.Path, dtype: torch.dtype, device: torch.device, smoke: bool):
+    """(the random model of this shape, built on `device`, and its directory: config files, no weights)."""
+    if not is_canvas_model(shape):
+        return random_model(**shape, dtype=dtype, device=device, seed=0), write_model_dir(shape, directory)
+    text = {k: v for k, v in shape.items() if k != "model_name"}
+    config = tiny_config(**text)
+    # The released sampler's settings (transformers' defaults); the tiny model's shorter schedule for a smoke run.
+    write_config_files(directory, config, TINY_SCHEDULE if smoke else DenoiseSchedule())
+    return random_diffusion_gemma(config, directory, dtype=dtype, device=device), str(directory)
 
 
 def free_memory(device: torch.device) -> None:
@@ -378,11 +404,11 @@ def held_bytes(model) -> tuple[int, int]:
     num_params * itemsize; an FP8 one's projections at one byte a weight, plus their scales."""
     total = experts = 0
     for module in model.modules():
-        routed = isinstance(module, MoE)
+        routed = isinstance(module, (MoE, GemmaMoE))
         for name, param in module.named_parameters(recurse=False):
             size = param.numel() * param.element_size()
             total += size
-            if routed and name.startswith(("w_gate_up", "w_down")):
+            if routed and name.startswith(("w_gate_up", "w_down", "gate_up_proj", "down_proj")):
                 experts += size
     return total, experts
 
@@ -616,6 +642,52 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
             free_memory(device)
 
 
+def canvas_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
+    """DiffusionGemma's step: `batch` requests, each denoising one canvas a step, after a prompt of Diffulex's
+    benchmark length, for two canvases each; each generation runs twice and the second is timed, so every bucket's
+    graph was captured by the first. A step feeds batch x canvas_length rows (and, once a canvas ends, its tokens
+    again, causally, beside the next canvas), so its floors are those of batch x canvas_length tokens over the
+    prompt. With 8 of 128 experts a token, one 256-token canvas already reaches nearly every expert, so the weight
+    floor takes the uniform-routing count of experts."""
+    arch = model.arch
+    canvas = arch.canvas_length
+    generator = torch.Generator().manual_seed(6)
+    prompt, new = plan.diffulex_prompt, 2 * canvas
+    for batch in plan.diffulex_batches:
+        engine = make_engine(model, model_dir, device, plan, decoding_strategy="diffusion_gemma", block_size=canvas,
+                             max_model_len=prompt + new, max_num_reqs=batch,
+                             max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
+                             num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
+        prompts = [random_prompt(prompt, arch.vocab_size, generator) for _ in range(batch)]
+        params = SamplingParams(max_tokens=new, ignore_eos=True)
+        for _ in range(2):  # the second generation is the one timed
+            for p in prompts:
+                engine.add_request(p, params)
+            step_times, fed = [], []
+            while engine.has_unfinished_requests():
+                synchronize(device)
+                start = time.perf_counter()
+                engine.step()
+                step_times.append(1e3 * (time.perf_counter() - start))
+                if not engine.last_schedule.plans:
+                    raise RuntimeError("no request could be scheduled: the KV pool or token budget is too small")
+                fed.append(engine.last_schedule.num_tokens)
+        denoise = step_times[1:]  # the first step prefills every prompt
+        ms = statistics.mean(denoise)
+        tokens = batch * canvas
+        f = floors(model, ceilings, batch, prompt, tokens, kv_cache_dtype=plan.kv_cache_dtype)
+        report.add(section="canvas", model=name, case=f"b{batch}", batch=batch, context=prompt, tokens=tokens,
+                   engine_step_ms=ms, **f, engine_vs_weight_floor=ms / f["weight_floor_ms"],
+                   engine_vs_compute_floor=ms / f["compute_floor_ms"],
+                   engine_tokens_per_s=batch * new / (sum(step_times) * 1e-3),
+                   **expert_columns(model, tokens, None),
+                   note=f"{len(step_times)} steps, {statistics.mean(fed[1:]):.0f} rows fed a step on average; "
+                        f"ms/step over the denoising steps, median {statistics.median(denoise):.2f}; "
+                        f"{arch.schedule.max_denoising_steps} denoising steps at most a canvas of {canvas}")
+        del engine
+        free_memory(device)
+
+
 def check_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     """Kernels and graphs against the torch path on the same weights.
 
@@ -793,7 +865,7 @@ def memory_section(report: Report, name: str, model, model_dir: str, device, pla
 
 # In the order they run: the main table first, then the end-to-end runs, the checks, the pool sizing.
 SECTIONS = {"forward": forward_section, "decode": decode_section, "diffulex": diffulex_section,
-            "check": check_section, "profile": profile_section, "memory": memory_section}
+            "canvas": canvas_section, "check": check_section, "profile": profile_section, "memory": memory_section}
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
@@ -804,7 +876,7 @@ def write_markdown(report: Report, ceilings: Ceilings, command: str) -> None:
              f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
              + (f"; fp8 matmul {ceilings.fp8_matmul_rate / 1e12:.0f} TFLOP/s" if ceilings.fp8_matmul_rate else ""),
              ""]
-    for section in ("forward", "decode_fixed_k", "diffulex", "check", "profile", "memory"):
+    for section in ("forward", "decode_fixed_k", "diffulex", "canvas", "check", "profile", "memory"):
         rows = [r for r in report.rows if r["section"] == section]
         if not rows:
             continue
@@ -896,7 +968,9 @@ def parse_list(text: str, choices=None, cast=str) -> tuple:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
-    parser.add_argument("--models", default="llada-8b", help=f"comma-separated, of {sorted(RELEASED_SHAPES)}")
+    parser.add_argument("--models", help=f"comma-separated, of {sorted(RELEASED_SHAPES) + sorted(CANVAS_SHAPES)} "
+                                         f"(default llada-8b), or with --smoke of {sorted(SMOKE_MODELS)} (default "
+                                         "smoke,smoke-moe)")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated, of {list(SECTIONS)}")
     parser.add_argument("--smoke", action="store_true", help="a tiny model, one iteration of each case")
     parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
@@ -927,10 +1001,9 @@ def main(argv: list[str] | None = None) -> None:
     report.add(section="ceiling", case="bf16_matmul", note=f"{ceilings.matmul_rate / 1e12:.3g} TFLOP/s")
     if ceilings.fp8_matmul_rate:
         report.add(section="ceiling", case="fp8_matmul", note=f"{ceilings.fp8_matmul_rate / 1e12:.3g} TFLOP/s")
-    if args.smoke:
-        models = {"smoke": SMOKE_SHAPE, "smoke-moe": SMOKE_MOE_SHAPE}
-    else:
-        models = {m: RELEASED_SHAPES[m] for m in args.models.split(",")}
+    shapes = SMOKE_MODELS if args.smoke else {**RELEASED_SHAPES, **CANVAS_SHAPES}
+    names = parse_list(args.models or ("smoke,smoke-moe" if args.smoke else "llada-8b"), shapes)
+    models = {m: shapes[m] for m in names}
     # A context past the released limit (LLaDA-8B's is 4096) raises it, as long_prompt_setup does: random weights
     # cost the same at any position.
     longest = max(plan.contexts) + 2 * BLOCK
@@ -940,8 +1013,7 @@ def main(argv: list[str] | None = None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for model_name, shape in models.items():
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
-            model = random_model(**shape, dtype=dtype, device=device, seed=0)
-            model_dir = write_model_dir(shape, pathlib.Path(tmp) / model_name)
+            model, model_dir = build_model(shape, pathlib.Path(tmp) / model_name, dtype, device, args.smoke)
             float_logits = None
             for quantization in quantizations:
                 name = model_name if quantization == "none" else f"{model_name}-{quantization}"
@@ -949,6 +1021,10 @@ def main(argv: list[str] | None = None) -> None:
                     float_logits = check_forward_logits(model, model_dir, device, plan)
                 model = quantized(model, quantization)
                 for section in sections:
+                    if (section in CANVAS_SECTIONS) != is_canvas_model(shape):
+                        print(f"{name} {section}: not run (canvas models run {', '.join(CANVAS_SECTIONS)}, and only "
+                              "they)", flush=True)
+                        continue
                     if has_fp8(model) and section in FLOAT_ONLY_SECTIONS:
                         print(f"{name} {section}: not run over fp8 weights (it reads the float weights)", flush=True)
                         continue

@@ -133,10 +133,11 @@ class DiffusionGemmaArch(ModelArch):
         for layer in range(self.num_layers):
             kvh, d = self.layer_shape(layer)
             kv = kvh * d * (1 if self.layer_types[layer] == FULL else 2)
-            total += h * (self.num_heads * d) * 2 + h * kv + 3 * h * self.intermediate_size + 2 * d + 4 * h + 1
-            if self.num_experts:
+            # q and o, k (and v), the MLP, q/k norms, four sandwich norms, the decoder's and encoder's scalars
+            total += h * (self.num_heads * d) * 2 + h * kv + 3 * h * self.intermediate_size + 2 * d + 4 * h + 2
+            if self.num_experts:  # experts, router and its scales, three more norms
                 total += routed_experts * 3 * h * self.moe_intermediate_size + self.num_experts * (h + 1) + 4 * h
-        return total + h + 2 * h + 3 * h * self.intermediate_size  # final norm, self-conditioning
+        return total + h + h + 3 * h * self.intermediate_size  # final norm; self-conditioning's norm and MLP
 
 
 def _rope(reader: ConfigReader, layer_type: str, path) -> tuple[float, float]:

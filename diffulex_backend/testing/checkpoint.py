@@ -65,6 +65,10 @@ RELEASED_SHAPES = {
     "stable_diffcoder-8b": dict(model_name="stable_diffcoder", hidden_size=4096, num_layers=32, num_heads=32,
                                 num_kv_heads=8, intermediate_size=14336, vocab_size=155136,
                                 max_position_embeddings=32768, rope_theta=500000.0, rms_norm_eps=1e-6),
+    # DreamReasoner-8B: Qwen3-8B's shape (q/k norms come with the family).
+    "dream_reasoner-8b": dict(model_name="dream_reasoner", hidden_size=4096, num_layers=36, num_heads=32,
+                              num_kv_heads=8, head_dim=128, intermediate_size=12288, vocab_size=151936,
+                              max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6),
     "sdar-8b": dict(model_name="sdar", hidden_size=4096, num_layers=36, num_heads=32, num_kv_heads=8,
                     head_dim=128, intermediate_size=12288, vocab_size=151936, max_position_embeddings=32768),
     # LLaDA2.0-mini and LLaDA2.1-mini: 16 B parameters, 1.4 B active.

@@ -22,6 +22,13 @@ TINY = dict(hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_
             global_head_dim=32, num_global_key_value_heads=1, intermediate_size=96, sliding_window=6,
             layer_types=[SLIDING, FULL, SLIDING, FULL], num_experts=4, top_k_experts=2, moe_intermediate_size=32,
             max_position_embeddings=512, canvas_length=8)
+# google/diffusiongemma-26B-A4B-it's text_config shape (25.2 B parameters, 3.8 B active): five sliding layers then a
+# full one, five times; 128 experts, 8 a token, beside a dense MLP in every layer.
+RELEASED_26B_A4B = dict(hidden_size=2816, num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
+                        head_dim=256, global_head_dim=512, num_global_key_value_heads=2, intermediate_size=2112,
+                        sliding_window=1024, layer_types=([SLIDING] * 5 + [FULL]) * 5, num_experts=128,
+                        top_k_experts=8, moe_intermediate_size=704, vocab_size=262144,
+                        max_position_embeddings=262144, canvas_length=256)
 TINY_SCHEDULE = DenoiseSchedule(max_denoising_steps=6, t_min=0.4, t_max=0.8, entropy_bound=1.5, stability_threshold=1,
                                 confidence_threshold=1.0)
 
@@ -74,38 +81,57 @@ def generation_config(schedule: DenoiseSchedule) -> dict:
 
 def init_random_(model: DiffusionGemmaModel, seed: int) -> DiffusionGemmaModel:
     """Norms and scales near 1 (q/k norms near 2, so attention is not uniform), matrices with std 1/sqrt(fan_in),
-    the tied embedding at a std that makes the logits peaky."""
-    generator = torch.Generator().manual_seed(seed)
+    the tied embedding at a std that makes the logits peaky.
+
+    Drawn where the model lives: in float64 on the CPU, so a tiny model's weights are the same in every dtype, and in
+    float32 on a GPU, where the released shape's 25 B weights take seconds (the CPU would take many minutes)."""
+    device = model.embed_tokens.weight.device
+    generator = torch.Generator(device).manual_seed(seed)
+    draw = torch.float64 if device.type == "cpu" else torch.float32
+
+    def randn(shape):
+        return torch.randn(shape, generator=generator, dtype=draw, device=device)
+
     with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(("q_norm.weight", "k_norm.weight")):
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.1 + 2.0)
+                param.copy_(randn(param.shape) * 0.1 + 2.0)
             elif name.endswith(("norm.weight", "norm_1.weight", "norm_2.weight", "layer_scalar", ".scale",
                                 "per_expert_scale")):
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64) * 0.1 + 1.0)
+                param.copy_(randn(param.shape) * 0.1 + 1.0)
             elif name == "embed_tokens.weight":
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64)
-                            * (6.0 / math.sqrt(param.shape[1])))
+                param.copy_(randn(param.shape) * (6.0 / math.sqrt(param.shape[1])))
             else:
-                param.copy_(torch.randn(param.shape, generator=generator, dtype=torch.float64)
-                            / math.sqrt(param.shape[-1]))
+                param.copy_(randn(param.shape) / math.sqrt(param.shape[-1]))
     return model
+
+
+def random_diffusion_gemma(config: dict, directory: Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
+                           device: str | torch.device = "cpu") -> DiffusionGemmaModel:
+    """The random model of `config` built directly on `device` in `dtype`, with no weights on disk: the model a
+    benchmark runs at the released shape. `directory` holds (or will hold) its config.json."""
+    arch = DiffusionGemmaModel.parse_config(config, Path(directory) / "config.json")
+    return init_random_(DiffusionGemmaModel.empty(arch, None, dtype=dtype, device=device), seed)
+
+
+def write_config_files(directory: Path, config: dict, schedule: DenoiseSchedule) -> None:
+    """config.json, generation_config.json and the byte tokenizer: a checkpoint directory less its weights."""
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (directory / "generation_config.json").write_text(json.dumps(generation_config(schedule), indent=2) + "\n")
+    write_byte_tokenizer(directory, config["text_config"]["max_position_embeddings"])
 
 
 def write_random_diffusion_gemma_checkpoint(path: str | Path, *, seed: int = 0, dtype: torch.dtype = torch.float32,
                                            schedule: DenoiseSchedule = TINY_SCHEDULE, **overrides) -> Path:
     directory = Path(path)
-    directory.mkdir(parents=True, exist_ok=True)
     config = tiny_config(**overrides)
     config["dtype"] = str(dtype).removeprefix("torch.")
-    (directory / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (directory / "generation_config.json").write_text(json.dumps(generation_config(schedule), indent=2) + "\n")
-    arch = DiffusionGemmaModel.parse_config(config, directory / "config.json")
-    model = init_random_(DiffusionGemmaModel.empty(arch, None, dtype=dtype, device="cpu"), seed)
+    write_config_files(directory, config, schedule)
+    model = random_diffusion_gemma(config, directory, seed=seed, dtype=dtype)
     params = dict(model.named_parameters())
     tensors = {name: params[w.param].detach().clone() for name, w in model.checkpoint_layout().items()}
     save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
-    write_byte_tokenizer(directory, arch.max_position_embeddings)
     return directory
 
 

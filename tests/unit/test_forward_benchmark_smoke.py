@@ -229,3 +229,41 @@ def test_quantization_order_and_names_are_checked(tmp_path):
     for bad in ("fp8,none", "int4", "none,none"):
         with pytest.raises(SystemExit):
             fwd.main(["--smoke", "--out", str(tmp_path), "--quantization", bad])
+
+
+def test_diffusion_gemma_floors_count_its_parameters_and_its_experts():
+    """The canvas model's weight floor streams every parameter it holds (its stacked experts counted as experts, so
+    that fewer touched experts stream fewer bytes), and its compute floor multiplies by the active ones."""
+    fwd = import_forward_benchmark()
+    from diffulex_backend.testing.diffusion_gemma_checkpoint import random_diffusion_gemma, tiny_config
+
+    model = random_diffusion_gemma(tiny_config(), "smoke-gemma", dtype=torch.float32)
+    arch, ceilings = model.arch, fwd.Ceilings(bandwidth=1e12, matmul_rate=1e14)
+    assert sum(p.numel() for p in model.parameters()) == arch.num_params()
+    held, experts = fwd.held_bytes(model)
+    assert held == 4 * arch.num_params()
+    assert experts == 4 * arch.num_moe_layers * arch.num_experts * 3 * arch.hidden_size * arch.moe_intermediate_size
+    every = fwd.floors(model, ceilings, batch=1, context=16, tokens=8, experts_touched=arch.num_experts)
+    assert every["weight_floor_ms"] == pytest.approx(1e3 * held / 1e12)
+    one = fwd.floors(model, ceilings, batch=1, context=16, tokens=8, experts_touched=1)
+    assert one["weight_floor_ms"] == pytest.approx(1e3 * (held - experts * (1 - 1 / arch.num_experts)) / 1e12)
+    assert every["compute_floor_ms"] == pytest.approx(1e3 * 2 * arch.num_active_params() * 8 / 1e14)
+
+
+def test_a_canvas_run_times_diffusion_gemma_s_steps_and_nothing_else(tmp_path):
+    run_smoke("forward.py", tmp_path, "--models", "smoke-gemma", "--sections", "forward,canvas", cpu=True)
+    rows = csv_rows(tmp_path / "forward.csv")
+    canvas = [r for r in rows if r["section"] == "canvas"]
+    # The masked-block sections do not apply to a canvas model: only its canvas rows, one per batch.
+    assert [r["section"] for r in rows if r["section"] != "ceiling"] == ["canvas", "canvas"]
+    from diffulex_backend.testing.diffusion_gemma_checkpoint import TINY, TINY_SCHEDULE
+    for row, batch in zip(canvas, (1, 2)):
+        assert (row["case"], int(row["batch"]), int(row["tokens"])) == (f"b{batch}", batch, batch * TINY["canvas_length"])
+        for floor in ("weight_floor", "compute_floor"):  # the step against the floors of the rows it feeds
+            assert float(row[f"engine_vs_{floor}"]) == pytest.approx(
+                float(row["engine_step_ms"]) / float(row[f"{floor}_ms"]), rel=2e-3)
+            assert float(row[f"engine_vs_{floor}"]) > 1
+        # Two canvases a request, each at most the schedule's steps, and the prompt's step.
+        steps = int(row["note"].split(" steps,")[0])
+        assert 2 < steps <= 2 * TINY_SCHEDULE.max_denoising_steps + 1
+    assert float(canvas[1]["compute_floor_ms"]) == pytest.approx(2 * float(canvas[0]["compute_floor_ms"]), rel=2e-3)
