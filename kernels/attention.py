@@ -147,8 +147,6 @@ def _paged_attention_kernel(
         ctx_begin = ctx_first + split * context_chunk
         ctx_end = tl.minimum(context_len, ctx_begin + context_chunk)
         page_row = page_tables_ptr + seq.to(tl.int64) * stride_page_table
-        k_scale_next = tl.zeros([BLOCK_N], tl.float32)
-        v_scale_next = tl.zeros([BLOCK_N], tl.float32)
         if SCALES_AHEAD:
             # The rows' scales are loaded a tile ahead: no product waits on them, so the compiler's pipelining of
             # the dots' operands leaves their latency in every iteration otherwise.
