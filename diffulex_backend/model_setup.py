@@ -113,7 +113,7 @@ def attention_backend_name(model) -> str:
     return "flash_attn" if isinstance(attention_fn, PromptFlashAttention) else "triton"
 
 
-def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype) -> int:
+def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype, runner_cls) -> int:
     """KV pages of page_size tokens: config.num_kv_pages, else as many as max_num_reqs requests of max_model_len
     take on the CPU, else what gpu_memory_utilization leaves on the GPU."""
     if config.num_kv_pages is not None:
@@ -121,12 +121,14 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     per_request = -(-config.max_model_len // config.page_size)
     if device.type != "cuda":
         return config.max_num_reqs * per_request
-    # Whatever gpu_memory_utilization leaves after the weights and the activations of the largest step,
-    # measured by running it. They are counted twice: eager steps allocate them, and so does the CUDA
-    # graphs' memory pool, which the caching allocator cannot hand to eager steps.
-    activation_bytes = profile_peak_memory(model, config, device)
+    # Whatever gpu_memory_utilization leaves after the weights and the largest step, measured by running it: its
+    # forward, or its output with the logits and the sampler (runner_cls's), whichever peaks higher. The forward
+    # counts once more where CUDA graphs replay it: their memory pool holds its activations, and the caching
+    # allocator cannot hand that pool to eager work. The logits and the sampler run outside the graphs.
+    forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
+    activation_bytes = max(forward_bytes, sampler_bytes)
     if model.replays_graphs() and not config.enforce_eager:
-        activation_bytes *= 2
+        activation_bytes += forward_bytes
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     shape, cache_dtype = kv_cache_layout(model, 1, config.page_size, dtype, config.kv_cache_dtype)
@@ -154,7 +156,7 @@ def build_runner(config: Config, model, device: torch.device, dtype: torch.dtype
     """This rank's runner for the resolved `config`, over the KV pages every rank has room for (the fewest any
     rank reports over `channel`, under tensor parallelism). Returns (runner, num_pages)."""
     strategy = STRATEGIES.get(config.decoding_strategy)
-    pages = num_kv_pages(config, model, device, dtype)
+    pages = num_kv_pages(config, model, device, dtype, strategy.runner_cls)
     if channel is not None:  # every rank's cache holds the same pages
         pages = channel.minimum(pages)
     acceptance = strategy.acceptance_cls(config.mode, config.mask_token_id)

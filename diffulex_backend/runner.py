@@ -110,10 +110,12 @@ def sample(logits: torch.Tensor, temperature: torch.Tensor, keys: torch.Tensor, 
     return result
 
 
-def profile_peak_memory(model, config: Config, device: torch.device) -> int:
-    """Bytes the largest step allocates beyond what is allocated now, measured by running it once without a KV
-    cache: max_num_batched_tokens tokens in one sequence, then the logits and the sampler for as many rows as
-    a step can predict."""
+def profile_peak_memory(model, config: Config, device: torch.device, runner_cls: type["ModelRunner"]
+                        ) -> tuple[int, int]:
+    """(the peak bytes of the largest step's forward, the peak bytes of its output with the logits and the sampler),
+    each beyond what is allocated now, measured by running them once without a KV cache:
+    max_num_batched_tokens tokens in one sequence, every row taking the model's own per-row inputs (a flag set, a
+    value of ones), then `runner_cls.profile_sampler` over as many rows as a step can predict."""
     tokens = config.max_num_batched_tokens
     rows = min(tokens, config.max_num_reqs * config.buffer_size * config.block_size)
     torch.cuda.synchronize(device)
@@ -127,17 +129,19 @@ def profile_peak_memory(model, config: Config, device: torch.device) -> int:
         block_ids=torch.zeros(tokens, dtype=torch.int32, device=device),
         max_seqlen_q=tokens, max_context_len=0, cu_seqlens_q_host=(0, tokens), context_lens_host=(0,),
     )
+    row_inputs = {name: torch.ones((tokens, *spec.shape), dtype=spec.dtype, device=device)
+                  for name, spec in model.row_inputs().items()}
     with torch.inference_mode():
         hidden = model(torch.zeros(tokens, dtype=torch.int64, device=device),
-                       torch.arange(tokens, device=device), meta, None)
-        logits = model.compute_logits(hidden[:rows])
-        ones = torch.ones(rows, device=device)
-        sample(logits, ones, torch.zeros(rows, dtype=torch.int64, device=device),
-               torch.zeros(rows, dtype=torch.int64, device=device), torch.zeros(rows, dtype=torch.int64, device=device),
-               ones, use_kernel=model.fused_kernels, filtered=False)
-        del hidden, logits
+                       torch.arange(tokens, device=device), meta, None, **row_inputs)
+        del row_inputs
+        torch.cuda.synchronize(device)
+        forward = torch.cuda.max_memory_allocated(device) - before
+        torch.cuda.reset_peak_memory_stats(device)
+        runner_cls.profile_sampler(model, hidden[:rows])
+        del hidden
     torch.cuda.synchronize(device)
-    return torch.cuda.max_memory_allocated(device) - before
+    return forward, torch.cuda.max_memory_allocated(device) - before
 
 
 def banned_logits(blocks: list[tuple[SeqPlan, LogitBlock]], seg_offsets: list[int]
@@ -266,6 +270,15 @@ class ModelRunner:
         flops = self.forward_flops(plans) + self.forward_flops(measuring)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
                           predictions=predictions, logprobs=logprobs, retained_pages=retained)
+
+    @staticmethod
+    def profile_sampler(model, hidden: torch.Tensor) -> None:
+        """The logits and the sampler over `hidden`'s rows, as a step runs them (profile_peak_memory)."""
+        rows = hidden.shape[0]
+        logits = model.compute_logits(hidden)
+        ones = torch.ones(rows, device=hidden.device)
+        zeros = torch.zeros(rows, dtype=torch.int64, device=hidden.device)
+        sample(logits, ones, zeros, zeros, zeros, ones, use_kernel=model.fused_kernels, filtered=False)
 
     def forward_flops(self, plans: list[SeqPlan]) -> float:
         """Model FLOPs of a forward over the plans: the weights' per token, and attention's per (query, key) pair

@@ -565,5 +565,6 @@ class DiffusionGemmaModel(DecoderLM):
         cap = self.arch.final_logit_softcapping
         if cap is None:
             return logits
+        # In place over the float logits: at the released vocabulary a step's logits are gigabytes.
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        return torch.tanh(logits / cap) * cap
+        return logits.div_(cap).tanh_().mul_(cap)

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -51,6 +52,11 @@ from .checks import check_batched_tokens
 # Keys of the three random draws: the starting canvas, the sample of each step, and the re-noising tokens.
 CANVAS_KEY, SAMPLE_KEY, RENOISE_KEY = 0x0C4A7A50, 0, 0x5E701CE5
 
+# Logits the sampler holds at once: the released vocabulary (262,144) in float32 takes 1,024 rows, 1 GiB, a chunk,
+# whatever the batch. The logits of 32 canvases at once would take 8 GiB, and the torch sampler's temporaries several
+# times that: an H100 that holds the released model runs out of memory from 16 canvases a step.
+SAMPLER_CHUNK_ELEMENTS = 1 << 28
+
 # Sampling parameters with their defaults: a request may leave them so, never set them.
 NOT_HONOURED = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "steps": None, "accept_threshold": None,
                 "remask_threshold": None, "confidence": "prob", "sub_block_size": None, "edit_threshold": None,
@@ -72,6 +78,62 @@ class CanvasPlan(SeqPlan):
     canvas_step: int = 0  # steps this canvas has taken
     last_argmax: np.ndarray | None = None  # [L] the previous step's argmax canvas (-1 before the first)
     repeats: int = 0  # steps in a row, ending with the last, whose argmax canvas was the same
+
+
+class RowStatistics(NamedTuple):
+    """What the sampler takes from each canvas row's tempered distribution softmax(logits / T)."""
+
+    sampled: torch.Tensor  # [R] int64: its Gumbel-max sample
+    argmax: torch.Tensor  # [R] int64
+    entropy: torch.Tensor  # [R] float32 (float64 in float64)
+    soft: torch.Tensor  # [R, hidden]: its expected scaled embedding, the next step's self-conditioning input
+
+
+def sampler_kernel_serves(device: torch.device, dtype: torch.dtype) -> bool:
+    """The fused sampler takes bf16, fp16 and float32 logits on CUDA; float64 stays with the reference."""
+    return device.type == "cuda" and dtype != torch.float64
+
+
+def row_statistics(model: DiffusionGemmaModel, hidden: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor,
+                   use_kernel: bool) -> RowStatistics:
+    """The statistics of rows of `hidden` [R, hidden], each at its temperature [R] with its noise key [R].
+
+    With `use_kernel` (CUDA) the fused sampler streams each row once for its sample, entropy and logsumexp, and the
+    distribution is formed in place over the tempered logits: a chunk holds its logits and their bf16 copy for the
+    soft embedding's product, and nothing else of its size. Otherwise the torch reference; both draw the same noise
+    (the hash of the row key and the token id), so their tokens differ only where tempered scores tie within
+    float rounding."""
+    logits = model.compute_logits(hidden)  # [R, V], soft-capped
+    work = torch.promote_types(logits.dtype, torch.float32)
+    scaled = logits.to(work).div_(temperatures.to(work)[:, None])
+    argmax = scaled.argmax(-1)
+    if use_kernel:
+        from diffulex_kernels import sample_and_confidence
+        from diffulex_kernels.sampling import CONFIDENCE_NEG_ENTROPY
+
+        rows = scaled.shape[0]
+        # Temperature 1 over the already tempered logits: the kernel's Gumbel score is then scaled + noise.
+        out = sample_and_confidence(scaled, torch.ones(rows, device=scaled.device), keys,
+                                    torch.full((rows,), CONFIDENCE_NEG_ENTROPY, device=scaled.device))
+        sampled, entropy = out.tokens, -out.confidence
+        probs = scaled.sub_(out.logsumexp[:, None]).exp_()
+    else:
+        gumbel = -torch.log(-torch.log(uniform_noise(keys, scaled.shape[-1])))
+        sampled = (scaled + gumbel.to(work)).argmax(-1)
+        log_probs = torch.log_softmax(scaled, dim=-1)
+        probs = log_probs.exp()
+        entropy = -(probs * log_probs).sum(-1)
+    return RowStatistics(sampled, argmax, entropy, model.soft_embeddings(probs))
+
+
+def chunked_row_statistics(model: DiffusionGemmaModel, hidden: torch.Tensor, temperatures: torch.Tensor,
+                           keys: torch.Tensor, use_kernel: bool) -> RowStatistics:
+    """row_statistics over chunks of rows of SAMPLER_CHUNK_ELEMENTS logits at most: the same values, in bounded
+    memory."""
+    chunk = max(1, SAMPLER_CHUNK_ELEMENTS // model.arch.vocab_size)
+    parts = [row_statistics(model, hidden[i:i + chunk], temperatures[i:i + chunk], keys[i:i + chunk], use_kernel)
+             for i in range(0, hidden.shape[0], chunk)]
+    return RowStatistics(*(torch.cat(field) if len(parts) > 1 else field[0] for field in zip(*parts)))
 
 
 @dataclass
@@ -177,6 +239,7 @@ class DiffusionGemmaRunner(ModelRunner):
                              f"got {config.block_size}")
         super().__init__(config, model, num_pages, acceptance, device, dtype)
         self.schedule = model.arch.schedule
+        self.use_sampler_kernel = sampler_kernel_serves(device, dtype)
         # The soft embeddings of each request's last step, [L, hidden] on the device: its next step's
         # self-conditioning input. forget() drops an entry.
         self.soft: dict[str, torch.Tensor] = {}
@@ -185,6 +248,13 @@ class DiffusionGemmaRunner(ModelRunner):
         super().forget(request_ids)
         for request_id in request_ids:
             self.soft.pop(request_id, None)
+
+    @staticmethod
+    def profile_sampler(model, hidden: torch.Tensor) -> None:
+        rows = hidden.shape[0]
+        chunked_row_statistics(model, hidden, torch.ones(rows, device=hidden.device),
+                               torch.zeros(rows, dtype=torch.int64, device=hidden.device),
+                               sampler_kernel_serves(hidden.device, hidden.dtype))
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:
@@ -246,16 +316,11 @@ class DiffusionGemmaRunner(ModelRunner):
         repeats = torch.tensor([p.repeats for p, _ in blocks], dtype=torch.int64)
         rows, steps, seeds, temps, positions, last, repeats = upload(
             [torch.cat(rows), steps, seeds, temps, positions, last, repeats], self.device)
-        logits = self.model.compute_logits(hidden[rows])  # [A, V], soft-capped
-        work = torch.promote_types(logits.dtype, torch.float32)
         row_steps, row_seeds = steps.repeat_interleave(size), seeds.repeat_interleave(size)
-        scaled = logits.to(work) / temps.to(work).repeat_interleave(size)[:, None]
-        gumbel = -torch.log(-torch.log(uniform_noise(row_keys(row_seeds ^ SAMPLE_KEY, positions, row_steps), vocab)))
-        sampled = (scaled + gumbel.to(work)).argmax(-1)
-        argmax = scaled.argmax(-1)
-        log_probs = torch.log_softmax(scaled, dim=-1)
-        probs = log_probs.exp()
-        entropy = -(probs * log_probs).sum(-1).view(num, size)  # [S, L]
+        sampled, argmax, entropy, soft = chunked_row_statistics(
+            self.model, hidden[rows], temps.repeat_interleave(size),
+            row_keys(row_seeds ^ SAMPLE_KEY, positions, row_steps), self.use_sampler_kernel)
+        entropy = entropy.view(num, size)  # [S, L]
         ordered, order = entropy.sort(dim=-1, stable=True)
         keep_sorted = ordered.cumsum(-1) - ordered <= s.entropy_bound
         keep = torch.zeros_like(keep_sorted).scatter(1, order, keep_sorted).view(-1)
@@ -266,7 +331,6 @@ class DiffusionGemmaRunner(ModelRunner):
             stable = torch.ones_like(stable)
         ended = (stable & (entropy.mean(-1) < s.confidence_threshold)) | (steps + 1 >= s.max_denoising_steps)
         tokens = torch.where(ended.repeat_interleave(size), argmax, canvas)
-        soft = self.model.soft_embeddings(probs)  # [A, hidden]: the next step's self-conditioning input
         for i, (p, _) in enumerate(blocks):
             self.soft[p.request_id] = soft[i * size:(i + 1) * size]
         host = torch.stack([tokens, argmax, ended.repeat_interleave(size).long()]).cpu()  # the step's one sync

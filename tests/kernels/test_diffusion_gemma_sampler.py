@@ -1,0 +1,57 @@
+"""DiffusionGemma's sampler on the fused sampling kernel gives the torch reference's sample, argmax, entropy and
+self-conditioning input for every row, at the temperatures of its schedule; and over chunks of rows, the values of
+one pass over all of them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from diffulex_backend.sampling import row_keys
+from diffulex_backend.strategies import diffusion_gemma as strategy
+from diffulex_backend.testing.diffusion_gemma_checkpoint import random_diffusion_gemma, tiny_config
+from kernel_cases import DEVICE, FULL_SHAPES, generator, randn
+
+VOCAB = 262144 if FULL_SHAPES else 3000  # the released vocabulary on a GPU; a ragged last tile under the interpreter
+ROWS = 64 if FULL_SHAPES else 10
+
+
+@pytest.fixture(scope="module")
+def model():
+    return random_diffusion_gemma(tiny_config(vocab_size=VOCAB), "gemma", seed=5, dtype=torch.float32, device=DEVICE)
+
+
+def rows(model, seed: int):
+    gen = generator(seed)
+    hidden = randn(ROWS, model.arch.hidden_size, dtype=torch.float32, gen=gen)
+    # The schedule's temperatures, from t_max at the first step to t_min at the last.
+    temps = torch.linspace(0.8, 0.4, ROWS, device=DEVICE, dtype=torch.float64)
+    positions = torch.arange(ROWS, device=DEVICE)
+    keys = row_keys(torch.full((ROWS,), seed, device=DEVICE), positions, positions % 3)
+    return hidden, temps, keys
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_kernel_path_gives_the_reference_s_statistics(model, seed):
+    hidden, temps, keys = rows(model, seed)
+    with torch.inference_mode():
+        fused = strategy.row_statistics(model, hidden, temps, keys, use_kernel=True)
+        reference = strategy.row_statistics(model, hidden, temps, keys, use_kernel=False)
+    assert torch.equal(fused.sampled, reference.sampled)
+    assert torch.equal(fused.argmax, reference.argmax)
+    # Samples differ from the argmax somewhere: the noise reached the kernel's choice.
+    assert not torch.equal(fused.sampled, fused.argmax)
+    torch.testing.assert_close(fused.entropy, reference.entropy, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(fused.soft, reference.soft, rtol=1e-4, atol=1e-5)
+
+
+def test_chunks_of_rows_give_the_values_of_one_pass(model, monkeypatch):
+    hidden, temps, keys = rows(model, 2)
+    with torch.inference_mode():
+        whole = strategy.row_statistics(model, hidden, temps, keys, use_kernel=DEVICE.type == "cuda")
+        monkeypatch.setattr(strategy, "SAMPLER_CHUNK_ELEMENTS", 3 * VOCAB)  # chunks of 3 rows, the last of 1
+        chunked = strategy.chunked_row_statistics(model, hidden, temps, keys, use_kernel=DEVICE.type == "cuda")
+    assert torch.equal(chunked.sampled, whole.sampled) and torch.equal(chunked.argmax, whole.argmax)
+    # The logits' product takes its rows in other blocks: the floats agree to rounding, not bit for bit.
+    for whole_field, chunked_field in zip(whole[2:], chunked[2:]):
+        assert chunked_field.shape == whole_field.shape
+        torch.testing.assert_close(chunked_field, whole_field, rtol=1e-4, atol=1e-4)
