@@ -30,9 +30,10 @@ def _rmsnorm_kernel(
     stride_partial, stride_x, stride_residual, stride_out, stride_residual_out,
     hidden_size, eps,
     NUM_PARTIALS: tl.constexpr, ADD_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr,
-    FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr = True,
 ):
-    """FP8_OUT: out is float8_e4m3fn and scale_ptr gets each row's scale; ACT_DTYPE is the activations' dtype."""
+    """FP8_OUT: out is float8_e4m3fn and scale_ptr gets each row's scale; ACT_DTYPE is the activations' dtype.
+    Without HAS_WEIGHT the norm has no weight (weight_ptr is not read)."""
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
@@ -51,8 +52,9 @@ def _rmsnorm_kernel(
         tl.store(residual_out_ptr + row * stride_residual_out + cols, x, mask=mask)
     x = x.to(tl.float32)
     inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / hidden_size + eps)
-    weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    y = x * inv_rms * weight
+    y = x * inv_rms
+    if HAS_WEIGHT:
+        y = y * tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     if FP8_OUT:
         # As quantize_rows casts the rows the unfused norm writes (kernels/fp8.py).
         y = y.to(ACT_DTYPE).to(tl.float32)
@@ -73,20 +75,22 @@ def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=N
     block = triton.next_power_of_2(hidden_size)
     add = residual is not None
     _rmsnorm_kernel[(num_rows,)](
-        x, residual if add else x, weight, out, residual_out if add else out, out if scale is None else scale,
+        x, residual if add else x, x if weight is None else weight, out, residual_out if add else out,
+        out if scale is None else scale,
         partials.stride(0), x.stride(0), residual.stride(0) if add else 0, out.stride(0),
         residual_out.stride(0) if add else 0,
         hidden_size, eps,
         NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block, FP8_OUT=scale is not None,
-        ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype),
+        ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype), HAS_WEIGHT=weight is not None,
         USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=min(16, max(4, block // 512)),
     )
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """x: [T, hidden]; returns x / rms(x) * weight, computed in float32, in x's dtype."""
+    """x: [T, hidden]; returns x / rms(x) * weight (x / rms(x) where weight is None), computed in float32, in x's
+    dtype."""
     out = torch.empty_like(x) if out is None else out
     _launch(x, None, weight, eps, out, None)
     return out

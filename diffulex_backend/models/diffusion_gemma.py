@@ -26,9 +26,10 @@ The parts, from transformers' modeling_diffusion_gemma.py and Diffulex's diffusi
 
 Where this does not reuse the shared layers: the decoder layer (sandwich norms, layer scalar, a MoE beside the
 MLP) and the attention (no fused qkv, K = V on full layers, a window, two head shapes) are written here; RMSNorm
-and the rotate-half RoPE are the shared ones. On a GPU the attention is the Triton kernel (`attention_backend`
-auto or triton), which takes the window and both head sizes; `window_attention` below is its torch reference and
-the CPU path. The fused forward, whose kernels are built for DecoderLM's layers, does not serve this family.
+and the rotate-half RoPE are the shared ones. On a GPU the attention is the Triton kernel (`attention_backend` auto
+or triton), which takes the window and both head sizes; `window_attention` below is its torch reference and the CPU
+path. Each norm is the Triton norm kernel on a GPU, one launch where the torch form takes half a dozen. The fused
+forward, whose kernels are built for DecoderLM's layers, does not serve this family.
 """
 from __future__ import annotations
 
@@ -209,10 +210,35 @@ def read_schedule(directory: Path) -> DenoiseSchedule:
     return schedule
 
 
+def on_norm_kernel(x: torch.Tensor) -> bool:
+    """Whether a norm of x runs as the Triton kernel: on a GPU, where the torch form's half a dozen launches a norm,
+    eleven norms a layer, are most of a small batch's forward outside its matrix products. Float64 stays torch."""
+    return x.is_cuda and x.dtype != torch.float64
+
+
+def kernel_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """x / rms(x) (* weight) over the last dimension, as one launch: the statistics and the product in float32,
+    rounded once."""
+    from diffulex_kernels import rmsnorm  # imports Triton: only on a GPU
+
+    return rmsnorm(x.reshape(-1, x.shape[-1]), weight, eps).view(x.shape)
+
+
 def rms(x: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm without a weight (Gemma's V norm, self-conditioning's post norm, the router's input norm)."""
+    if on_norm_kernel(x):
+        return kernel_norm(x.contiguous(), None, eps)
     x32 = x.to(torch.promote_types(x.dtype, torch.float32))
     return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """The shared RMSNorm, as one kernel launch on a GPU."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if on_norm_kernel(x):
+            return kernel_norm(x.contiguous(), self.weight, self.eps)
+        return super().forward(x)
 
 
 def window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor | None,
@@ -273,8 +299,8 @@ class GemmaAttention(nn.Module):
         # Full layers take V from the k_proj output (attention_k_eq_v).
         self.v_proj = None if self.full else nn.Linear(h, self.num_kv_heads * self.head_dim, bias=False)
         self.o_proj = nn.Linear(self.num_heads * self.head_dim, h, bias=False)
-        self.q_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.q_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(self.head_dim, arch.rms_norm_eps)
         self.eps = arch.rms_norm_eps
         # Set by the engine: the Triton kernel, or the torch reference (which stands for window_attention here).
         self.attention_fn = None
@@ -354,19 +380,19 @@ class GemmaLayer(nn.Module):
         h, eps = arch.hidden_size, arch.rms_norm_eps
         self.attn = GemmaAttention(arch, layer)
         self.mlp = GemmaMLP(h, arch.intermediate_size)
-        self.input_layernorm = RMSNorm(h, eps)
-        self.post_attention_layernorm = RMSNorm(h, eps)
-        self.pre_feedforward_layernorm = RMSNorm(h, eps)
-        self.post_feedforward_layernorm = RMSNorm(h, eps)
+        self.input_layernorm = GemmaRMSNorm(h, eps)
+        self.post_attention_layernorm = GemmaRMSNorm(h, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(h, eps)
+        self.post_feedforward_layernorm = GemmaRMSNorm(h, eps)
         self.layer_scalar = nn.Parameter(torch.ones(1))
         # Transformers ties the encoder's weights to the decoder's but not its buffers: the released file holds the
         # encoder's layer scalar apart, and causal rows take it.
         self.encoder_layer_scalar = nn.Parameter(torch.ones(1))
         if arch.num_experts:
             self.moe = GemmaMoE(arch)
-            self.post_feedforward_layernorm_1 = RMSNorm(h, eps)
-            self.post_feedforward_layernorm_2 = RMSNorm(h, eps)
-            self.pre_feedforward_layernorm_2 = RMSNorm(h, eps)
+            self.post_feedforward_layernorm_1 = GemmaRMSNorm(h, eps)
+            self.post_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
+            self.pre_feedforward_layernorm_2 = GemmaRMSNorm(h, eps)
         else:
             self.moe = None
 
@@ -385,7 +411,7 @@ class GemmaLayer(nn.Module):
 class SelfConditioning(nn.Module):
     def __init__(self, arch: DiffusionGemmaArch):
         super().__init__()
-        self.pre_norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.pre_norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.mlp = GemmaMLP(arch.hidden_size, arch.intermediate_size)
         self.eps = arch.rms_norm_eps
 
@@ -413,7 +439,7 @@ class DiffusionGemmaModel(DecoderLM):
         self.arch, self.tp, self.vocab_start = arch, tp, 0
         self.embed_tokens = nn.Embedding(arch.vocab_size, arch.hidden_size)
         self.layers = nn.ModuleList(GemmaLayer(arch, i) for i in range(arch.num_layers))
-        self.norm = RMSNorm(arch.hidden_size, arch.rms_norm_eps)
+        self.norm = GemmaRMSNorm(arch.hidden_size, arch.rms_norm_eps)
         self.self_conditioning = SelfConditioning(arch)
         self.lm_head = None  # tied to the embedding
 

@@ -30,6 +30,14 @@ def test_rmsnorm_matches_reference(shape, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_norm_without_a_weight_is_x_over_its_rms(dtype):
+    gen = generator(9)
+    x = randn(*SHAPES[1], dtype=dtype, gen=gen) * 4
+    out = diffulex_kernels.rmsnorm(x, None, EPS, out=poisoned_like(x))
+    assert relative_error(out, rmsnorm_reference(x, torch.ones(x.shape[1], device=x.device), EPS)) < REL_TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_fused_add_rmsnorm_matches_add_then_norm(shape, dtype):
     gen = generator(shape[0] + shape[1])
