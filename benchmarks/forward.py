@@ -312,8 +312,8 @@ def make_engine(model, model_dir: str, device: torch.device, plan: Plan, **kwarg
     return RandomWeightEngine(model, model_dir, **settings)
 
 
-def random_prompt(length: int, vocab: int, generator: torch.Generator) -> list[int]:
-    return torch.randint(0, min(vocab, 256), (length,), generator=generator).tolist()  # byte tokens
+def random_prompt(length: int, vocab: int, generator: torch.Generator, low: int = 0) -> list[int]:
+    return torch.randint(low, min(vocab, 256), (length,), generator=generator).tolist()  # byte tokens
 
 
 def cached_context_plans(engine, batch: int, context: int, generator: torch.Generator) -> list[SeqPlan]:
@@ -658,7 +658,8 @@ def canvas_section(report: Report, name: str, model, model_dir: str, device, pla
                              max_model_len=prompt + new, max_num_reqs=batch,
                              max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
                              num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
-        prompts = [random_prompt(prompt, arch.vocab_size, generator) for _ in range(batch)]
+        # From byte 1: id 0 is DiffusionGemma's pad, which no prompt may hold.
+        prompts = [random_prompt(prompt, arch.vocab_size, generator, low=1) for _ in range(batch)]
         params = SamplingParams(max_tokens=new, ignore_eos=True)
         for _ in range(2):  # the second generation is the one timed
             for p in prompts:
