@@ -586,8 +586,12 @@ class DiffusionGemmaModel(DecoderLM):
         weight = self.embed_tokens.weight
         return (probs.to(weight.dtype) @ weight) * self.embed_scale()
 
+    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The tied head's product, before the soft cap, in the weights' dtype."""
+        return F.linear(hidden, self.embed_tokens.weight)
+
     def compute_logits(self, hidden: torch.Tensor, gather: bool = True) -> torch.Tensor:
-        logits = F.linear(hidden, self.embed_tokens.weight)
+        logits = self.head_logits(hidden)
         cap = self.arch.final_logit_softcapping
         if cap is None:
             return logits

@@ -52,9 +52,9 @@ from .checks import check_batched_tokens
 # Keys of the three random draws: the starting canvas, the sample of each step, and the re-noising tokens.
 CANVAS_KEY, SAMPLE_KEY, RENOISE_KEY = 0x0C4A7A50, 0, 0x5E701CE5
 
-# Logits the sampler holds at once: the released vocabulary (262,144) in float32 takes 1,024 rows, 1 GiB, a chunk,
-# whatever the batch. The logits of 32 canvases at once would take 8 GiB, and the torch sampler's temporaries several
-# times that: an H100 that holds the released model runs out of memory from 16 canvases a step.
+# Logits the sampler holds at once: 1,024 rows of the released vocabulary (262,144), 512 MiB in bf16 on the kernels,
+# whatever the batch. The logits of 32 canvases at once would take 4 GiB in bf16, and the torch sampler's float32
+# temporaries several times that: an H100 that holds the released model runs out of memory from 16 canvases a step.
 SAMPLER_CHUNK_ELEMENTS = 1 << 28
 
 # Sampling parameters with their defaults: a request may leave them so, never set them.
@@ -98,32 +98,27 @@ def row_statistics(model: DiffusionGemmaModel, hidden: torch.Tensor, temperature
                    use_kernel: bool) -> RowStatistics:
     """The statistics of rows of `hidden` [R, hidden], each at its temperature [R] with its noise key [R].
 
-    With `use_kernel` (CUDA) the fused sampler streams each row once for its sample, entropy and logsumexp, and the
-    distribution is formed in place over the tempered logits: a chunk holds its logits and their bf16 copy for the
-    soft embedding's product, and nothing else of its size. Otherwise the torch reference; both draw the same noise
-    (the hash of the row key and the token id), so their tokens differ only where tempered scores tie within
-    float rounding."""
+    With `use_kernel` (CUDA) the canvas sampling kernels form the capped, tempered scores in registers from the
+    head's raw product, stream each row once for its sample, argmax, entropy and logsumexp, and write the
+    distribution over the product: a chunk holds its logits once, in the weights' dtype, and nothing else of their
+    size. Otherwise the torch reference. Both draw the same noise (the hash of the row key and the token id), so
+    their tokens differ only where scores tie within float rounding."""
+    if use_kernel:
+        from diffulex_kernels.canvas_sampling import canvas_probs_, canvas_statistics
+
+        logits = model.head_logits(hidden)  # [R, V], not yet capped
+        cap, temperatures = model.arch.final_logit_softcapping, temperatures.to(torch.float32)
+        sampled, argmax, entropy, logsumexp = canvas_statistics(logits, temperatures, keys, cap)
+        probs = canvas_probs_(logits, temperatures, logsumexp, cap)
+        return RowStatistics(sampled, argmax, entropy, model.soft_embeddings(probs))
     logits = model.compute_logits(hidden)  # [R, V], soft-capped
     work = torch.promote_types(logits.dtype, torch.float32)
     scaled = logits.to(work).div_(temperatures.to(work)[:, None])
-    argmax = scaled.argmax(-1)
-    if use_kernel:
-        from diffulex_kernels import sample_and_confidence
-        from diffulex_kernels.sampling import CONFIDENCE_NEG_ENTROPY
-
-        rows = scaled.shape[0]
-        # Temperature 1 over the already tempered logits: the kernel's Gumbel score is then scaled + noise.
-        out = sample_and_confidence(scaled, torch.ones(rows, device=scaled.device), keys,
-                                    torch.full((rows,), CONFIDENCE_NEG_ENTROPY, device=scaled.device))
-        sampled, entropy = out.tokens, -out.confidence
-        probs = scaled.sub_(out.logsumexp[:, None]).exp_()
-    else:
-        gumbel = -torch.log(-torch.log(uniform_noise(keys, scaled.shape[-1])))
-        sampled = (scaled + gumbel.to(work)).argmax(-1)
-        log_probs = torch.log_softmax(scaled, dim=-1)
-        probs = log_probs.exp()
-        entropy = -(probs * log_probs).sum(-1)
-    return RowStatistics(sampled, argmax, entropy, model.soft_embeddings(probs))
+    gumbel = -torch.log(-torch.log(uniform_noise(keys, scaled.shape[-1])))
+    log_probs = torch.log_softmax(scaled, dim=-1)
+    probs = log_probs.exp()
+    return RowStatistics((scaled + gumbel.to(work)).argmax(-1), scaled.argmax(-1), -(probs * log_probs).sum(-1),
+                         model.soft_embeddings(probs))
 
 
 def chunked_row_statistics(model: DiffusionGemmaModel, hidden: torch.Tensor, temperatures: torch.Tensor,
