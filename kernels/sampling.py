@@ -10,6 +10,9 @@ With fewer rows than multiprocessors, one program per row would leave most of th
 vocabulary is cut into chunks: a program per (row, chunk) writes its statistics, and a second kernel merges a
 row's chunks in vocabulary order, which keeps the first-index tie rule.
 
+In its tempered form (DiffusionGemma's sampler, `canvas_sampling.py`) the kernel reads a row's raw logits and forms
+its scores, soft-capped and over the temperature, in registers; every statistic is then of those scores.
+
 Top-k and top-p need the vocabulary sorted, which one streaming pass cannot do: this module ignores them, and the
 engine's caller (`sample` in `diffulex_backend/runner.py`) recomputes the rows that ask for them with the reference
 and writes them over the kernel's answer. The module imports nothing from the engine.
@@ -124,12 +127,29 @@ def _confidence(kind, token_logit, top1, top2, run_max, run_sum, run_ent):
 
 
 @triton.jit
+def _scores(x, cap, temperature, SOFTCAP: tl.constexpr):
+    """Tempered scores cap tanh(x / cap) / T (x / T without SOFTCAP) in float32; tanh as 2 sigmoid(2y) - 1, which
+    saturates to +-1 where exp overflows (its error, about 1e-7 of the cap, is far below one rounding of a bf16
+    logit)."""
+    x = x.to(tl.float32)
+    if SOFTCAP:
+        x = cap * (2.0 / (1.0 + tl.exp(-2.0 * tl.math.div_rn(x, cap))) - 1.0)
+    return tl.math.div_rn(x, temperature)
+
+
+@triton.jit
 def _finish_row(
-    row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
-    run_max, run_sum, run_ent, top1, top2, token,
+    row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr, argmax_ptr,
+    run_max, run_sum, run_ent, top1, top2, token, top1_index, cap, temperature,
+    TEMPERED: tl.constexpr, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr,
 ):
-    """The row's confidence measure and logsumexp from its whole-vocabulary statistics, and its token."""
+    """The row's confidence measure and logsumexp from its whole-vocabulary statistics, its token, and with ARGMAX
+    its first argmax."""
     token_logit = tl.load(row_ptr + token).to(tl.float32)
+    if TEMPERED:
+        token_logit = _scores(token_logit, cap, temperature, SOFTCAP)
+    if ARGMAX:
+        tl.store(argmax_ptr + row, top1_index.to(tl.int64))
     confidence, logsumexp = _confidence(tl.load(kind_ptr + row), token_logit, top1, top2, run_max, run_sum, run_ent)
     tl.store(tokens_ptr + row, token.to(tl.int64))
     tl.store(confidence_ptr + row, confidence)
@@ -173,10 +193,13 @@ def _merge_parts(part_max, part_sum, part_ent, part_top1, part_top2, parts):
 @triton.jit
 def _sample_and_confidence_kernel(
     logits_ptr, temperature_ptr, keys_ptr, kind_ptr,
-    tokens_ptr, confidence_ptr, logsumexp_ptr, part_stats_ptr, part_index_ptr,
-    stride_row, vocab_size, chunk_size,
+    tokens_ptr, confidence_ptr, logsumexp_ptr, argmax_ptr, part_stats_ptr, part_index_ptr,
+    stride_row, vocab_size, chunk_size, cap,
     BLOCK_V: tl.constexpr, CHUNKED: tl.constexpr, STATS: tl.constexpr,
+    TEMPERED: tl.constexpr, SOFTCAP: tl.constexpr, ARGMAX: tl.constexpr,
 ):
+    """TEMPERED: every statistic is of the row's tempered scores (`_scores`), formed here from its raw logits, and
+    the Gumbel score is those scores plus the noise; else of the logits themselves, with the noise added to x / T."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
@@ -202,6 +225,8 @@ def _sample_and_confidence_kernel(
         valid = index < chunk_end
         x = next_tile.to(tl.float32)  # [BLOCK_V]
         next_tile = tl.load(row_ptr + BLOCK_V + index, mask=index + BLOCK_V < chunk_end, other=float("-inf"))
+        if TEMPERED:  # past the vocabulary stays -inf: the soft cap would bound it
+            x = tl.where(valid, _scores(x, cap, temperature, SOFTCAP), float("-inf"))
 
         run_max, run_sum, run_ent, top1, top1_index, top2 = _add_tile(
             x, offsets, start, run_max, run_sum, run_ent, top1, top1_index, top2)
@@ -210,7 +235,10 @@ def _sample_and_confidence_kernel(
             noise_hash = _mix32(key ^ _mix32(index.to(tl.uint32)))
             uniform = ((noise_hash >> 9).to(tl.float32) + 0.5) * (1.0 / 8388608.0)  # exact in float32, < 1
             gumbel = -tl.log(-tl.log(uniform))
-            score = tl.where(valid, tl.math.div_rn(x, temperature) + gumbel, float("-inf"))
+            if TEMPERED:
+                score = tl.where(valid, x + gumbel, float("-inf"))
+            else:
+                score = tl.where(valid, tl.math.div_rn(x, temperature) + gumbel, float("-inf"))
             tile_best, tile_best_arg = tl.max(score, axis=0, return_indices=True, return_indices_tie_break_left=True)
             best_index = tl.where(tile_best > best_score, start + tile_best_arg, best_index)
             best_score = tl.maximum(best_score, tile_best)
@@ -229,15 +257,17 @@ def _sample_and_confidence_kernel(
         tl.store(part_index_ptr + part * 2 + 1, best_index)
     else:
         token = tl.where(sampled, best_index, top1_index)
-        _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
-                    run_max, run_sum, run_ent, top1, top2, token)
+        _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr, argmax_ptr,
+                    run_max, run_sum, run_ent, top1, top2, token, top1_index, cap, temperature,
+                    TEMPERED, SOFTCAP, ARGMAX)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _merge_chunks_kernel(
-    logits_ptr, temperature_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
-    part_stats_ptr, part_index_ptr, stride_row, num_chunks,
-    CHUNKS: tl.constexpr, STATS: tl.constexpr,
+    logits_ptr, temperature_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr, argmax_ptr,
+    part_stats_ptr, part_index_ptr, stride_row, num_chunks, cap,
+    CHUNKS: tl.constexpr, STATS: tl.constexpr, TEMPERED: tl.constexpr, SOFTCAP: tl.constexpr,
+    ARGMAX: tl.constexpr,
 ):
     """One program per row: every chunk's statistics in one load, combined as one program's loop would."""
     row = tl.program_id(0)
@@ -254,12 +284,15 @@ def _merge_chunks_kernel(
     run_max, run_sum, run_ent, top1, top1_chunk, top2 = _merge_parts(
         chunk_max, chunk_sum, chunk_ent, chunk_top1, chunk_top2, chunks)
     _, best_chunk = tl.max(chunk_best, axis=0, return_indices=True, return_indices_tie_break_left=True)
-    sampled = tl.load(temperature_ptr + row) > 0
+    temperature = tl.load(temperature_ptr + row)
+    sampled = temperature > 0
     token_chunk = tl.where(sampled, best_chunk, top1_chunk)
     token = tl.load(part_index_ptr + (row * num_chunks + token_chunk) * 2 + tl.where(sampled, 1, 0))
+    top1_index = tl.load(part_index_ptr + (row * num_chunks + top1_chunk) * 2)
     row_ptr = logits_ptr + row.to(tl.int64) * stride_row
-    _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr,
-                run_max, run_sum, run_ent, top1, top2, token)
+    _finish_row(row, row_ptr, kind_ptr, tokens_ptr, confidence_ptr, logsumexp_ptr, argmax_ptr,
+                run_max, run_sum, run_ent, top1, top2, token, top1_index, cap, temperature,
+                TEMPERED, SOFTCAP, ARGMAX)
 
 
 def sample_and_confidence(
@@ -270,8 +303,15 @@ def sample_and_confidence(
     *,
     out: SamplerOutput | None = None,  # preallocated outputs, e.g. a CUDA graph's static buffers
     launch: SamplerLaunch | None = None,  # default: plan_sampler_launch
+    tempered: bool = False,
+    softcap: float | None = None,
+    argmax: torch.Tensor | None = None,  # [N] int64, written with each row's first argmax where given
 ) -> SamplerOutput:
-    """The result of the engine's `sample_reference` without top-k/top-p: token, confidence, logsumexp."""
+    """The result of the engine's `sample_reference` without top-k/top-p: token, confidence, logsumexp.
+
+    `tempered`: every row's scores are softcap(logits) / temperature (softcap(x) = cap tanh(x / cap), none where
+    `softcap` is None), formed in registers from the raw logits, and token, confidence, logsumexp and argmax are those
+    of the scores; every temperature must be above 0 (DiffusionGemma's sampler, kernels/canvas_sampling.py)."""
     num_rows, vocab_size = logits.shape
     if logits.stride(1) != 1:
         raise ValueError("sample_and_confidence: logits need a contiguous vocabulary dimension")
@@ -287,17 +327,20 @@ def sample_and_confidence(
     if chunked:
         part_stats = torch.empty(num_rows, num_chunks, NUM_STATS, dtype=torch.float32, device=logits.device)
         part_index = torch.empty(num_rows, num_chunks, 2, dtype=torch.int32, device=logits.device)
+    scores = dict(TEMPERED=tempered, SOFTCAP=softcap is not None, ARGMAX=argmax is not None)
+    cap = 1.0 if softcap is None else float(softcap)
+    argmax = out.tokens if argmax is None else argmax  # a placeholder, not written, without ARGMAX
     _sample_and_confidence_kernel[(num_rows, num_chunks)](
         logits, temperature, keys, confidence_kind,
-        out.tokens, out.confidence, out.logsumexp, part_stats, part_index,
-        logits.stride(0), vocab_size, chunk_size,
-        BLOCK_V=block_v, CHUNKED=chunked, STATS=NUM_STATS, num_warps=launch.num_warps,
+        out.tokens, out.confidence, out.logsumexp, argmax, part_stats, part_index,
+        logits.stride(0), vocab_size, chunk_size, cap,
+        BLOCK_V=block_v, CHUNKED=chunked, STATS=NUM_STATS, **scores, num_warps=launch.num_warps,
     )
     if chunked:
         _merge_chunks_kernel[(num_rows,)](
-            logits, temperature, confidence_kind, out.tokens, out.confidence, out.logsumexp,
-            part_stats, part_index, logits.stride(0), num_chunks,
-            CHUNKS=triton.next_power_of_2(num_chunks), STATS=NUM_STATS,
+            logits, temperature, confidence_kind, out.tokens, out.confidence, out.logsumexp, argmax,
+            part_stats, part_index, logits.stride(0), num_chunks, cap,
+            CHUNKS=triton.next_power_of_2(num_chunks), STATS=NUM_STATS, **scores,
         )
     return out
 
