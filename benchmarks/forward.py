@@ -606,9 +606,25 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
         free_memory(device)
 
 
+def timed_generation(engine, prompts: list[list[int]], params: SamplingParams) -> tuple[list[float], list[int]]:
+    """(ms of each step, rows fed at each step) of the prompts' generation. It runs twice and the second is the one
+    timed, so every bucket's graph was captured by the first."""
+    for _ in range(2):
+        for p in prompts:
+            engine.add_request(p, params)
+        step_times, fed = [], []
+        while engine.has_unfinished_requests():
+            start = time.perf_counter()
+            engine.step()  # ends in the step's read-back of its tokens: the device is done with it
+            step_times.append(1e3 * (time.perf_counter() - start))
+            if not engine.last_schedule.plans:
+                raise RuntimeError("no request could be scheduled: the KV pool or token budget is too small")
+            fed.append(engine.last_schedule.num_tokens)
+    return step_times, fed
+
+
 def diffulex_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
-    """The settings of Diffulex's own benchmark; each generation runs twice and the second is timed, so every
-    bucket's graph was captured by the first."""
+    """The settings of Diffulex's own benchmark (timed_generation)."""
     generator = torch.Generator().manual_seed(2)
     prompt, new = plan.diffulex_prompt, plan.diffulex_new_tokens
     for strategy, buffer_size in (("multi_bd", 1), ("d2f", 4), ("fast_dllm_v2", 1), ("dmax", 1)):
@@ -618,18 +634,7 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
                                  max_num_batched_tokens=max(4096, batch * BLOCK * (buffer_size + 1)),
                                  num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
             prompts = [random_prompt(prompt, model.arch.vocab_size, generator) for _ in range(batch)]
-            params = SamplingParams(max_tokens=new, ignore_eos=True)
-            for _ in range(2):  # the second generation is the one timed
-                for p in prompts:
-                    engine.add_request(p, params)
-                step_times, fed = [], []
-                while engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    engine.step()
-                    step_times.append(1e3 * (time.perf_counter() - start))
-                    if not engine.last_schedule.plans:
-                        raise RuntimeError("no request could be scheduled: the KV pool or token budget is too small")
-                    fed.append(engine.last_schedule.num_tokens)
+            step_times, fed = timed_generation(engine, prompts, SamplingParams(max_tokens=new, ignore_eos=True))
             decode = step_times[1:]  # the first step prefills every prompt
             ms = statistics.mean(decode)
             report.add(section="diffulex", model=name, case=f"{strategy}_buffer{buffer_size}_b{batch}", batch=batch,
@@ -644,11 +649,10 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
 
 def canvas_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     """DiffusionGemma's step: `batch` requests, each denoising one canvas a step, after a prompt of Diffulex's
-    benchmark length, for two canvases each; each generation runs twice and the second is timed, so every bucket's
-    graph was captured by the first. A step feeds batch x canvas_length rows (and, once a canvas ends, its tokens
-    again, causally, beside the next canvas), so its floors are those of batch x canvas_length tokens over the
-    prompt. With 8 of 128 experts a token, one 256-token canvas already reaches nearly every expert, so the weight
-    floor takes the uniform-routing count of experts."""
+    benchmark length, for two canvases each (timed_generation). A step feeds batch x canvas_length rows (and, once
+    a canvas ends, its tokens again, causally, beside the next canvas), so its floors are those of batch x
+    canvas_length tokens over the prompt. With 8 of 128 experts a token, one 256-token canvas already reaches nearly
+    every expert, so the weight floor takes the uniform-routing count of experts."""
     arch = model.arch
     canvas = arch.canvas_length
     generator = torch.Generator().manual_seed(6)
@@ -660,19 +664,7 @@ def canvas_section(report: Report, name: str, model, model_dir: str, device, pla
                              num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
         # From byte 1: id 0 is DiffusionGemma's pad, which no prompt may hold.
         prompts = [random_prompt(prompt, arch.vocab_size, generator, low=1) for _ in range(batch)]
-        params = SamplingParams(max_tokens=new, ignore_eos=True)
-        for _ in range(2):  # the second generation is the one timed
-            for p in prompts:
-                engine.add_request(p, params)
-            step_times, fed = [], []
-            while engine.has_unfinished_requests():
-                synchronize(device)
-                start = time.perf_counter()
-                engine.step()
-                step_times.append(1e3 * (time.perf_counter() - start))
-                if not engine.last_schedule.plans:
-                    raise RuntimeError("no request could be scheduled: the KV pool or token budget is too small")
-                fed.append(engine.last_schedule.num_tokens)
+        step_times, fed = timed_generation(engine, prompts, SamplingParams(max_tokens=new, ignore_eos=True))
         denoise = step_times[1:]  # the first step prefills every prompt
         ms = statistics.mean(denoise)
         tokens = batch * canvas
