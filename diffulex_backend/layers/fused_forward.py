@@ -14,8 +14,9 @@ small kernels would otherwise cost more than the weights take to stream.
   group-limited top-k in one kernel (`diffulex_kernels.route_experts`), the routed experts in the fused-MoE
   kernel, the shared expert as the torch GatedMLP; its [T, hidden] output goes to the same residual-add RMSNorm.
   Dense layers of a MoE model take the dense path above.
-- Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k (the kernel takes any head
-  stride), after the per-head norms.
+- Per-head q/k norms (LLaDA2, SDAR, Qwen3-style models) run in place over q and k's columns of the qkv rows, every
+  head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
+  (the kernel takes any head stride), after those norms.
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
   streaming kernel; their split-K partial sum is the one product, and gate_up's SiLU-and-mul the separate launch.
   The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
@@ -51,7 +52,7 @@ from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
-from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
+from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
@@ -220,8 +221,9 @@ def _self_attention(
         else:
             rotate_in_place(qk, cos, sin)
     else:
-        if attn.q_norm is not None:
-            q, k = attn.q_norm(q), attn.k_norm(k)
+        if attn.q_norm is not None:  # every head of q and k, in place in qkv, in one launch
+            qk_rmsnorm_(qkv[:, :q_size + kv_size], heads, head_dim, attn.q_norm.weight, attn.k_norm.weight,
+                        attn.q_norm.eps)
         # Views of the first rotary_dim dims of each head ([T, heads, rotary_dim], head stride head_dim): the rest
         # of each head passes through unrotated.
         rotate_in_place(q[..., :rotary_dim], cos, sin)
