@@ -125,7 +125,7 @@ SMOKE_MOE_SHAPE = dict(model_name="llada2", hidden_size=64, num_layers=3, num_he
 CANVAS_SHAPES = {"diffusion_gemma-26b-a4b": dict(model_name="diffusion_gemma", **RELEASED_26B_A4B)}
 SMOKE_CANVAS_SHAPE = dict(model_name="diffusion_gemma", **TINY)
 SMOKE_MODELS = {"smoke": SMOKE_SHAPE, "smoke-moe": SMOKE_MOE_SHAPE, "smoke-gemma": SMOKE_CANVAS_SHAPE}
-CANVAS_SECTIONS = ("canvas",)  # the sections a canvas model runs
+CANVAS_SECTIONS = ("canvas", "canvas_profile")  # the sections a canvas model runs
 
 
 @dataclass
@@ -681,6 +681,62 @@ def canvas_section(report: Report, name: str, model, model_dir: str, device, pla
         free_memory(device)
 
 
+STEP_RANGES = ("schedule", "forward", "sample", "accept", "respond")  # the step's ranges (profiling.step_range)
+PROFILED_STEPS = 5
+
+
+def canvas_profile_section(report: Report, name: str, model, model_dir: str, device, plan: Plan,
+                           ceilings: Ceilings):
+    """Where a DiffusionGemma step goes, at the first of the plan's batches: torch.profiler over five steps after
+    six, as the canvas section feeds them. Device time a step by kernel kind (kernel_kind) and in the step's forward
+    and sample ranges, and the step's wall time: the wall time less the device's is host time the device does not
+    overlap. Off a GPU the kinds are CPU time, without the torch ops themselves."""
+    arch = model.arch
+    canvas, batch = arch.canvas_length, plan.diffulex_batches[0]
+    prompt = plan.diffulex_prompt
+    engine = make_engine(model, model_dir, device, plan, decoding_strategy="diffusion_gemma", block_size=canvas,
+                         max_model_len=prompt + 2 * canvas, max_num_reqs=batch,
+                         max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
+                         num_kv_pages=batch * -(-(prompt + 2 * canvas) // PAGE_SIZE))
+    generator = torch.Generator().manual_seed(7)
+    for _ in range(batch):  # from byte 1: id 0 is the pad, which no prompt may hold
+        engine.add_request(random_prompt(prompt, arch.vocab_size, generator, low=1),
+                           SamplingParams(max_tokens=2 * canvas, ignore_eos=True))
+    for _ in range(6):  # the prompts' step and every bucket's capture before the profile
+        engine.step()
+    cuda = device.type == "cuda"
+    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
+    with torch.profiler.profile(activities=activities) as prof:
+        synchronize(device)
+        start = time.perf_counter()
+        for _ in range(PROFILED_STEPS):
+            engine.step()
+        step_ms = 1e3 * (time.perf_counter() - start) / PROFILED_STEPS
+    kinds, ranges = {}, {}
+    for event in prof.key_averages():
+        ms = (event.self_device_time_total if cuda else event.self_cpu_time_total) / 1e3 / PROFILED_STEPS
+        if event.key in STEP_RANGES:
+            ranges[event.key] = ms
+        else:
+            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + ms
+    kinds.pop("host", None)
+    device_ms = sum(kinds.values())
+    breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
+    f = floors(model, ceilings, batch, prompt, batch * canvas, kv_cache_dtype=plan.kv_cache_dtype)
+    report.add(section="canvas_profile", model=name, case=f"b{batch}", batch=batch, context=prompt,
+               tokens=batch * canvas, engine_step_ms=step_ms, **f,
+               engine_vs_weight_floor=step_ms / f["weight_floor_ms"],
+               engine_vs_compute_floor=step_ms / f["compute_floor_ms"],
+               note=f"{'device' if cuda else 'CPU'} ms a step by kernel kind: {breakdown}; sum {device_ms:.2f}; "
+                    f"in the forward range {ranges.get('forward', 0.0):.2f}, the sample range "
+                    f"{ranges.get('sample', 0.0):.2f}; step wall time less the sum {step_ms - device_ms:.2f} "
+                    f"({PROFILED_STEPS} steps under the profiler, after 6)")
+    for request_id in list(engine.requests):
+        engine.abort(request_id)
+    del engine
+    free_memory(device)
+
+
 def check_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
     """Kernels and graphs against the torch path on the same weights.
 
@@ -832,6 +888,7 @@ def kernel_kind(name: str) -> str:
                                     "linear_kernel", "splitkreduce")),
                         ("attention", ("paged_attention", "merge_splits")), ("kv store", ("store_kv",)),
                         ("rmsnorm", ("rmsnorm",)), ("rope", ("rotary",)), ("silu*up", ("silu",)),
+                        ("sampler", ("sample_and_confidence", "merge_chunks", "canvas_probs")),
                         ("copies", ("memcpy", "memset", "copy")), ("host", ("aten::", "cuda", "profiler"))):
         if any(mark in lowered for mark in marks):
             return kind
@@ -858,7 +915,8 @@ def memory_section(report: Report, name: str, model, model_dir: str, device, pla
 
 # In the order they run: the main table first, then the end-to-end runs, the checks, the pool sizing.
 SECTIONS = {"forward": forward_section, "decode": decode_section, "diffulex": diffulex_section,
-            "canvas": canvas_section, "check": check_section, "profile": profile_section, "memory": memory_section}
+            "canvas": canvas_section, "canvas_profile": canvas_profile_section, "check": check_section,
+            "profile": profile_section, "memory": memory_section}
 
 
 # ---- output ----------------------------------------------------------------------------------------------------
@@ -869,7 +927,7 @@ def write_markdown(report: Report, ceilings: Ceilings, command: str) -> None:
              f"bf16 matmul {ceilings.matmul_rate / 1e12:.0f} TFLOP/s"
              + (f"; fp8 matmul {ceilings.fp8_matmul_rate / 1e12:.0f} TFLOP/s" if ceilings.fp8_matmul_rate else ""),
              ""]
-    for section in ("forward", "decode_fixed_k", "diffulex", "canvas", "check", "profile", "memory"):
+    for section in ("forward", "decode_fixed_k", "diffulex", "canvas", "canvas_profile", "check", "profile", "memory"):
         rows = [r for r in report.rows if r["section"] == section]
         if not rows:
             continue

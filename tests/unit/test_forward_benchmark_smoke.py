@@ -251,14 +251,20 @@ def test_diffusion_gemma_floors_count_its_parameters_and_its_experts():
 
 
 def test_a_canvas_run_times_diffusion_gemma_s_steps_and_nothing_else(tmp_path):
-    run_smoke("forward.py", tmp_path, "--models", "smoke-gemma", "--sections", "forward,canvas", cpu=True)
+    run_smoke("forward.py", tmp_path, "--models", "smoke-gemma", "--sections", "forward,canvas,canvas_profile",
+              cpu=True)
     rows = csv_rows(tmp_path / "forward.csv")
     canvas = [r for r in rows if r["section"] == "canvas"]
-    # The masked-block sections do not apply to a canvas model: only its canvas rows, one per batch.
-    assert [r["section"] for r in rows if r["section"] != "ceiling"] == ["canvas", "canvas"]
+    # The masked-block sections do not apply to a canvas model: only its canvas rows, one per batch, and the
+    # profile of its first batch's steps.
+    assert [r["section"] for r in rows if r["section"] != "ceiling"] == ["canvas", "canvas", "canvas_profile"]
+    profile = rows[-1]
+    assert (profile["case"], float(profile["engine_step_ms"]) > 0) == ("b1", True)
+    assert "ms a step by kernel kind: " in profile["note"] and "step wall time less the sum" in profile["note"]
     from diffulex_backend.testing.diffusion_gemma_checkpoint import TINY, TINY_SCHEDULE
     for row, batch in zip(canvas, (1, 2)):
-        assert (row["case"], int(row["batch"]), int(row["tokens"])) == (f"b{batch}", batch, batch * TINY["canvas_length"])
+        assert (row["case"], int(row["batch"]), int(row["tokens"])) == (
+            f"b{batch}", batch, batch * TINY["canvas_length"])
         for floor in ("weight_floor", "compute_floor"):  # the step against the floors of the rows it feeds
             assert float(row[f"engine_vs_{floor}"]) == pytest.approx(
                 float(row["engine_step_ms"]) / float(row[f"{floor}_ms"]), rel=2e-3)
