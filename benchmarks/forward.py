@@ -647,36 +647,56 @@ def diffulex_section(report: Report, name: str, model, model_dir: str, device, p
             free_memory(device)
 
 
+CANVASES_A_REQUEST = 2  # a DiffusionGemma request of the canvas sections: the prompt, then two canvases
+
+
+def canvas_engine(model, model_dir: str, device, plan: Plan, batch: int) -> RandomWeightEngine:
+    """An engine that decodes `batch` DiffusionGemma requests at once: a prompt of Diffulex's benchmark length, then
+    CANVASES_A_REQUEST canvases each."""
+    canvas, prompt = model.arch.canvas_length, plan.diffulex_prompt
+    length = prompt + CANVASES_A_REQUEST * canvas
+    return make_engine(model, model_dir, device, plan, decoding_strategy="diffusion_gemma", block_size=canvas,
+                       max_model_len=length, max_num_reqs=batch,
+                       max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
+                       num_kv_pages=batch * -(-length // PAGE_SIZE))
+
+
+def canvas_prompts(model, plan: Plan, batch: int, generator: torch.Generator) -> list[list[int]]:
+    # From byte 1: id 0 is DiffusionGemma's pad, which no prompt may hold.
+    return [random_prompt(plan.diffulex_prompt, model.arch.vocab_size, generator, low=1) for _ in range(batch)]
+
+
+def canvas_floors(model, ceilings: Ceilings, plan: Plan, batch: int, step_ms: float) -> dict:
+    """The report's columns of a step's floors and the step against them: batch x canvas_length tokens over the
+    prompt (the rows fed again when a canvas ends, and the first canvas's K/V, left out). With 8 of 128 experts a
+    token, one 256-token canvas already reaches nearly every expert, so the weight floor takes the uniform-routing
+    count of experts."""
+    tokens = batch * model.arch.canvas_length
+    f = floors(model, ceilings, batch, plan.diffulex_prompt, tokens, kv_cache_dtype=plan.kv_cache_dtype)
+    return dict(context=plan.diffulex_prompt, tokens=tokens, engine_step_ms=step_ms, **f,
+                engine_vs_weight_floor=step_ms / f["weight_floor_ms"],
+                engine_vs_compute_floor=step_ms / f["compute_floor_ms"], **expert_columns(model, tokens, None))
+
+
 def canvas_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
-    """DiffusionGemma's step: `batch` requests, each denoising one canvas a step, after a prompt of Diffulex's
-    benchmark length, for two canvases each (timed_generation). A step feeds batch x canvas_length rows (and, once
-    a canvas ends, its tokens again, causally, beside the next canvas), so its floors are those of batch x
-    canvas_length tokens over the prompt. With 8 of 128 experts a token, one 256-token canvas already reaches nearly
-    every expert, so the weight floor takes the uniform-routing count of experts."""
+    """DiffusionGemma's step: `batch` requests, each denoising one canvas a step (timed_generation, canvas_engine).
+    A step feeds batch x canvas_length rows, and once a canvas ends its tokens again, causally, beside the next
+    canvas; its floors are canvas_floors'."""
     arch = model.arch
-    canvas = arch.canvas_length
     generator = torch.Generator().manual_seed(6)
-    prompt, new = plan.diffulex_prompt, 2 * canvas
+    new = CANVASES_A_REQUEST * arch.canvas_length
     for batch in plan.diffulex_batches:
-        engine = make_engine(model, model_dir, device, plan, decoding_strategy="diffusion_gemma", block_size=canvas,
-                             max_model_len=prompt + new, max_num_reqs=batch,
-                             max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
-                             num_kv_pages=batch * -(-(prompt + new) // PAGE_SIZE))
-        # From byte 1: id 0 is DiffusionGemma's pad, which no prompt may hold.
-        prompts = [random_prompt(prompt, arch.vocab_size, generator, low=1) for _ in range(batch)]
-        step_times, fed = timed_generation(engine, prompts, SamplingParams(max_tokens=new, ignore_eos=True))
+        engine = canvas_engine(model, model_dir, device, plan, batch)
+        step_times, fed = timed_generation(engine, canvas_prompts(model, plan, batch, generator),
+                                           SamplingParams(max_tokens=new, ignore_eos=True))
         denoise = step_times[1:]  # the first step prefills every prompt
-        ms = statistics.mean(denoise)
-        tokens = batch * canvas
-        f = floors(model, ceilings, batch, prompt, tokens, kv_cache_dtype=plan.kv_cache_dtype)
-        report.add(section="canvas", model=name, case=f"b{batch}", batch=batch, context=prompt, tokens=tokens,
-                   engine_step_ms=ms, **f, engine_vs_weight_floor=ms / f["weight_floor_ms"],
-                   engine_vs_compute_floor=ms / f["compute_floor_ms"],
+        report.add(section="canvas", model=name, case=f"b{batch}", batch=batch,
+                   **canvas_floors(model, ceilings, plan, batch, statistics.mean(denoise)),
                    engine_tokens_per_s=batch * new / (sum(step_times) * 1e-3),
-                   **expert_columns(model, tokens, None),
                    note=f"{len(step_times)} steps, {statistics.mean(fed[1:]):.0f} rows fed a step on average; "
                         f"ms/step over the denoising steps, median {statistics.median(denoise):.2f}; "
-                        f"{arch.schedule.max_denoising_steps} denoising steps at most a canvas of {canvas}")
+                        f"{arch.schedule.max_denoising_steps} denoising steps at most a canvas of "
+                        f"{arch.canvas_length}")
         del engine
         free_memory(device)
 
@@ -691,17 +711,11 @@ def canvas_profile_section(report: Report, name: str, model, model_dir: str, dev
     six, as the canvas section feeds them. Device time a step by kernel kind (kernel_kind) and in the step's forward
     and sample ranges, and the step's wall time: the wall time less the device's is host time the device does not
     overlap. Off a GPU the kinds are CPU time, without the torch ops themselves."""
-    arch = model.arch
-    canvas, batch = arch.canvas_length, plan.diffulex_batches[0]
-    prompt = plan.diffulex_prompt
-    engine = make_engine(model, model_dir, device, plan, decoding_strategy="diffusion_gemma", block_size=canvas,
-                         max_model_len=prompt + 2 * canvas, max_num_reqs=batch,
-                         max_num_batched_tokens=max(4096, batch * (prompt + canvas)),
-                         num_kv_pages=batch * -(-(prompt + 2 * canvas) // PAGE_SIZE))
-    generator = torch.Generator().manual_seed(7)
-    for _ in range(batch):  # from byte 1: id 0 is the pad, which no prompt may hold
-        engine.add_request(random_prompt(prompt, arch.vocab_size, generator, low=1),
-                           SamplingParams(max_tokens=2 * canvas, ignore_eos=True))
+    batch = plan.diffulex_batches[0]
+    engine = canvas_engine(model, model_dir, device, plan, batch)
+    params = SamplingParams(max_tokens=CANVASES_A_REQUEST * model.arch.canvas_length, ignore_eos=True)
+    for prompt in canvas_prompts(model, plan, batch, torch.Generator().manual_seed(7)):
+        engine.add_request(prompt, params)
     for _ in range(6):  # the prompts' step and every bucket's capture before the profile
         engine.step()
     cuda = device.type == "cuda"
@@ -722,11 +736,8 @@ def canvas_profile_section(report: Report, name: str, model, model_dir: str, dev
     kinds.pop("host", None)
     device_ms = sum(kinds.values())
     breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
-    f = floors(model, ceilings, batch, prompt, batch * canvas, kv_cache_dtype=plan.kv_cache_dtype)
-    report.add(section="canvas_profile", model=name, case=f"b{batch}", batch=batch, context=prompt,
-               tokens=batch * canvas, engine_step_ms=step_ms, **f,
-               engine_vs_weight_floor=step_ms / f["weight_floor_ms"],
-               engine_vs_compute_floor=step_ms / f["compute_floor_ms"],
+    report.add(section="canvas_profile", model=name, case=f"b{batch}", batch=batch,
+               **canvas_floors(model, ceilings, plan, batch, step_ms),
                note=f"{'device' if cuda else 'CPU'} ms a step by kernel kind: {breakdown}; sum {device_ms:.2f}; "
                     f"in the forward range {ranges.get('forward', 0.0):.2f}, the sample range "
                     f"{ranges.get('sample', 0.0):.2f}; step wall time less the sum {step_ms - device_ms:.2f} "
