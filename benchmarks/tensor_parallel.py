@@ -8,7 +8,8 @@ token per block per step, so random weights cannot change how much a step decode
     absolute difference, and that over the largest baseline logit. In float32 (TF32 off on every rank) a logic
     error shows as a difference of the logits' own size, rounding as one near 1e-6;
   - ms per decode step (engine.step_deltas, after every prompt's prefill: the served model's step, whose text is
-    made on its response thread, so that detokenizing is not counted), the median over the timed steps;
+    made on its response thread, so that detokenizing is not counted), the median over the timed steps, timed
+    without the profiler, which slows the host;
   - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels on GPUs, gloo ops on a CPU);
   - the speed-up over the baseline, beside the ideal one (the size ratio: at batch 1 a step streams the weights,
     and each rank streams 1/N of them);
@@ -134,9 +135,12 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
     `settings` go to the engine beside the benchmark's own."""
     prompt, new_tokens = (16, 2 * BLOCK) if smoke else (PROMPT, NEW_TOKENS)
     most = max(batches)
+    started = time.perf_counter()
     engine = Diffulex(checkpoint, tensor_parallel_size=size, block_size=BLOCK, page_size=32, sampling_mode="topk",
                       enable_prefix_caching=False, max_num_reqs=most, max_model_len=prompt + new_tokens,
                       max_num_batched_tokens=most * (prompt + 2 * BLOCK), dtype=dtype, device=str(device), **settings)
+    # Progress on stderr, so that a run cut off by a time limit shows where it was.
+    print(f"tp {size}: engine up after {time.perf_counter() - started:.0f} s", file=sys.stderr, flush=True)
     results = {}
     try:
         for batch in batches:
@@ -144,38 +148,43 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
             prompts = [torch.randint(0, 256, (prompt,), generator=generator).tolist() for _ in range(batch)]
             params = SamplingParams(max_tokens=new_tokens, steps=BLOCK, ignore_eos=True, seed=11)
             clock = HostClock()
-            with clock.attached(engine):
+            warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
+
+            def decode(on_start=None) -> list[float]:
+                """One request set: its prefill and warm steps, then the seconds of each step to its end."""
                 ids = [engine.add_request(p, params) for p in prompts]
-                requests = [engine.requests[i] for i in ids]
-                engine.step_deltas()  # every prompt's prefill
-                warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
-                for _ in range(warm):
+                if on_start is not None:
+                    on_start(ids)
+                for _ in range(1 + warm):  # every prompt's prefill, then the warm steps
                     engine.step_deltas()
                 times = []
-                activities = [torch.profiler.ProfilerActivity.CPU]
-                if device.type == "cuda":
-                    activities.append(torch.profiler.ProfilerActivity.CUDA)
-                with torch.profiler.profile(activities=activities) as profile:
-                    while engine.has_unfinished_requests():
-                        start = time.perf_counter()
-                        engine.step_deltas()
-                        times.append(time.perf_counter() - start)
-                # Host phases are timed apart from the profiler, which slows the host: a second request set.
-                ids = [engine.add_request(p, params) for p in prompts]
-                for _ in range(1 + warm):
-                    engine.step_deltas()
-                clock.on, host_times = True, []
                 while engine.has_unfinished_requests():
                     start = time.perf_counter()
                     engine.step_deltas()
-                    host_times.append(time.perf_counter() - start)
+                    times.append(time.perf_counter() - start)
+                return times
+
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if device.type == "cuda":
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            with clock.attached(engine):
+                # Three request sets: the step time on its own, for the profiler slows a host-bound step; the
+                # collectives' time under the profiler; the host's phases under the clock.
+                requests = []
+                times = decode(lambda ids: requests.extend(engine.requests[i] for i in ids))
+                with torch.profiler.profile(activities=activities) as profile:
+                    profiled = decode()
+                clock.on = True
+                host_times = decode()
                 clock.on = False
             results[batch] = dict(
-                step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(times),
+                step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(profiled),
                 tokens=[r.tokens[r.gen_start:].tolist() for r in requests], first_logits=clock.first_logits,
                 host=dict(step_ms=1e3 * statistics.mean(host_times), **clock.per_step(host_times)),
                 weight_bytes=sum(p.numel() * p.element_size() for p in engine.model.parameters()),
                 threads=torch.get_num_threads())
+            print(f"tp {size}, batch {batch}: measured after {time.perf_counter() - started:.0f} s", file=sys.stderr,
+                  flush=True)
     finally:
         engine.close()
         # The next engine sizes its KV cache from the memory free on its GPU: this one's goes back first.
