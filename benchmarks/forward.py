@@ -732,7 +732,8 @@ def canvas_profile_section(report: Report, name: str, model, model_dir: str, dev
         if event.key in STEP_RANGES:
             ranges[event.key] = ms
         else:
-            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + ms
+            kind = kernel_kind(event.key)
+            kinds[kind] = kinds.get(kind, 0.0) + ms
     kinds.pop("host", None)
     device_ms = sum(kinds.values())
     breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))

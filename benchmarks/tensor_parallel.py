@@ -150,11 +150,10 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
             clock = HostClock()
             warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
 
-            def decode(on_start=None) -> list[float]:
-                """One request set: its prefill and warm steps, then the seconds of each step to its end."""
-                ids = [engine.add_request(p, params) for p in prompts]
-                if on_start is not None:
-                    on_start(ids)
+            def decode() -> tuple[list, list[float]]:
+                """One request set: its prefill and warm steps, then each step to its end. Returns the requests and
+                the seconds of each timed step."""
+                requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
                 for _ in range(1 + warm):  # every prompt's prefill, then the warm steps
                     engine.step_deltas()
                 times = []
@@ -162,7 +161,7 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
                     start = time.perf_counter()
                     engine.step_deltas()
                     times.append(time.perf_counter() - start)
-                return times
+                return requests, times
 
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
@@ -170,12 +169,11 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
             with clock.attached(engine):
                 # Three request sets: the step time on its own, for the profiler slows a host-bound step; the
                 # collectives' time under the profiler; the host's phases under the clock.
-                requests = []
-                times = decode(lambda ids: requests.extend(engine.requests[i] for i in ids))
+                requests, times = decode()
                 with torch.profiler.profile(activities=activities) as profile:
-                    profiled = decode()
+                    _, profiled = decode()
                 clock.on = True
-                host_times = decode()
+                _, host_times = decode()
                 clock.on = False
             results[batch] = dict(
                 step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(profiled),
