@@ -30,6 +30,7 @@ class TensorParallel:
     size: int = 1
     expert_parallel: bool = False  # MoE layers: whole experts per rank instead of a share of each
     group: Any = None  # a torch.distributed ProcessGroup (gloo or NCCL); None with one rank
+    peer: Any = None  # a peer_memory.PeerAllReduce where the ranks' GPUs reach each other's memory
 
     def share(self, total: int) -> slice:
         """This rank's contiguous share of `total` items (heads, columns, experts); `total` divides evenly."""
@@ -55,8 +56,11 @@ class TensorParallel:
         return self.share(num_experts) if self.expert_parallel else slice(0, num_experts)
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum over ranks, in place; returns `tensor`. A no-op with one rank."""
+        """Sum over ranks, in place; returns `tensor`. A no-op with one rank. Small sums go over peer memory when
+        the ranks have it: every rank takes the same way, since every rank sums the same shapes."""
         if self.size > 1:
+            if self.peer is not None and self.peer.fits(tensor):
+                return self.peer(tensor)
             self.group.allreduce([tensor]).wait()
         return tensor
 

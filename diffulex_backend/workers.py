@@ -5,7 +5,8 @@ are worker processes started here (running `workers.main`); each holds its share
 runs the same runner, step for step:
 - each step rank 0 broadcasts the plan once, over a gloo group on the host, in its wire form (plan_wire.py: what
   changed since the last step);
-- every rank runs the forward, whose collectives (NCCL on GPUs, gloo on CPU) put the shares together;
+- every rank runs the forward, whose collectives (NCCL on GPUs, or for small sums a one-shot kernel over the
+  other GPUs' memory; gloo on CPU) put the shares together;
 - every rank gets the whole logits (compute_logits gathers them) and samples the same tokens from the same seeds,
   so nothing travels back to rank 0.
 
@@ -41,6 +42,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .model_setup import build_runner, load_rank_model, resolve_dtype
+from .peer_memory import PeerAllReduce, peers_connected
 from .plan_wire import PlanWire
 from .tensor_parallel import TensorParallel
 
@@ -62,9 +64,10 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
     return torch.device("cuda", device.index + rank)
 
 
-def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, object]:
-    """The two groups of one engine's ranks: (control, data). Control carries the plans, on the host, over gloo;
-    data carries the model's collectives: NCCL on GPUs, gloo on the CPU."""
+def connect(store, rank: int, size: int, device: torch.device, expert_parallel: bool) -> tuple[object, TensorParallel]:
+    """The control group of one engine's ranks, and this rank's TensorParallel. Control carries the plans, on the
+    host, over gloo; the model's collectives go over NCCL on GPUs (the small sums over peer memory, where every
+    pair of GPUs reaches the other's: peer_memory.py), over gloo on the CPU."""
     def gloo(prefix):
         options = dist.ProcessGroupGloo._Options()
         options._timeout = COLLECTIVE_TIMEOUT
@@ -73,11 +76,15 @@ def connect(store, rank: int, size: int, device: torch.device) -> tuple[object, 
 
     control = gloo("control")
     if device.type != "cuda":
-        return control, gloo("data")
+        return control, TensorParallel(rank, size, expert_parallel, gloo("data"))
     torch.cuda.set_device(device)
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
-    return control, dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
+    data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
+    peer = None
+    if peers_connected(device.index - rank, size):
+        peer = PeerAllReduce(dist.PrefixStore("peer", store), rank, size, device, COLLECTIVE_TIMEOUT)
+    return control, TensorParallel(rank, size, expert_parallel, data, peer)
 
 
 class Channel:
@@ -182,12 +189,11 @@ class WorkerGroup:
         # may sit in another collective than rank 0's, and only killing it cannot hang.
         self.in_step = False
         try:
-            control, data = self.call(connect, self.store, 0, size, rank_device(device, 0))
+            control, self.tp = self.call(connect, self.store, 0, size, rank_device(device, 0), config.expert_parallel)
         except BaseException:
             self.close()
             raise
         self.channel = Channel(control, 0)
-        self.tp = TensorParallel(0, size, config.expert_parallel, data)
 
     def call(self, fn, *args):
         """fn(*args) where a collective takes part: its failure (a RuntimeError from the backend) raised as the
@@ -297,9 +303,8 @@ def watch_parent() -> None:
 def serve(setup: WorkerSetup, store) -> None:
     torch.set_num_threads(setup.threads)
     device = rank_device(torch.device(setup.device), setup.rank)
-    control, data = connect(store, setup.rank, setup.size, device)
+    control, tp = connect(store, setup.rank, setup.size, device, setup.config.expert_parallel)
     channel = Channel(control, setup.rank)
-    tp = TensorParallel(setup.rank, setup.size, setup.config.expert_parallel, data)
     dtype = resolve_dtype(setup.config.dtype, device)
     model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0

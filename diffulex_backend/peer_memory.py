@@ -1,0 +1,86 @@
+"""The ranks' shared GPU memory for the one-shot all-reduce (kernels/all_reduce.py), and the rule for when it runs.
+
+A tensor-parallel decode step sums a block of rows times the hidden size twice a layer: 256 KB for one LLaDA-8B
+request. NCCL's ring takes some 16 µs for that on NVLink, most of it the protocol's latency, 65 times a step; the
+one-shot kernel reads the other ranks' partials from their memory in one launch. Larger sums (a prefill's rows)
+stay with NCCL, whose bandwidth wins there.
+
+Each rank allocates its staging buffer and flag array, and passes their CUDA IPC handles to the others through the
+engine's store; every rank then holds the addresses of every rank's buffers, which the kernel reads and writes.
+It needs every pair of the ranks' GPUs to reach each other's memory (peer access); without that the engine keeps
+NCCL for every sum.
+"""
+from __future__ import annotations
+
+import datetime
+import pickle
+
+import torch
+from torch.multiprocessing.reductions import reduce_tensor
+
+from diffulex_kernels.all_reduce import one_shot_all_reduce
+
+# The largest sum the one-shot kernel makes, in bytes: a batch-32 decode step's rows at hidden 4096 in bfloat16.
+CAPACITY = 8 << 20
+PROGRAMS = 64  # the kernel's grid: enough loads in flight to stream CAPACITY over NVLink
+KEY = "peer_memory/{}"  # where rank r leaves its buffers' handles, in the engine's store
+
+
+class PeerAllReduce:
+    """One rank's side: its buffers, the other ranks' (opened from their handles), and the kernel's call."""
+
+    def __init__(self, store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
+        self.rank = rank
+        self.timeout_ns = int(timeout.total_seconds() * 1e9)
+        staging = torch.zeros(2 * CAPACITY, dtype=torch.uint8, device=device)
+        flags = torch.zeros(PROGRAMS, size, dtype=torch.int64, device=device)
+        self.counts = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
+        torch.cuda.synchronize(device)  # the zeros are in place before any rank may raise a flag in them
+        store.set(KEY.format(rank), pickle.dumps((reduce_tensor(staging), reduce_tensor(flags))))
+        # Every rank's buffers, this rank's among them; the opened ones stay open as long as they are held.
+        self.buffers = [(staging, flags) if peer == rank else open_handles(store.get(KEY.format(peer)), device)
+                        for peer in range(size)]
+        self.staging = staging
+        self.staging_offsets = torch.tensor([staging_offset(s, staging) for s, _ in self.buffers], dtype=torch.int64,
+                                            device=device)
+        self.flag_ptrs = torch.tensor([f.data_ptr() for _, f in self.buffers], dtype=torch.int64, device=device)
+
+    @staticmethod
+    def fits(tensor: torch.Tensor) -> bool:
+        return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= CAPACITY
+
+    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` (which fits) over the ranks, in place."""
+        return one_shot_all_reduce(tensor, self.staging.view(tensor.dtype), self.staging_offsets, self.flag_ptrs,
+                                   self.counts, self.rank, self.timeout_ns)
+
+
+def open_handles(data: bytes, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Another rank's staging buffer and flag array, mapped for kernels on `device`.
+
+    torch would open a handle in the context of the GPU that holds the memory, where this GPU's kernels cannot
+    reach it (an illegal address): the handle opens here in this GPU's context instead, with peer access enabled
+    as the mapping needs it. The tensors then say `device`, though their memory is on the other GPU: nothing reads
+    them but the kernel, through their addresses. The other rank synchronized before it published the handles, so
+    there is no event to wait for."""
+    def opened(reduced):
+        rebuild, args = reduced
+        args = list(args)
+        args[6], args[14] = device.index, False  # rebuild_cuda_tensor's storage_device and event_sync_required
+        return rebuild(*args)
+
+    staging, flags = pickle.loads(data)
+    return opened(staging), opened(flags)
+
+
+def staging_offset(buffer: torch.Tensor, own: torch.Tensor) -> int:
+    """Where `buffer` starts from `own`, in this process's addresses, in the 16-byte units the kernel takes."""
+    offset = buffer.data_ptr() - own.data_ptr()
+    assert offset % 16 == 0, "the allocator aligns every buffer to 16 bytes or more"
+    return offset // 16
+
+
+def peers_connected(first: int, size: int) -> bool:
+    """Whether the GPUs cuda:first..first+size-1 reach each other's memory, every pair of them."""
+    gpus = range(first, first + size)
+    return all(torch.cuda.can_device_access_peer(a, b) for a in gpus for b in gpus if a != b)

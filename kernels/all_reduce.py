@@ -1,0 +1,105 @@
+"""A one-shot all-reduce over peer memory: each rank reads every other rank's share straight from its GPU.
+
+For the small sums a tensor-parallel decode step makes (a block of rows times the hidden size, two per layer) a
+ring all-reduce is bound by its latency: a few steps of a protocol, each a round trip. Between GPUs that map each
+other's memory (NVLink, or PCIe with peer access) one launch does it:
+
+1. each program copies its chunks of the rank's partial into the rank's staging buffer;
+2. it raises its flag in every rank's flag array (a release store at system scope) and waits until every rank's
+   same program has raised its own (acquire loads);
+3. it sums its chunks over every rank's staging buffer, in float32 and in rank order, so every rank rounds the same
+   sum, and writes them over the partial.
+
+Programs synchronise pairwise with the same program of the other ranks and never with one another, so a launch
+cannot wait on a program of its own grid that has not been scheduled. The flags hold a count of calls (int64: it
+never wraps), which each program keeps in `counts`; every rank makes the same calls in the same order, so the
+counts agree. The staging buffer has two halves used in turn: a rank writes a half again only two calls later,
+after every rank has raised its flag for the call between, which it does only once it has read that half.
+
+Every rank passes the same `programs` (the length of `counts`), for every call: a program's flags and count are its
+own.
+
+A rank that never arrives (its process died mid-step) would keep the others waiting for good: on a GPU a program
+that has waited `timeout_ns` fails the launch with a device-side assertion, as a collective that times out fails,
+and the engine's next read-back raises.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .pdl import use_pdl, wait_for_previous_kernel
+
+BLOCK = 2048  # elements a program moves per chunk
+
+
+@triton.jit
+def _staging(staging_ptr, staging_offsets, rank, half):
+    """Rank `rank`'s staging half, as an offset from this rank's buffer: a table of 16-byte units, multiplied back
+    here, keeps the compiler's knowledge that the buffer is 16-byte aligned, so a thread moves 16 bytes a load."""
+    dtype = staging_ptr.dtype.element_ty
+    return staging_ptr + tl.load(staging_offsets + rank) * (16 // (dtype.primitive_bitwidth // 8)) + half
+
+
+@triton.jit(debug=True)  # keeps the device assertion of the timeout
+def _one_shot_all_reduce(x_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_ptr, n, half_size, rank, timeout_ns,
+                         WORLD: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr, USE_PDL: tl.constexpr):
+    """staging_ptr: this rank's staging buffer ([2, half_size] of x's dtype); staging_offsets: int64 [WORLD], where
+    every rank's starts from it, in 16-byte units; flag_ptrs: int64 [WORLD], the addresses of every rank's flag
+    array (int64 [programs, WORLD]); counts_ptr: int64 [programs], this rank's."""
+    wait_for_previous_kernel(USE_PDL)
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    count = tl.load(counts_ptr + program) + 1
+    tl.store(counts_ptr + program, count)
+    half = (count % 2) * half_size
+    offsets = tl.arange(0, BLOCK)
+    chunks = tl.cdiv(n, BLOCK)
+    for chunk in range(program, chunks, programs):
+        index = chunk * BLOCK + offsets
+        mask = index < n
+        tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
+    # Every thread's copy is done before the flag says so; the release makes the copies visible with it.
+    tl.debug_barrier()
+    slot = program * WORLD
+    for peer in tl.static_range(WORLD):
+        flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags + slot + rank, count, sem="release", scope="sys")
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    if TIMED:
+        deadline = tl.extra.cuda.globaltimer() + timeout_ns
+    for peer in tl.static_range(WORLD):
+        # A rank may be a call ahead (its flag then already says count + 1), never behind once it has arrived.
+        while tl.atomic_add(own_flags + slot + peer, 0, sem="acquire", scope="sys") < count:
+            if TIMED:
+                tl.device_assert(tl.extra.cuda.globaltimer() < deadline,
+                                 "one-shot all-reduce: a rank did not arrive in time")
+    tl.debug_barrier()
+    for chunk in range(program, chunks, programs):
+        index = chunk * BLOCK + offsets
+        mask = index < n
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for peer in tl.static_range(WORLD):
+            staging = _staging(staging_ptr, staging_offsets, peer, half)
+            total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+        tl.store(x_ptr + index, total.to(x_ptr.dtype.element_ty), mask=mask)
+
+
+def one_shot_all_reduce(x: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,
+                        flag_ptrs: torch.Tensor, counts: torch.Tensor, rank: int, timeout_ns: int = 0) -> torch.Tensor:
+    """Sums x (contiguous, at most half of `staging`) over the ranks, in place; returns x.
+    - staging: this rank's staging buffer, of x's dtype, 16-byte aligned, as large as every other rank's;
+    - staging_offsets: int64 [world], where each rank's staging buffer starts, from this one's, in 16-byte units;
+    - flag_ptrs: int64 [world], the addresses of every rank's flag array (int64 [len(counts), world], zeros at
+      first);
+    - counts: int64 [programs], this rank's, zeros at first;
+    - timeout_ns > 0 bounds the wait for the other ranks on a GPU (the interpreter waits without bound)."""
+    half_size = staging.numel() // 2
+    assert x.is_contiguous() and x.numel() <= half_size and staging.dtype == x.dtype
+    pdl = use_pdl(x)
+    _one_shot_all_reduce[(counts.numel(),)](
+        x, staging, staging_offsets, flag_ptrs, counts, x.numel(), half_size, rank, timeout_ns,
+        WORLD=staging_offsets.numel(), BLOCK=BLOCK, TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8,
+        launch_pdl=pdl)
+    return x
