@@ -10,7 +10,8 @@ token per block per step, so random weights cannot change how much a step decode
   - ms per decode step (engine.step_deltas, after every prompt's prefill: the served model's step, whose text is
     made on its response thread, so that detokenizing is not counted), the median over the timed steps, timed
     without the profiler, which slows the host;
-  - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels on GPUs, gloo ops on a CPU);
+  - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels and the one-shot collectives' on GPUs,
+    gloo ops on a CPU);
   - the speed-up over the baseline, beside the ideal one (the size ratio: at batch 1 a step streams the weights,
     and each rank streams 1/N of them);
   - the weight-streaming floor of one rank: its share of the model's bytes / the measured HBM bandwidth.
@@ -57,14 +58,15 @@ NEW_TOKENS = 4 * BLOCK
 
 
 def collective_ms(profile) -> float:
-    """Device time of NCCL kernels, or host time of gloo collectives, in ms over the profiled span."""
+    """Device time of NCCL kernels and of the one-shot collectives over peer memory, or host time of gloo
+    collectives, in ms over the profiled span."""
     total_us = 0.0
     for event in profile.key_averages():
         name = event.key.lower()
-        if "nccl" in name:
-            total_us += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
-        elif name.startswith("gloo:"):
+        if name.startswith("gloo:"):
             total_us += event.cpu_time_total
+        elif "nccl" in name or "one_shot_collective" in name:
+            total_us += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     return total_us / 1e3
 
 
