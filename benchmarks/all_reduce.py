@@ -91,11 +91,11 @@ def rank_main(rank: int, port: int, sizes: list[int], calls: int, out: pathlib.P
         partial = torch.randn(size // 2, generator=generator, device=device).to(torch.bfloat16)
         by_nccl, by_peer = partial.clone(), partial.clone()
         tp.group.allreduce([by_nccl]).wait()
-        tp.peer(by_peer)
+        tp.peer.all_reduce(by_peer)
         equal = torch.equal(by_nccl, by_peer)
         work = partial.clone()
         nccl_us = graph_us(lambda: tp.group.allreduce([work]).wait(), calls)
-        one_shot_us = graph_us(lambda: tp.peer(work), calls) if size <= CAPACITY else float("nan")
+        one_shot_us = graph_us(lambda: tp.peer.all_reduce(work), calls) if size <= CAPACITY else float("nan")
         floor_us = 1e6 * size / bandwidth
         if rank == 0:
             table.add(bytes=size, rows_at_4096=size // (2 * 4096), nccl_us=nccl_us, one_shot_us=one_shot_us,

@@ -1,9 +1,11 @@
-"""The ranks' shared GPU memory for the one-shot all-reduce (kernels/all_reduce.py), and the rule for when it runs.
+"""The ranks' shared GPU memory for the one-shot all-reduce and all-gather (kernels/peer_collectives.py), and the rule
+for when they run.
 
 A tensor-parallel decode step sums a block of rows times the hidden size twice a layer: 256 KB for one LLaDA-8B
 request. NCCL's ring takes some 16 µs for that on NVLink, most of it the protocol's latency, 65 times a step; the
 one-shot kernel reads the other ranks' partials from their memory in one launch. Larger sums (a prefill's rows)
-stay with NCCL, whose bandwidth wins there.
+stay with NCCL, whose bandwidth wins there. The greedy step's exchange of a few numbers a row (an all-gather) goes
+the same way: through NCCL, outside the graphs, it held the host for about a millisecond a step.
 
 Each rank allocates its staging buffer and flag array, and passes their CUDA IPC handles to the others through the
 engine's store; every rank then holds the addresses of every rank's buffers, which the kernel reads and writes.
@@ -18,7 +20,7 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from diffulex_kernels.all_reduce import one_shot_all_reduce
+from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce
 
 # The largest sum the one-shot kernel makes, in bytes: a batch-32 decode step's rows at hidden 4096 in bfloat16.
 CAPACITY = 8 << 20
@@ -26,8 +28,8 @@ PROGRAMS = 64  # the kernel's grid: enough loads in flight to stream CAPACITY ov
 KEY = "peer_memory/{}"  # where rank r leaves its buffers' handles, in the engine's store
 
 
-class PeerAllReduce:
-    """One rank's side: its buffers, the other ranks' (opened from their handles), and the kernel's call."""
+class PeerCollectives:
+    """One rank's side: its buffers, the other ranks' (opened from their handles), and the kernels' calls."""
 
     def __init__(self, store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
         self.rank = rank
@@ -49,9 +51,14 @@ class PeerAllReduce:
     def fits(tensor: torch.Tensor) -> bool:
         return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= CAPACITY
 
-    def __call__(self, tensor: torch.Tensor) -> torch.Tensor:
+    def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` (which fits) over the ranks, in place."""
         return one_shot_all_reduce(tensor, self.staging.view(tensor.dtype), self.staging_offsets, self.flag_ptrs,
+                                   self.counts, self.rank, self.timeout_ns)
+
+    def gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """[size, *shape]: every rank's `tensor` (which fits), rank 0's first."""
+        return one_shot_all_gather(tensor, self.staging.view(tensor.dtype), self.staging_offsets, self.flag_ptrs,
                                    self.counts, self.rank, self.timeout_ns)
 
 

@@ -30,7 +30,7 @@ class TensorParallel:
     size: int = 1
     expert_parallel: bool = False  # MoE layers: whole experts per rank instead of a share of each
     group: Any = None  # a torch.distributed ProcessGroup (gloo or NCCL); None with one rank
-    peer: Any = None  # a peer_memory.PeerAllReduce where the ranks' GPUs reach each other's memory
+    peer: Any = None  # a peer_memory.PeerCollectives where the ranks' GPUs reach each other's memory
 
     def share(self, total: int) -> slice:
         """This rank's contiguous share of `total` items (heads, columns, experts); `total` divides evenly."""
@@ -60,7 +60,7 @@ class TensorParallel:
         the ranks have it: every rank takes the same way, since every rank sums the same shapes."""
         if self.size > 1:
             if self.peer is not None and self.peer.fits(tensor):
-                return self.peer(tensor)
+                return self.peer.all_reduce(tensor)
             self.group.allreduce([tensor]).wait()
         return tensor
 
@@ -74,9 +74,11 @@ class TensorParallel:
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[size, *shape]: every rank's `tensor` (same shape on each), rank 0's first, in one collective into one
-        buffer."""
+        buffer: over peer memory when it fits, as all_reduce."""
         if self.size == 1:
             return tensor[None]
+        if self.peer is not None and self.peer.fits(tensor):
+            return self.peer.gather(tensor.contiguous())
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
         self.group._allgather_base(out, tensor.contiguous()).wait()
         return out.view(self.size, *tensor.shape)

@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .model_setup import build_runner, load_rank_model, resolve_dtype
-from .peer_memory import PeerAllReduce, peers_connected
+from .peer_memory import PeerCollectives, peers_connected
 from .plan_wire import PlanWire
 from .tensor_parallel import TensorParallel
 
@@ -83,7 +83,7 @@ def connect(store, rank: int, size: int, device: torch.device, expert_parallel: 
     data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
     peer = None
     if peers_connected(device.index - rank, size):
-        peer = PeerAllReduce(dist.PrefixStore("peer", store), rank, size, device, COLLECTIVE_TIMEOUT)
+        peer = PeerCollectives(dist.PrefixStore("peer", store), rank, size, device, COLLECTIVE_TIMEOUT)
     return control, TensorParallel(rank, size, expert_parallel, data, peer)
 
 

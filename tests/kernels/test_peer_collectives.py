@@ -1,10 +1,11 @@
-"""The one-shot all-reduce over peer memory (kernels/all_reduce.py) gives every rank the same sum, the rank-order
-float32 sum rounded once, call after call: the flags, the counts and the two staging halves keep ranks that run
-ahead from overwriting what another still reads.
+"""The one-shot collectives over peer memory (kernels/peer_collectives.py): the all-reduce gives every rank the same
+sum, the rank-order float32 sum rounded once, and the all-gather every rank's tensor in rank order, call after call
+and one kind after the other: the flags, the counts and the two staging halves keep ranks that run ahead from
+overwriting what another still reads.
 
 On the CPU the ranks are processes (Triton's interpreter runs one kernel at a time in a process) over buffers in
 shared memory, each with the addresses it maps them at. On two GPUs the ranks connect as an engine's do
-(workers.connect) and the kernel is held to NCCL's sum, eagerly and replayed in a CUDA graph. On one GPU a rank
+(workers.connect) and the kernel is held to NCCL's sum, eagerly and replayed in a CUDA graph, and to its gather. On one GPU a rank
 that never arrives fails the launch once the timeout has passed, instead of hanging the engine."""
 from __future__ import annotations
 
@@ -24,17 +25,25 @@ PROGRAMS = 3
 HALF_SIZE = 7000  # elements of the staging halves, in the test's dtype
 # Sizes past what the programs move in one pass (3 x 2048), a single element, and the whole half.
 SIZES = [7, 4096, 6145, 1, 2049, HALF_SIZE, 300, 6144 - 1]
+GATHERS = {1, 6}  # calls that gather instead
 
 
 def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
-    from diffulex_kernels.all_reduce import one_shot_all_reduce
+    from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce
 
     from diffulex_backend.peer_memory import staging_offset
 
     staging_offsets = torch.tensor([staging_offset(s, staging[rank]) for s in staging], dtype=torch.int64)
     flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
     counts = torch.zeros(PROGRAMS, dtype=torch.int64)
-    for x, out in zip(inputs[rank], outputs[rank]):
+    for call, (x, out) in enumerate(zip(inputs[rank], outputs[rank])):
+        if call in GATHERS:
+            everyone = one_shot_all_gather(x, staging[rank], staging_offsets, flag_ptrs, counts, rank)
+            assert everyone.shape == (world, x.numel())
+            for peer in range(world):  # a copy: bit for bit
+                assert torch.equal(everyone[peer], inputs[peer][call]), (rank, call, peer)
+            out.copy_(everyone[rank])
+            continue
         summed = x.clone()
         assert one_shot_all_reduce(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank) is summed
         out.copy_(summed)
@@ -60,11 +69,14 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype):
     for process in ranks:
         process.join(300)
     assert [process.exitcode for process in ranks] == [0] * world
-    for call, size in enumerate(SIZES):
+    for call in set(range(len(SIZES))) - GATHERS:
         expected = sum(inputs[rank][call].float() for rank in range(world)).to(dtype)
         for rank in range(world):
             assert torch.equal(outputs[rank][call], outputs[0][call])  # one sum, whichever rank asks
             assert_equal_after_rounding(outputs[rank][call], expected)
+    for call in GATHERS:  # each rank checked every rank's part; here, that it wrote its own back
+        for rank in range(world):
+            assert torch.equal(outputs[rank][call], inputs[rank][call])
     # Each rank's flags hold, from every rank, the count of its last call; the last two calls' partials sit in the
     # two halves of each rank's staging buffer, the call with count c in half c % 2: a rank that runs a call ahead
     # writes the half no rank reads any more.
@@ -105,22 +117,27 @@ def gpu_rank(rank, port, results):
             graph.replay()
             tp.group.allreduce([fresh]).wait()
             agree.append(torch.equal(static, fresh))
+        # The greedy step's exchange: a few float32 numbers a row, gathered.
+        stats = torch.randn(rows, 7, generator=generator, device=device)
+        by_nccl = torch.empty(2 * rows, 7, device=device)
+        tp.group._allgather_base(by_nccl, stats).wait()
+        agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
     results[rank] = agree
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs that reach each other's memory")
-def test_two_gpus_sum_as_nccl_does_eagerly_and_in_graphs():
+def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     import torch.distributed as dist
 
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 12, 1: [True] * 12}
+    assert dict(results) == {0: [True] * 15, 1: [True] * 15}
 
 
 ABSENT_RANK = textwrap.dedent("""
     import torch
-    from diffulex_kernels.all_reduce import one_shot_all_reduce
+    from diffulex_kernels.peer_collectives import one_shot_all_reduce
 
     # Rank 0 of two, whose partner never raises its flag.
     staging = [torch.zeros(2 * 4096, dtype=torch.bfloat16, device="cuda") for _ in range(2)]

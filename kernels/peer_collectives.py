@@ -1,4 +1,5 @@
-"""A one-shot all-reduce over peer memory: each rank reads every other rank's share straight from its GPU.
+"""A one-shot all-reduce and all-gather over peer memory: each rank reads every other rank's share straight from its
+GPU.
 
 For the small sums a tensor-parallel decode step makes (a block of rows times the hidden size, two per layer) a
 ring all-reduce is bound by its latency: a few steps of a protocol, each a round trip. Between GPUs that map each
@@ -8,7 +9,8 @@ other's memory (NVLink, or PCIe with peer access) one launch does it:
 2. it raises its flag in every rank's flag array (a release store at system scope) and waits until every rank's
    same program has raised its own (acquire loads);
 3. it sums its chunks over every rank's staging buffer, in float32 and in rank order, so every rank rounds the same
-   sum, and writes them over the partial.
+   sum, and writes them over the partial; or, gathering, copies every rank's chunks into the output, rank 0's
+   first.
 
 Programs synchronise pairwise with the same program of the other ranks and never with one another, so a launch
 cannot wait on a program of its own grid that has not been scheduled. The flags hold a count of calls (int64: it
@@ -43,9 +45,11 @@ def _staging(staging_ptr, staging_offsets, rank, half):
 
 
 @triton.jit(debug=True)  # keeps the device assertion of the timeout
-def _one_shot_all_reduce(x_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_ptr, n, half_size, rank, timeout_ns,
-                         WORLD: tl.constexpr, BLOCK: tl.constexpr, TIMED: tl.constexpr, USE_PDL: tl.constexpr):
-    """staging_ptr: this rank's staging buffer ([2, half_size] of x's dtype); staging_offsets: int64 [WORLD], where
+def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_ptr, n, half_size, rank,
+                         timeout_ns, WORLD: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
+                         TIMED: tl.constexpr, USE_PDL: tl.constexpr):
+    """Sums x into out (x itself, in place), or with GATHER writes every rank's x into out ([WORLD, n]).
+    staging_ptr: this rank's staging buffer ([2, half_size] of x's dtype); staging_offsets: int64 [WORLD], where
     every rank's starts from it, in 16-byte units; flag_ptrs: int64 [WORLD], the addresses of every rank's flag
     array (int64 [programs, WORLD]); counts_ptr: int64 [programs], this rank's."""
     wait_for_previous_kernel(USE_PDL)
@@ -74,16 +78,21 @@ def _one_shot_all_reduce(x_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_
         while tl.atomic_add(own_flags + slot + peer, 0, sem="acquire", scope="sys") < count:
             if TIMED:
                 tl.device_assert(tl.extra.cuda.globaltimer() < deadline,
-                                 "one-shot all-reduce: a rank did not arrive in time")
+                                 "one-shot collective: a rank did not arrive in time")
     tl.debug_barrier()
     for chunk in range(program, chunks, programs):
         index = chunk * BLOCK + offsets
         mask = index < n
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for peer in tl.static_range(WORLD):
-            staging = _staging(staging_ptr, staging_offsets, peer, half)
-            total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
-        tl.store(x_ptr + index, total.to(x_ptr.dtype.element_ty), mask=mask)
+        if GATHER:
+            for peer in tl.static_range(WORLD):
+                staging = _staging(staging_ptr, staging_offsets, peer, half)
+                tl.store(out_ptr + peer * n + index, tl.load(staging + index, mask=mask), mask=mask)
+        else:
+            total = tl.zeros([BLOCK], dtype=tl.float32)
+            for peer in tl.static_range(WORLD):
+                staging = _staging(staging_ptr, staging_offsets, peer, half)
+                total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+            tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def one_shot_all_reduce(x: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,
@@ -95,11 +104,24 @@ def one_shot_all_reduce(x: torch.Tensor, staging: torch.Tensor, staging_offsets:
       first);
     - counts: int64 [programs], this rank's, zeros at first;
     - timeout_ns > 0 bounds the wait for the other ranks on a GPU (the interpreter waits without bound)."""
+    _launch(x, x, False, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns)
+    return x
+
+
+def one_shot_all_gather(x: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,
+                        flag_ptrs: torch.Tensor, counts: torch.Tensor, rank: int, timeout_ns: int = 0) -> torch.Tensor:
+    """[world, *x.shape]: every rank's x, rank 0's first. The buffers as one_shot_all_reduce takes them, and the
+    same ones serve both: a call of either is one of the counted calls."""
+    out = torch.empty((staging_offsets.numel(), *x.shape), dtype=x.dtype, device=x.device)
+    _launch(x, out, True, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns)
+    return out
+
+
+def _launch(x, out, gather, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns):
     half_size = staging.numel() // 2
     assert x.is_contiguous() and x.numel() <= half_size and staging.dtype == x.dtype
     pdl = use_pdl(x)
-    _one_shot_all_reduce[(counts.numel(),)](
-        x, staging, staging_offsets, flag_ptrs, counts, x.numel(), half_size, rank, timeout_ns,
-        WORLD=staging_offsets.numel(), BLOCK=BLOCK, TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8,
-        launch_pdl=pdl)
-    return x
+    _one_shot_collective[(counts.numel(),)](
+        x, out, staging, staging_offsets, flag_ptrs, counts, x.numel(), half_size, rank, timeout_ns,
+        WORLD=staging_offsets.numel(), BLOCK=BLOCK, GATHER=gather, TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl,
+        num_warps=8, launch_pdl=pdl)
