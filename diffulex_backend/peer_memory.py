@@ -43,13 +43,19 @@ class PeerCollectives:
         self.buffers = [(staging, flags) if peer == rank else open_handles(store.get(KEY.format(peer)), device)
                         for peer in range(size)]
         self.staging = staging
+        self.open = True
         self.staging_offsets = torch.tensor([staging_offset(s, staging) for s, _ in self.buffers], dtype=torch.int64,
                                             device=device)
         self.flag_ptrs = torch.tensor([f.data_ptr() for _, f in self.buffers], dtype=torch.int64, device=device)
 
-    @staticmethod
-    def fits(tensor: torch.Tensor) -> bool:
-        return tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= CAPACITY
+    def fits(self, tensor: torch.Tensor) -> bool:
+        return self.open and tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= CAPACITY
+
+    def close(self) -> None:
+        """Lets go of the other ranks' buffers, before the ranks exit: a process that exits while another still
+        holds its buffers makes torch warn at its exit. The collectives go to NCCL after this."""
+        self.open = False
+        self.buffers = [self.buffers[self.rank]]
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` (which fits) over the ranks, in place."""

@@ -188,6 +188,7 @@ class WorkerGroup:
         # Whether every rank waits for the next plan: then close() may tell them to stop. After any failure a rank
         # may sit in another collective than rank 0's, and only killing it cannot hang.
         self.in_step = False
+        self.tp: TensorParallel | None = None  # once the ranks have connected
         try:
             control, self.tp = self.call(connect, self.store, 0, size, rank_device(device, 0), config.expert_parallel)
         except BaseException:
@@ -232,6 +233,8 @@ class WorkerGroup:
     def close(self) -> None:
         """Stop the workers: when each waits for a plan, told to leave their loop and given STOP_TIMEOUT_S to exit;
         whatever still runs then is killed."""
+        if self.tp is not None and self.tp.peer is not None:
+            self.tp.peer.close()
         if self.in_step and all(p.poll() is None for p in self.processes):
             self.in_step = False
             try:
@@ -312,6 +315,8 @@ def serve(setup: WorkerSetup, store) -> None:
     wire = PlanWire()
     while (message := channel.broadcast()) is not None:
         runner.execute(wire.decode(message))
+    if tp.peer is not None:
+        tp.peer.close()
 
 
 def main() -> None:
