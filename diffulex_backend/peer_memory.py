@@ -9,8 +9,8 @@ the same way: through NCCL, outside the graphs, it held the host for about a mil
 
 Each rank allocates its staging buffer and flag array, and passes their CUDA IPC handles to the others through the
 engine's store; every rank then holds the addresses of every rank's buffers, which the kernel reads and writes.
-It needs every pair of the ranks' GPUs to reach each other's memory (peer access); without that the engine keeps
-NCCL for every sum.
+It needs every pair of the ranks' GPUs to reach each other's memory (peer access), and every rank to open the
+others' buffers; without that every rank keeps NCCL for every collective.
 """
 from __future__ import annotations
 
@@ -25,37 +25,85 @@ from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_
 # The largest sum the one-shot kernel makes, in bytes: a batch-32 decode step's rows at hidden 4096 in bfloat16.
 CAPACITY = 8 << 20
 PROGRAMS = 64  # the kernel's grid: enough loads in flight to stream CAPACITY over NVLink
-KEY = "peer_memory/{}"  # where rank r leaves its buffers' handles, in the engine's store
+# The kernel sums in float32: floating dtypes that lose nothing by it. It gathers any dtype but bool (whose bit
+# width is not a whole byte).
+SUMMED = (torch.bfloat16, torch.float16, torch.float32)
+HANDLES = "peer_memory/{}/{}"  # rank r's buffers' handles for rank p, in the engine's store
+READY = "peer_memory/ready/{}"  # b"1" once rank r has opened every other rank's buffers, b"0" if it could not
+
+
+def connect_peers(store, rank: int, size: int, device: torch.device,
+                  timeout: datetime.timedelta) -> "PeerCollectives | None":
+    """This rank's PeerCollectives, or None on every rank alike: where some pair of the GPUs lacks peer access, or
+    where some rank could not allocate its buffers or open another's (a container that forbids CUDA IPC), every
+    rank keeps NCCL. A rank that fails still answers every other rank's waits, with an empty handle."""
+    if not peers_connected(device.index - rank, size):
+        return None  # the same answer on every rank: the GPUs are the same ones
+    others = [other for other in range(size) if other != rank]
+    try:
+        peers = PeerCollectives(rank, size, device, timeout)
+    except RuntimeError:
+        peers = None
+    for other in others:
+        store.set(HANDLES.format(rank, other), peers.handles() if peers is not None else b"")
+    ready = peers is not None
+    if ready:
+        try:
+            peers.open_others({other: store.get(HANDLES.format(other, rank)) for other in others}, device)
+        except RuntimeError:
+            ready = False
+    store.set(READY.format(rank), b"1" if ready else b"0")
+    if all(store.get(READY.format(other)) == b"1" for other in range(size)):
+        return peers
+    if peers is not None:
+        peers.close()
+    return None
 
 
 class PeerCollectives:
     """One rank's side: its buffers, the other ranks' (opened from their handles), and the kernels' calls."""
 
-    def __init__(self, store, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
+    def __init__(self, rank: int, size: int, device: torch.device, timeout: datetime.timedelta):
         self.rank = rank
         self.timeout_ns = int(timeout.total_seconds() * 1e9)
-        staging = torch.zeros(2 * CAPACITY, dtype=torch.uint8, device=device)
-        flags = torch.zeros(PROGRAMS, size, dtype=torch.int64, device=device)
+        self.staging = torch.zeros(2 * CAPACITY, dtype=torch.uint8, device=device)
+        self.flags = torch.zeros(PROGRAMS, size, dtype=torch.int64, device=device)
         self.counts = torch.zeros(PROGRAMS, dtype=torch.int64, device=device)
         torch.cuda.synchronize(device)  # the zeros are in place before any rank may raise a flag in them
-        store.set(KEY.format(rank), pickle.dumps((reduce_tensor(staging), reduce_tensor(flags))))
-        # Every rank's buffers, this rank's among them; the opened ones stay open as long as they are held.
-        self.buffers = [(staging, flags) if peer == rank else open_handles(store.get(KEY.format(peer)), device)
-                        for peer in range(size)]
-        self.staging = staging
-        self.open = True
-        self.staging_offsets = torch.tensor([staging_offset(s, staging) for s, _ in self.buffers], dtype=torch.int64,
-                                            device=device)
-        self.flag_ptrs = torch.tensor([f.data_ptr() for _, f in self.buffers], dtype=torch.int64, device=device)
+        self.others: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # opened, held as long as they are used
+        self.open = False
 
-    def fits(self, tensor: torch.Tensor) -> bool:
-        return self.open and tensor.is_contiguous() and tensor.numel() * tensor.element_size() <= CAPACITY
+    def handles(self) -> bytes:
+        """The buffers' CUDA IPC handles, for one other rank: torch counts the processes that hold a shared tensor
+        by the handles it gave out."""
+        return pickle.dumps((reduce_tensor(self.staging), reduce_tensor(self.flags)))
+
+    def open_others(self, handles: dict[int, bytes], device: torch.device) -> None:
+        """Opens every other rank's buffers from its handles (by rank); raises RuntimeError for a rank that had
+        none to give."""
+        for other, data in handles.items():
+            if not data:
+                raise RuntimeError(f"tensor-parallel rank {other} could not share its peer-memory buffers")
+            self.others[other] = open_handles(data, device)
+        every = [self.others.get(other, (self.staging, self.flags)) for other in range(len(handles) + 1)]
+        self.staging_offsets = torch.tensor([staging_offset(s, self.staging) for s, _ in every], dtype=torch.int64,
+                                            device=device)
+        self.flag_ptrs = torch.tensor([f.data_ptr() for _, f in every], dtype=torch.int64, device=device)
+        self.open = True
+
+    def fits(self, tensor: torch.Tensor, summed: bool) -> bool:
+        """Whether the kernel takes `tensor`, to sum it or else to gather it; the same answer on every rank, which
+        holds a tensor of the same shape and dtype."""
+        dtype_ok = tensor.dtype in SUMMED if summed else tensor.dtype != torch.bool
+        return (self.open and dtype_ok and tensor.is_contiguous()
+                and tensor.numel() * tensor.element_size() <= CAPACITY)
 
     def close(self) -> None:
-        """Lets go of the other ranks' buffers, before the ranks exit: a process that exits while another still
-        holds its buffers makes torch warn at its exit. The collectives go to NCCL after this."""
+        """Lets go of the other ranks' buffers once no kernel uses them (the engine is closing, every rank waits for
+        its next plan): a process that exits while another still holds its buffers makes torch warn at its exit.
+        The collectives go to NCCL after this, and the captured graphs must not replay."""
         self.open = False
-        self.buffers = [self.buffers[self.rank]]
+        self.others.clear()
 
     def all_reduce(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` (which fits) over the ranks, in place."""

@@ -59,7 +59,7 @@ class TensorParallel:
         """Sum over ranks, in place; returns `tensor`. A no-op with one rank. Small sums go over peer memory when
         the ranks have it: every rank takes the same way, since every rank sums the same shapes."""
         if self.size > 1:
-            if self.peer is not None and self.peer.fits(tensor):
+            if self.peer is not None and self.peer.fits(tensor, summed=True):
                 return self.peer.all_reduce(tensor)
             self.group.allreduce([tensor]).wait()
         return tensor
@@ -77,10 +77,11 @@ class TensorParallel:
         buffer: over peer memory when it fits, as all_reduce."""
         if self.size == 1:
             return tensor[None]
-        if self.peer is not None and self.peer.fits(tensor):
-            return self.peer.gather(tensor.contiguous())
+        tensor = tensor.contiguous()
+        if self.peer is not None and self.peer.fits(tensor, summed=False):
+            return self.peer.gather(tensor)
         out = torch.empty((self.size * tensor.shape[0], *tensor.shape[1:]), dtype=tensor.dtype, device=tensor.device)
-        self.group._allgather_base(out, tensor.contiguous()).wait()
+        self.group._allgather_base(out, tensor).wait()
         return out.view(self.size, *tensor.shape)
 
     def gather_columns(self, tensor: torch.Tensor) -> torch.Tensor:

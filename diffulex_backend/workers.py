@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from .config import Config
 from .model_setup import build_runner, load_rank_model, resolve_dtype
-from .peer_memory import PeerCollectives, peers_connected
+from .peer_memory import connect_peers
 from .plan_wire import PlanWire
 from .tensor_parallel import TensorParallel
 
@@ -81,9 +81,7 @@ def connect(store, rank: int, size: int, device: torch.device, expert_parallel: 
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = COLLECTIVE_TIMEOUT
     data = dist.ProcessGroupNCCL(dist.PrefixStore("data", store), rank, size, options)
-    peer = None
-    if peers_connected(device.index - rank, size):
-        peer = PeerCollectives(dist.PrefixStore("peer", store), rank, size, device, COLLECTIVE_TIMEOUT)
+    peer = connect_peers(dist.PrefixStore("peer", store), rank, size, device, COLLECTIVE_TIMEOUT)
     return control, TensorParallel(rank, size, expert_parallel, data, peer)
 
 
@@ -188,7 +186,6 @@ class WorkerGroup:
         # Whether every rank waits for the next plan: then close() may tell them to stop. After any failure a rank
         # may sit in another collective than rank 0's, and only killing it cannot hang.
         self.in_step = False
-        self.tp: TensorParallel | None = None  # once the ranks have connected
         try:
             control, self.tp = self.call(connect, self.store, 0, size, rank_device(device, 0), config.expert_parallel)
         except BaseException:
@@ -233,11 +230,13 @@ class WorkerGroup:
     def close(self) -> None:
         """Stop the workers: when each waits for a plan, told to leave their loop and given STOP_TIMEOUT_S to exit;
         whatever still runs then is killed."""
-        if self.tp is not None and self.tp.peer is not None:
-            self.tp.peer.close()
         if self.in_step and all(p.poll() is None for p in self.processes):
             self.in_step = False
             try:
+                # Every rank waits for a plan: no kernel reads the other ranks' buffers any more. After a failure
+                # one may, and letting go of its memory would wait for it: the buffers go with the process then.
+                if self.tp.peer is not None:
+                    self.tp.peer.close()
                 self.channel.broadcast(None)
                 deadline = time.monotonic() + STOP_TIMEOUT_S
                 for process in self.processes:

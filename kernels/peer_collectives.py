@@ -56,7 +56,6 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
     program = tl.program_id(0)
     programs = tl.num_programs(0)
     count = tl.load(counts_ptr + program) + 1
-    tl.store(counts_ptr + program, count)
     half = (count % 2) * half_size
     offsets = tl.arange(0, BLOCK)
     chunks = tl.cdiv(n, BLOCK)
@@ -64,8 +63,11 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
         index = chunk * BLOCK + offsets
         mask = index < n
         tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
-    # Every thread's copy is done before the flag says so; the release makes the copies visible with it.
+    # Every thread's copy is done before the flag says so; the release makes the copies visible with it. Every
+    # thread has read the count, too, before it is written: a warp that read it after the write would take the
+    # other half, and wait for a call the other ranks have not made.
     tl.debug_barrier()
+    tl.store(counts_ptr + program, count)
     slot = program * WORLD
     for peer in tl.static_range(WORLD):
         flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))

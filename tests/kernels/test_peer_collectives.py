@@ -25,7 +25,15 @@ PROGRAMS = 3
 HALF_SIZE = 7000  # elements of the staging halves, in the test's dtype
 # Sizes past what the programs move in one pass (3 x 2048), a single element, and the whole half.
 SIZES = [7, 4096, 6145, 1, 2049, HALF_SIZE, 300, 6144 - 1]
-GATHERS = {1, 6}  # calls that gather instead
+# Calls that gather int64 instead, as the greedy step gathers float32 beside bfloat16 sums: another dtype, through
+# the same staging buffer and counts.
+GATHERS = {3, 6}
+
+
+def call_input(call: int, size: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if call in GATHERS:
+        return torch.randint(-2**62, 2**62, (size,), generator=generator).share_memory_()
+    return (torch.randn(size, generator=generator) * 8).to(dtype).share_memory_()
 
 
 def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
@@ -38,11 +46,10 @@ def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
     counts = torch.zeros(PROGRAMS, dtype=torch.int64)
     for call, (x, out) in enumerate(zip(inputs[rank], outputs[rank])):
         if call in GATHERS:
-            everyone = one_shot_all_gather(x, staging[rank], staging_offsets, flag_ptrs, counts, rank)
+            everyone = one_shot_all_gather(x, staging[rank].view(x.dtype), staging_offsets, flag_ptrs, counts, rank)
             assert everyone.shape == (world, x.numel())
             for peer in range(world):  # a copy: bit for bit
                 assert torch.equal(everyone[peer], inputs[peer][call]), (rank, call, peer)
-            out.copy_(everyone[rank])
             continue
         summed = x.clone()
         assert one_shot_all_reduce(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank) is summed
@@ -58,8 +65,7 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype):
     generator = torch.Generator().manual_seed(world)
     staging = [torch.zeros(2 * HALF_SIZE, dtype=dtype).share_memory_() for _ in range(world)]
     flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
-    inputs = [[(torch.randn(n, generator=generator) * 8).to(dtype).share_memory_() for n in SIZES]
-              for _ in range(world)]
+    inputs = [[call_input(call, n, dtype, generator) for call, n in enumerate(SIZES)] for _ in range(world)]
     outputs = [[torch.full((n,), float("nan"), dtype=dtype).share_memory_() for n in SIZES] for _ in range(world)]
     context = mp.get_context("spawn")
     ranks = [context.Process(target=interpreted_rank, args=(rank, world, dtype, staging, flags, inputs, outputs))
@@ -68,15 +74,15 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype):
         process.start()
     for process in ranks:
         process.join(300)
-    assert [process.exitcode for process in ranks] == [0] * world
+    for process in ranks:  # one that hangs must not keep the session waiting at its exit
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0] * world  # each rank checked every gather itself
     for call in set(range(len(SIZES))) - GATHERS:
         expected = sum(inputs[rank][call].float() for rank in range(world)).to(dtype)
         for rank in range(world):
             assert torch.equal(outputs[rank][call], outputs[0][call])  # one sum, whichever rank asks
             assert_equal_after_rounding(outputs[rank][call], expected)
-    for call in GATHERS:  # each rank checked every rank's part; here, that it wrote its own back
-        for rank in range(world):
-            assert torch.equal(outputs[rank][call], inputs[rank][call])
     # Each rank's flags hold, from every rank, the count of its last call; the last two calls' partials sit in the
     # two halves of each rank's staging buffer, the call with count c in half c % 2: a rank that runs a call ahead
     # writes the half no rank reads any more.
@@ -84,8 +90,9 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype):
     assert all((f == calls).all() for f in flags)
     for rank in range(world):
         for count in (calls, calls - 1):
-            half = staging[rank][(count % 2) * HALF_SIZE:][:SIZES[count - 1]]
-            assert torch.equal(half, inputs[rank][count - 1])
+            partial = inputs[rank][count - 1]
+            halves = staging[rank].view(partial.dtype).view(2, -1)  # as the call viewed it: the same bytes halved
+            assert torch.equal(halves[count % 2][:partial.numel()], partial)
 
 
 def gpu_rank(rank, port, results):
@@ -103,7 +110,7 @@ def gpu_rank(rank, port, results):
         partial = torch.randn(rows, 4096, generator=generator, device=device).to(torch.bfloat16)
         by_nccl, by_peer = partial.clone(), partial.clone()
         tp.group.allreduce([by_nccl]).wait()
-        assert tp.peer.fits(by_peer)
+        assert tp.peer.fits(by_peer, summed=True)
         tp.all_reduce(by_peer)  # the engine's call takes the peer path for these sizes
         agree.append(torch.equal(by_nccl, by_peer))
         # Replayed in a graph, with fresh inputs each replay.
@@ -122,6 +129,32 @@ def gpu_rank(rank, port, results):
         by_nccl = torch.empty(2 * rows, 7, device=device)
         tp.group._allgather_base(by_nccl, stats).wait()
         agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
+    # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
+    # host work between them, so that a rank may run calls ahead of the other.
+    shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
+    statics = [torch.randn(shape, generator=generator, device=device).to(torch.float32 if shape[1] == 7
+                                                                         else torch.bfloat16) for shape in shapes]
+    inputs = [t.clone() for t in statics]
+    for t in statics:  # every launch compiled before the capture; the calls count alike on both ranks
+        tp.gather(t) if t.dtype == torch.float32 else tp.all_reduce(t.clone())
+    gathered = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i, t in enumerate(statics):
+            if t.dtype == torch.float32:
+                gathered[i] = tp.gather(t)
+            else:
+                tp.all_reduce(t)
+    graph.replay()
+    for i, (t, x) in enumerate(zip(statics, inputs)):
+        if x.dtype == torch.float32:
+            reference = torch.empty(2 * x.shape[0], x.shape[1], device=device)
+            tp.group._allgather_base(reference, x).wait()
+            agree.append(torch.equal(gathered[i], reference.view(2, *x.shape)))
+        else:
+            reference = x.clone()
+            tp.group.allreduce([reference]).wait()
+            agree.append(torch.equal(t, reference))
     results[rank] = agree
 
 
@@ -132,7 +165,7 @@ def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 15, 1: [True] * 15}
+    assert dict(results) == {0: [True] * 33, 1: [True] * 33}
 
 
 ABSENT_RANK = textwrap.dedent("""
