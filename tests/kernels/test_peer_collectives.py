@@ -5,8 +5,9 @@ overwriting what another still reads.
 
 On the CPU the ranks are processes (Triton's interpreter runs one kernel at a time in a process) over buffers in
 shared memory, each with the addresses it maps them at. On two GPUs the ranks connect as an engine's do
-(workers.connect) and the kernel is held to NCCL's sum, eagerly and replayed in a CUDA graph, and to its gather. On one GPU a rank
-that never arrives fails the launch once the timeout has passed, instead of hanging the engine."""
+(workers.connect) and the kernels are held to NCCL's sums and gathers, eagerly, replayed in a CUDA graph, and many
+back to back in one graph. On one GPU a rank that never arrives fails the launch once the timeout has passed,
+instead of hanging the engine."""
 from __future__ import annotations
 
 import datetime
