@@ -81,7 +81,8 @@ def test_one_gpu_writes_the_two_gpu_section_down_as_not_run_and_judges_the_rest(
     (two_gpus,) = [section for section in gpu_check.SECTIONS if section.gpus == 2]
     code, report, ran = fake_machine(gpus=1)
     assert code == 0 and two_gpus.name not in [name for name, _ in ran]
-    assert f"| {two_gpus.name} (`tests/server/test_tensor_parallel_gpu.py`) | 0 | 0 | 0 | not run: needs 2 GPUs, " \
+    paths = ", ".join(f"`{path}`" for path in two_gpus.paths)
+    assert f"| {two_gpus.name} ({paths}) | 0 | 0 | 0 | not run: needs 2 GPUs, " \
            f"1 here | 0 |" in report
     assert "| pass (1 not run) |" in report.splitlines()[-1]
     code, report, _ = fake_machine(gpus=1, failing="offline API")

@@ -1,0 +1,84 @@
+"""The one-shot collectives over peer memory (kernels/peer_collectives.py) on two GPUs: the ranks connect as an
+engine's do (workers.connect), and the kernels are held to NCCL's sums and gathers bit for bit, eagerly, replayed in
+a CUDA graph, and many back to back in one graph. `make gpu-check` runs it in its two-GPU section;
+tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
+from __future__ import annotations
+
+import datetime
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+
+def gpu_rank(rank, port, results):
+    import torch.distributed as dist
+
+    from diffulex_backend.workers import connect
+
+    store = dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(minutes=2))
+    device = torch.device("cuda", rank)
+    _, tp = connect(store, rank, 2, device, expert_parallel=False)
+    assert tp.peer is not None, "the two GPUs do not reach each other's memory"
+    generator = torch.Generator(device).manual_seed(rank)
+    agree = []
+    for rows in (1, 32, 1024):  # a token, one block, 32 blocks, at hidden 4096: the last fills the staging half
+        partial = torch.randn(rows, 4096, generator=generator, device=device).to(torch.bfloat16)
+        by_nccl, by_peer = partial.clone(), partial.clone()
+        tp.group.allreduce([by_nccl]).wait()
+        assert tp.peer.fits(by_peer, summed=True)
+        tp.all_reduce(by_peer)  # the engine's call takes the peer path for these sizes
+        agree.append(torch.equal(by_nccl, by_peer))
+        # Replayed in a graph, with fresh inputs each replay.
+        static = partial.clone()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            tp.all_reduce(static)
+        for step in range(3):
+            fresh = partial * (step + 2)
+            static.copy_(fresh)
+            graph.replay()
+            tp.group.allreduce([fresh]).wait()
+            agree.append(torch.equal(static, fresh))
+        # The greedy step's exchange: a few float32 numbers a row, gathered.
+        stats = torch.randn(rows, 7, generator=generator, device=device)
+        by_nccl = torch.empty(2 * rows, 7, device=device)
+        tp.group._allgather_base(by_nccl, stats).wait()
+        agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
+    # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
+    # host work between them, so that a rank may run calls ahead of the other.
+    shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
+    statics = [torch.randn(shape, generator=generator, device=device).to(torch.float32 if shape[1] == 7
+                                                                         else torch.bfloat16) for shape in shapes]
+    inputs = [t.clone() for t in statics]
+    for t in statics:  # every launch compiled before the capture; the calls count alike on both ranks
+        tp.gather(t) if t.dtype == torch.float32 else tp.all_reduce(t.clone())
+    gathered = {}
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i, t in enumerate(statics):
+            if t.dtype == torch.float32:
+                gathered[i] = tp.gather(t)
+            else:
+                tp.all_reduce(t)
+    graph.replay()
+    for i, (t, x) in enumerate(zip(statics, inputs)):
+        if x.dtype == torch.float32:
+            reference = torch.empty(2 * x.shape[0], x.shape[1], device=device)
+            tp.group._allgather_base(reference, x).wait()
+            agree.append(torch.equal(gathered[i], reference.view(2, *x.shape)))
+        else:
+            reference = x.clone()
+            tp.group.allreduce([reference]).wait()
+            agree.append(torch.equal(t, reference))
+    results[rank] = agree
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs that reach each other's memory")
+def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
+    import torch.distributed as dist
+
+    store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
+    results = mp.get_context("spawn").Manager().dict()
+    mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
+    assert dict(results) == {0: [True] * 33, 1: [True] * 33}

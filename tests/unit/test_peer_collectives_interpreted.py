@@ -1,0 +1,93 @@
+"""The one-shot collectives over peer memory (kernels/peer_collectives.py) under Triton's interpreter: the all-reduce
+gives every rank the same sum, the rank-order float32 sum rounded once, and the all-gather every rank's tensor in rank
+order, call after call and one kind after the other: the flags, the counts and the two staging halves keep ranks that
+run ahead from overwriting what another still reads.
+
+The ranks are processes (the interpreter runs one kernel at a time in a process) over buffers in shared memory, each
+with the addresses it maps them at. tests/kernels/test_peer_collectives_two_gpus.py is the twin on two GPUs."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+PROGRAMS = 3
+HALF_SIZE = 7000  # elements of the staging halves, in the test's dtype
+# Sizes past what the programs move in one pass (3 x 2048), a single element, and the whole half.
+SIZES = [7, 4096, 6145, 1, 2049, HALF_SIZE, 300, 6144 - 1]
+# Calls that gather int64 instead, as the greedy step gathers float32 beside bfloat16 sums: another dtype, through
+# the same staging buffer and counts.
+GATHERS = {3, 6}
+
+
+def call_input(call: int, size: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
+    if call in GATHERS:
+        return torch.randint(-2**62, 2**62, (size,), generator=generator).share_memory_()
+    return (torch.randn(size, generator=generator) * 8).to(dtype).share_memory_()
+
+
+def assert_equal_after_truncation(out: torch.Tensor, expected: torch.Tensor) -> None:
+    """Bit for bit in float32. Triton's interpreter truncates float32 to bfloat16 instead of rounding to nearest
+    even, so a bfloat16 sum may be one unit in the last place off."""
+    if out.dtype != torch.bfloat16:
+        assert torch.equal(out, expected)
+    else:
+        assert ((out.float() - expected.float()).abs() <= expected.float().abs() * 2.0**-7).all()
+
+
+def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
+    from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce
+
+    from diffulex_backend.peer_memory import staging_offset
+
+    staging_offsets = torch.tensor([staging_offset(s, staging[rank]) for s in staging], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    counts = torch.zeros(PROGRAMS, dtype=torch.int64)
+    for call, (x, out) in enumerate(zip(inputs[rank], outputs[rank])):
+        if call in GATHERS:
+            everyone = one_shot_all_gather(x, staging[rank].view(x.dtype), staging_offsets, flag_ptrs, counts, rank)
+            assert everyone.shape == (world, x.numel())
+            for peer in range(world):  # a copy: bit for bit
+                assert torch.equal(everyone[peer], inputs[peer][call]), (rank, call, peer)
+            continue
+        summed = x.clone()
+        assert one_shot_all_reduce(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank) is summed
+        out.copy_(summed)
+    assert counts.tolist() == [len(SIZES)] * PROGRAMS
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype, monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks inherit it, wherever the suite runs
+    generator = torch.Generator().manual_seed(world)
+    staging = [torch.zeros(2 * HALF_SIZE, dtype=dtype).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
+    inputs = [[call_input(call, n, dtype, generator) for call, n in enumerate(SIZES)] for _ in range(world)]
+    outputs = [[torch.full((n,), float("nan"), dtype=dtype).share_memory_() for n in SIZES] for _ in range(world)]
+    context = mp.get_context("spawn")
+    ranks = [context.Process(target=interpreted_rank, args=(rank, world, dtype, staging, flags, inputs, outputs))
+             for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(300)
+    for process in ranks:  # one that hangs must not keep the session waiting at its exit
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0] * world  # each rank checked every gather itself
+    for call in set(range(len(SIZES))) - GATHERS:
+        expected = sum(inputs[rank][call].float() for rank in range(world)).to(dtype)
+        for rank in range(world):
+            assert torch.equal(outputs[rank][call], outputs[0][call])  # one sum, whichever rank asks
+            assert_equal_after_truncation(outputs[rank][call], expected)
+    # Each rank's flags hold, from every rank, the count of its last call; the last two calls' partials sit in the
+    # two halves of each rank's staging buffer, the call with count c in half c % 2: a rank that runs a call ahead
+    # writes the half no rank reads any more.
+    calls = len(SIZES)
+    assert all((f == calls).all() for f in flags)
+    for rank in range(world):
+        for count in (calls, calls - 1):
+            partial = inputs[rank][count - 1]
+            halves = staging[rank].view(partial.dtype).view(2, -1)  # as the call viewed it: the same bytes halved
+            assert torch.equal(halves[count % 2][:partial.numel()], partial)
