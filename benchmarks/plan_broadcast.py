@@ -1,13 +1,18 @@
 """What tensor parallelism's plan broadcast costs on the host: rank 0 encodes each step's SchedulerOutput in its wire
-form (plan_wire.PlanWire: what changed since the last step), pickles it and sends it over the control group
+form (plan_wire.PlanWire: what changed since the last step), pickles it and sends it down a pipe to each worker
 (workers.Channel); every other rank unpickles and decodes it. Beside it, the plan pickled whole, as it travelled
 before the wire form.
+
+Then the trip itself, between two processes as the engine's ranks are: the wire form's frame down a worker's stdin
+(workers.Channel), against the broadcast over a gloo group on the loopback that carried it before (a 64 KiB buffer
+holding the frame, one round of the group). The worker answers each frame with one byte on its stdout, so rank 0
+times the whole trip; the answer's way is the same for both.
 
 One engine on the CPU (a tiny random model: the plan's size depends on the batch and the contexts, not the weights)
 takes --batch requests of the same --context prompt tokens, and steps until every request decodes. The decode step's
 plan is sent both ways, the wire form in its steady state (the requests' records were sent the step before). Reports
-the bytes, and the median of --repeats send (encode and pickle) and receive (unpickle and decode) times. Writes
-plan_broadcast.csv and plan_broadcast.md to --out.
+the bytes, the median of --repeats send (encode and pickle) and receive (unpickle and decode) times, and the median
+trip each way goes. Writes plan_broadcast.csv, plan_broadcast_trip.csv and plan_broadcast.md to --out.
 
     python benchmarks/plan_broadcast.py --out DIR                      # batch 64, 4096-token contexts
     python benchmarks/plan_broadcast.py --out DIR --smoke              # batch 4, 64-token contexts
@@ -16,15 +21,25 @@ from __future__ import annotations
 
 import argparse
 import csv
+import datetime
+import os
 import pickle
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
+import torch.distributed as dist
+
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.plan_wire import PlanWire
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
+from diffulex_backend.workers import Channel, frame
+
+GLOO_BUFFER = 1 << 16  # bytes: what the gloo broadcast sent every step, the frame at its start
 
 
 def decode_plan(checkpoint: Path, batch: int, context: int, block: int):
@@ -53,14 +68,91 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def gloo_group(store, rank: int):
+    """The two ranks' control group over the loopback, as workers.connect formed it."""
+    options = dist.ProcessGroupGloo._Options()
+    options._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
+    return dist.ProcessGroupGloo(dist.PrefixStore("control", store), rank, 2, options)
+
+
+def broadcast(group, buffer: torch.Tensor) -> None:
+    options = dist.BroadcastOptions()
+    options.rootRank = 0
+    group.broadcast([buffer], options).wait()
+
+
+def worker(way: str, port: int, repeats: int) -> None:
+    """Rank 1: receives `repeats` frames the given way, and answers each with one byte."""
+    torch.set_num_threads(1)
+    if way == "pipe":
+        channel = Channel(None, 1, [sys.stdin.buffer])
+        receive = channel.broadcast
+    else:
+        group = gloo_group(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(minutes=1)), 1)
+        buffer = torch.zeros(GLOO_BUFFER, dtype=torch.uint8)
+
+        def receive():
+            broadcast(group, buffer)
+            size = int(buffer[:8].view(torch.int64)[0])
+            return pickle.loads(buffer[8:8 + size].numpy().tobytes())
+    for _ in range(repeats):
+        receive()
+        sys.stdout.buffer.write(b"!")
+        sys.stdout.buffer.flush()
+
+
+def trip_ms(way: str, message, repeats: int) -> tuple[float, float]:
+    """Medians of rank 0's send (until it may go on) and of the whole trip (until the worker's answer arrives), in
+    ms, sending `message` `repeats` times the given way to a worker process."""
+    store, port = None, 0
+    if way == "gloo":
+        store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=1),
+                              wait_for_workers=False)
+        port = store.port
+    child = subprocess.Popen([sys.executable, __file__, "--worker", way, "--port", str(port),
+                              "--repeats", str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                             env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
+    try:
+        if way == "pipe":
+            channel = Channel(None, 0, [child.stdin])
+            send = lambda: channel.broadcast(message)  # noqa: E731
+        else:
+            group = gloo_group(store, 0)
+            buffer = torch.zeros(GLOO_BUFFER, dtype=torch.uint8)
+
+            def send():  # as Channel.broadcast does: pickled each time
+                data = frame(message)
+                assert len(data) <= GLOO_BUFFER, "the frame fits one round of the gloo broadcast"
+                buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                broadcast(group, buffer)
+        sends, trips = [], []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            send()
+            sent = time.perf_counter()
+            assert child.stdout.read(1) == b"!"
+            sends.append((sent - started) * 1e3)
+            trips.append((time.perf_counter() - started) * 1e3)
+        return statistics.median(sends), statistics.median(trips)
+    finally:
+        child.stdin.close()
+        child.wait(60)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--out", type=Path)
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--context", type=int, default=4096)
     parser.add_argument("--repeats", type=int, default=50)
     parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--worker", choices=["pipe", "gloo"], help=argparse.SUPPRESS)  # rank 1 of the trip
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return worker(args.worker, args.port, args.repeats)
+    if args.out is None:
+        parser.error("--out is required")
     batch, context, block = (4, 64, 4) if args.smoke else (args.batch, args.context, 32)
     with tempfile.TemporaryDirectory() as work:
         checkpoint = write_random_checkpoint(Path(work) / "llada", "llada",
@@ -89,6 +181,19 @@ def main(argv: list[str] | None = None) -> None:
              "|---|---|---|---|---|---|---|\n")
     table += "".join(f"| {r['way']} | {r['batch']} | {r['context']} | {r['plan_bytes']} | {r['page_table_entries']} | "
                      f"{r['send_ms']} | {r['receive_ms']} |\n" for r in rows)
+    message = sender.encode(schedule)
+    trips = []
+    for way, name in (("gloo", "gloo broadcast (before)"), ("pipe", "pipe (workers.Channel)")):
+        send_ms, trip = trip_ms(way, message, args.repeats)
+        trips.append(dict(way=name, frame_bytes=len(frame(message)), send_ms=float(f"{send_ms:.4g}"),
+                          trip_ms=float(f"{trip:.4g}")))
+    with open(args.out / "plan_broadcast_trip.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(trips[0]))
+        writer.writeheader()
+        writer.writerows(trips)
+    table += ("\n| way | frame bytes | rank 0's send ms | trip ms (to the worker's answer) |\n"
+              "|---|---|---|---|\n")
+    table += "".join(f"| {t['way']} | {t['frame_bytes']} | {t['send_ms']} | {t['trip_ms']} |\n" for t in trips)
     (args.out / "plan_broadcast.md").write_text(table)
     print(table)
 

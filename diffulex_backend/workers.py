@@ -3,8 +3,8 @@
 Rank 0 is the engine's own process: the scheduler, the tokenizer and rank 0's share of the model. Ranks 1..N-1
 are worker processes started here (running `workers.main`); each holds its share of the model and
 runs the same runner, step for step:
-- each step rank 0 broadcasts the plan once, over a gloo group on the host, in its wire form (plan_wire.py: what
-  changed since the last step);
+- each step rank 0 sends the plan down a pipe to each worker, in its wire form (plan_wire.py: what changed since
+  the last step);
 - every rank runs the forward, whose collectives (NCCL on GPUs, or for small sums a one-shot kernel over the
   other GPUs' memory; gloo on CPU) put the shares together;
 - every rank gets the whole logits (compute_logits gathers them) and samples the same tokens from the same seeds,
@@ -15,7 +15,8 @@ OMP_NUM_THREADS sets it: N ranks that each size their pool to every core oversub
 closing barrier then waits for threads that the other ranks' pools keep off the cores, which turns a step's host work
 of microseconds into milliseconds.
 
-Failure never hangs the engine. A worker that dies closes its sockets, so rank 0's next collective fails at once;
+Failure never hangs the engine. A worker that dies closes its pipe and sockets, so rank 0's next plan or collective
+fails at once;
 the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left in the group's
 store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without dying. Workers
 exit when told to, when a collective fails, or when rank 0's process is gone (they watch their parent);
@@ -29,6 +30,7 @@ import os
 import pickle
 import shutil
 import signal
+import struct
 import subprocess
 import sys
 import threading
@@ -36,6 +38,7 @@ import time
 import traceback
 import weakref
 from dataclasses import dataclass
+from typing import BinaryIO
 
 import torch
 import torch.distributed as dist
@@ -65,8 +68,8 @@ def rank_device(device: torch.device, rank: int) -> torch.device:
 
 
 def connect(store, rank: int, size: int, device: torch.device, expert_parallel: bool) -> tuple[object, TensorParallel]:
-    """The control group of one engine's ranks, and this rank's TensorParallel. Control carries the plans, on the
-    host, over gloo; the model's collectives go over NCCL on GPUs (the small sums over peer memory, where every
+    """The control group of one engine's ranks, and this rank's TensorParallel. Control answers questions to every rank
+    (Channel.minimum), on the host, over gloo; the model's collectives go over NCCL on GPUs (the small sums over peer memory, where every
     pair of GPUs reaches the other's: peer_memory.py), over gloo on the CPU."""
     def gloo(prefix):
         options = dist.ProcessGroupGloo._Options()
@@ -86,43 +89,31 @@ def connect(store, rank: int, size: int, device: torch.device, expert_parallel: 
 
 
 class Channel:
-    """Rank 0 -> every rank: pickled objects over the control group.
+    """Rank 0 -> every rank: pickled objects, each in one frame (its size, then its bytes), over the pipe from rank 0
+    to each worker (the worker's stdin).
 
-    An object travels in one broadcast of a fixed buffer that every rank holds, its size in the first 8 bytes: a
-    step's plan costs one round of the group, not two (a size, then the bytes). What does not fit follows in a
-    second broadcast of its own size. The buffer stays as it is: it is broadcast whole every step, so one large
-    plan (a long prefill) must not make every later step send that much."""
+    A pipe wakes its blocked reader at once, and a write returns as soon as the bytes sit in the pipe: rank 0 goes on
+    to its own forward while the workers read, where a broadcast over the gloo group held it for a round trip of
+    the loopback's sockets every step (benchmarks/plan_broadcast.py times both). A worker that has gone makes the
+    next write fail at once. The gloo group stays for what needs an answer from every rank (`minimum`)."""
 
-    HEADER = 8  # bytes: the pickled object's size, int64
-    # Holds a decode step's plan of 64 requests over 4096-token contexts in its wire form (53 KB), and costs a few
-    # microseconds more than a small buffer over the loopback that the control group uses.
-    CAPACITY = 1 << 16
-
-    def __init__(self, group, rank: int, capacity: int = CAPACITY):
-        self.group, self.rank = group, rank
-        self.options = dist.BroadcastOptions()
-        self.options.rootRank = 0
-        self.buffer = torch.zeros(capacity, dtype=torch.uint8)
+    def __init__(self, group, rank: int, pipes: list[BinaryIO]):
+        """`pipes`: on rank 0 the write ends of the workers' pipes, in rank order; on any other rank the one read end
+        from rank 0."""
+        self.group, self.rank, self.pipes = group, rank, pipes
 
     def broadcast(self, obj=None):
         """Rank 0 sends `obj`; the others receive it. Returns the object on every rank."""
-        room = self.buffer.numel() - self.HEADER
-        if self.rank == 0:
-            data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
-            payload = torch.frombuffer(bytearray(data), dtype=torch.uint8)
-            self.buffer[:self.HEADER].view(torch.int64)[0] = len(data)
-            self.buffer[self.HEADER:self.HEADER + min(len(data), room)] = payload[:room]
-        self._send(self.buffer)
-        size = int(self.buffer[:self.HEADER].view(torch.int64)[0])
-        whole = self.buffer[self.HEADER:self.HEADER + size]
-        if size > room:
-            rest = payload[room:] if self.rank == 0 else torch.empty(size - room, dtype=torch.uint8)
-            self._send(rest)
-            whole = torch.cat([whole, rest])
-        return obj if self.rank == 0 else pickle.loads(whole.numpy().tobytes())
-
-    def _send(self, tensor: torch.Tensor) -> None:
-        self.group.broadcast([tensor], self.options).wait()
+        if self.rank != 0:
+            return read_frame(self.pipes[0])
+        data = frame(obj)
+        for rank, pipe in enumerate(self.pipes, start=1):
+            try:
+                pipe.write(data)
+                pipe.flush()
+            except (BrokenPipeError, ValueError) as error:  # ValueError: the pipe was closed on this side
+                raise RuntimeError(f"tensor-parallel rank {rank} no longer reads its plans ({error})") from error
+        return obj
 
     def minimum(self, value: int) -> int:
         """The smallest of every rank's value."""
@@ -131,6 +122,26 @@ class Channel:
         tensor = torch.tensor([value], dtype=torch.int64)
         self.group.allreduce([tensor], options).wait()
         return int(tensor)
+
+
+FRAME_HEADER = struct.Struct("<q")  # a frame's size in bytes
+
+
+def frame(obj) -> bytes:
+    data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+    return FRAME_HEADER.pack(len(data)) + data
+
+
+def read_frame(pipe: BinaryIO):
+    """The next object from rank 0's pipe. EOFError when rank 0 closed it, or exited, mid-frame or between frames."""
+    header = pipe.read(FRAME_HEADER.size)
+    if len(header) < FRAME_HEADER.size:
+        raise EOFError("rank 0 closed the pipe of plans")
+    (size,) = FRAME_HEADER.unpack(header)
+    data = pipe.read(size)
+    if len(data) < size:
+        raise EOFError(f"rank 0 closed the pipe of plans {len(data)} bytes into a frame of {size}")
+    return pickle.loads(data)
 
 
 @dataclass(frozen=True)
@@ -174,9 +185,9 @@ class WorkerGroup:
                                             "from diffulex_backend.workers import main; main()"],
                                            stdin=subprocess.PIPE, env=env)
                 self.processes.append(process)
-                process.stdin.write(pickle.dumps(WorkerSetup(config, rank, size, self.store.port, str(device),
-                                                             threads)))
-                process.stdin.close()
+                # The pipe stays open: the worker's plans follow its setup down it (Channel).
+                process.stdin.write(frame(WorkerSetup(config, rank, size, self.store.port, str(device), threads)))
+                process.stdin.flush()
             except BaseException:
                 self._closer()
                 raise
@@ -191,7 +202,7 @@ class WorkerGroup:
         except BaseException:
             self.close()
             raise
-        self.channel = Channel(control, 0)
+        self.channel = Channel(control, 0, [process.stdin for process in self.processes])
 
     def call(self, fn, *args):
         """fn(*args) where a collective takes part: its failure (a RuntimeError from the backend) raised as the
@@ -269,6 +280,10 @@ class BroadcastRunner:
 def stop_processes(processes: list[subprocess.Popen]) -> None:
     """Kill what still runs, and reap every process. Also the finalizer of a group dropped without close()."""
     for process in processes:
+        try:
+            process.stdin.close()
+        except OSError:
+            pass  # the worker has gone, and its pipe with it
         if process.poll() is None:
             process.kill()
         process.wait()
@@ -306,7 +321,7 @@ def serve(setup: WorkerSetup, store) -> None:
     torch.set_num_threads(setup.threads)
     device = rank_device(torch.device(setup.device), setup.rank)
     control, tp = connect(store, setup.rank, setup.size, device, setup.config.expert_parallel)
-    channel = Channel(control, setup.rank)
+    channel = Channel(control, setup.rank, [sys.stdin.buffer])
     dtype = resolve_dtype(setup.config.dtype, device)
     model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
@@ -319,7 +334,7 @@ def serve(setup: WorkerSetup, store) -> None:
 
 
 def main() -> None:
-    setup: WorkerSetup = pickle.load(sys.stdin.buffer)
+    setup: WorkerSetup = read_frame(sys.stdin.buffer)
     watch_parent()
     store = dist.TCPStore("127.0.0.1", setup.port, None, False, timeout=COLLECTIVE_TIMEOUT)
     try:

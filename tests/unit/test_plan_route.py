@@ -1,54 +1,67 @@
-"""The plan's route to the other tensor-parallel ranks: the channel that carries an object in one broadcast, and
-the wire form that sends only what changed since the last step. Both ends must agree on every plan, step after step,
-whatever fits the channel's buffer and whichever requests come and go."""
+"""The plan's route to the other tensor-parallel ranks: the channel that carries an object in one frame down a pipe,
+and the wire form that sends only what changed since the last step. Both ends must agree on every plan, step after
+step, whatever its size and whichever requests come and go; a rank at either end that goes makes the other fail at
+once, by name."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 
 import numpy as np
 import pytest
-import torch.distributed as dist
 
 from diffulex_backend.plan import LogitBlock, RequestSampling, SchedulerOutput, SeqPlan
 from diffulex_backend.plan_wire import FIELDS, PlanWire
 from diffulex_backend.sampling import Confidence
-from diffulex_backend.workers import Channel
+from diffulex_backend.workers import Channel, frame
 
 
-def two_ranks(objects: list, capacity: int) -> tuple[list, list[int]]:
-    """What rank 1 receives when rank 0 broadcasts `objects` in turn over a gloo group of two ranks (threads of this
-    process), and rank 1's buffer size after each."""
-    store = dist.HashStore()
-    received, sizes, errors = [], [], []
+def two_ranks(objects: list) -> list:
+    """What rank 1 receives when rank 0 broadcasts `objects` in turn, down a pipe between two threads of this
+    process, as down a worker's stdin."""
+    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    received, errors = [], []
 
-    def rank(r: int) -> None:
+    def receive() -> None:
         try:
-            group = dist.ProcessGroupGloo(store, r, 2)
-            channel = Channel(group, r, capacity)
-            for obj in objects:
-                got = channel.broadcast(obj if r == 0 else None)
-                if r == 1:
-                    received.append(got)
-                    sizes.append(channel.buffer.numel())
+            channel = Channel(None, 1, [read_end])
+            received.extend(channel.broadcast() for _ in objects)
         except BaseException as error:  # noqa: BLE001 (reported by the test's thread)
             errors.append(error)
 
-    threads = [threading.Thread(target=rank, args=(r,)) for r in (0, 1)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
+    reader = threading.Thread(target=receive)
+    reader.start()
+    sender = Channel(None, 0, [write_end])
+    assert [sender.broadcast(obj) for obj in objects] == objects  # rank 0 gets its own objects back
+    reader.join(60)
+    read_end.close(), write_end.close()
     assert not errors, errors
-    return received, sizes
+    return received
 
 
-def test_objects_of_any_size_arrive_whole_and_the_buffer_keeps_its_size():
+def test_objects_of_any_size_arrive_whole_and_in_order():
+    # 300 KB is more than a pipe holds: the write waits for the reader, and the frame arrives whole all the same.
     objects = [None, "x", bytes(range(256)) * 400, {"k": [1, 2, 3]}, b"y" * 300_000, list(range(10))]
-    received, sizes = two_ranks(objects, capacity=1024)
-    assert received == objects
-    # 102400 and 300000 bytes do not fit 1016: their rest follows, and the buffer every step sends stays small.
-    assert sizes == [1024] * len(objects)
+    assert two_ranks(objects) == objects
+
+
+def test_a_worker_that_has_gone_fails_rank_0_s_next_plan_by_its_rank():
+    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    read_end.close()
+    with pytest.raises(RuntimeError, match="tensor-parallel rank 1 no longer reads its plans"):
+        Channel(None, 0, [write_end]).broadcast("plan")
+
+
+@pytest.mark.parametrize("cut", [0, 3, 8, 20], ids=["between-frames", "in-the-header", "after-the-header",
+                                                      "mid-frame"])
+def test_a_worker_whose_rank_0_has_gone_stops_with_eof_wherever_the_frame_was_cut(cut):
+    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    write_end.write(frame(list(range(100)))[:cut])
+    write_end.close()
+    with pytest.raises(EOFError, match="rank 0 closed the pipe of plans"):
+        Channel(None, 1, [read_end]).broadcast()
+    read_end.close()
 
 
 def plan(request_id: str, start: int, pages: list[int], seed: int = 1, tokens: int = 4) -> SeqPlan:
