@@ -79,6 +79,14 @@ class HostClock:
         self.on = False
         self.first_logits: torch.Tensor | None = None
 
+    @contextlib.contextmanager
+    def timing(self):
+        self.on = True
+        try:
+            yield
+        finally:
+            self.on = False
+
     def wrap(self, phase: str, fn):
         def timed(*args, **kwargs):
             if not self.on:
@@ -152,31 +160,31 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
             clock = HostClock()
             warm = 1 if smoke else BLOCK + 2  # one whole block and its commit: each graph bucket is captured
 
-            def decode() -> tuple[list, list[float]]:
-                """One request set: its prefill and warm steps, then each step to its end. Returns the requests and
-                the seconds of each timed step."""
+            def decode(during=contextlib.nullcontext) -> tuple[list, list[float]]:
+                """One request set: its prefill and warm steps, then each step to its end, inside `during()` (the
+                profiler, the clock), which sees no prefill and no warm step. Returns the requests and the seconds
+                of each timed step."""
                 requests = [engine.requests[engine.add_request(p, params)] for p in prompts]
                 for _ in range(1 + warm):  # every prompt's prefill, then the warm steps
                     engine.step_deltas()
                 times = []
-                while engine.has_unfinished_requests():
-                    start = time.perf_counter()
-                    engine.step_deltas()
-                    times.append(time.perf_counter() - start)
+                with during():
+                    while engine.has_unfinished_requests():
+                        start = time.perf_counter()
+                        engine.step_deltas()
+                        times.append(time.perf_counter() - start)
                 return requests, times
 
             activities = [torch.profiler.ProfilerActivity.CPU]
             if device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
+            profile = torch.profiler.profile(activities=activities)
             with clock.attached(engine):
                 # Three request sets: the step time on its own, for the profiler slows a host-bound step; the
                 # collectives' time under the profiler; the host's phases under the clock.
                 requests, times = decode()
-                with torch.profiler.profile(activities=activities) as profile:
-                    _, profiled = decode()
-                clock.on = True
-                _, host_times = decode()
-                clock.on = False
+                _, profiled = decode(lambda: profile)
+                _, host_times = decode(clock.timing)
             results[batch] = dict(
                 step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(profiled),
                 tokens=[r.tokens[r.gen_start:].tolist() for r in requests], first_logits=clock.first_logits,
