@@ -5,7 +5,8 @@ before the wire form.
 
 Then the trip itself, between two processes as the engine's ranks are: the wire form's frame down a worker's stdin
 (workers.Channel), against the broadcast over a gloo group on the loopback that carried it before (a 64 KiB buffer
-holding the frame, one round of the group). The worker answers each frame with one byte on its stdout, so rank 0
+holding the frame, one round of the group), and against that broadcast of the frame alone, which tells the
+transport's part from the buffer's size. The worker answers each frame with one byte on its stdout, so rank 0
 times the whole trip; the answer's way is the same for both.
 
 One engine on the CPU (a tiny random model: the plan's size depends on the batch and the contexts, not the weights)
@@ -81,15 +82,16 @@ def broadcast(group, buffer: torch.Tensor) -> None:
     group.broadcast([buffer], options).wait()
 
 
-def worker(way: str, port: int, repeats: int) -> None:
-    """Rank 1: receives `repeats` frames the given way, and answers each with one byte."""
+def worker(way: str, port: int, repeats: int, buffer_bytes: int) -> None:
+    """Rank 1: receives `repeats` frames the given way (over gloo, in a buffer of `buffer_bytes`), and answers each
+    with one byte."""
     torch.set_num_threads(1)
     if way == "pipe":
         channel = Channel(None, 1, [sys.stdin.buffer])
         receive = channel.broadcast
     else:
         group = gloo_group(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(minutes=1)), 1)
-        buffer = torch.zeros(GLOO_BUFFER, dtype=torch.uint8)
+        buffer = torch.zeros(buffer_bytes, dtype=torch.uint8)
 
         def receive():
             broadcast(group, buffer)
@@ -101,16 +103,18 @@ def worker(way: str, port: int, repeats: int) -> None:
         sys.stdout.buffer.flush()
 
 
-def trip_ms(way: str, message, repeats: int) -> tuple[float, float]:
+def trip_ms(way: str, message, repeats: int, buffer_bytes: int = GLOO_BUFFER) -> tuple[float, float]:
     """Medians of rank 0's send (until it may go on) and of the whole trip (until the worker's answer arrives), in
-    ms, sending `message` `repeats` times the given way to a worker process."""
+    ms, sending `message` `repeats` times the given way to a worker process (over gloo, in a buffer of
+    `buffer_bytes`)."""
     store, port = None, 0
     if way == "gloo":
         store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=1),
                               wait_for_workers=False)
         port = store.port
-    child = subprocess.Popen([sys.executable, __file__, "--worker", way, "--port", str(port),
-                              "--repeats", str(repeats)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+    command = [sys.executable, __file__, "--worker", way, "--port", str(port), "--repeats", str(repeats),
+               "--buffer-bytes", str(buffer_bytes)]
+    child = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                              env=dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p)))
     try:
         if way == "pipe":
@@ -118,11 +122,11 @@ def trip_ms(way: str, message, repeats: int) -> tuple[float, float]:
             send = lambda: channel.broadcast(message)  # noqa: E731
         else:
             group = gloo_group(store, 0)
-            buffer = torch.zeros(GLOO_BUFFER, dtype=torch.uint8)
+            buffer = torch.zeros(buffer_bytes, dtype=torch.uint8)
 
             def send():  # as Channel.broadcast does: pickled each time
                 data = frame(message)
-                assert len(data) <= GLOO_BUFFER, "the frame fits one round of the gloo broadcast"
+                assert len(data) <= buffer_bytes, "the frame fits one round of the gloo broadcast"
                 buffer[:len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
                 broadcast(group, buffer)
         sends, trips = [], []
@@ -136,7 +140,11 @@ def trip_ms(way: str, message, repeats: int) -> tuple[float, float]:
         return statistics.median(sends), statistics.median(trips)
     finally:
         child.stdin.close()
-        child.wait(60)
+        try:
+            child.wait(10)
+        except subprocess.TimeoutExpired:  # a run that failed midway: the worker waits for a frame that never comes
+            child.kill()
+            child.wait()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,9 +156,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--worker", choices=["pipe", "gloo"], help=argparse.SUPPRESS)  # rank 1 of the trip
     parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--buffer-bytes", type=int, default=GLOO_BUFFER, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        return worker(args.worker, args.port, args.repeats)
+        return worker(args.worker, args.port, args.repeats, args.buffer_bytes)
     if args.out is None:
         parser.error("--out is required")
     batch, context, block = (4, 64, 4) if args.smoke else (args.batch, args.context, 32)
@@ -183,9 +192,12 @@ def main(argv: list[str] | None = None) -> None:
                      f"{r['send_ms']} | {r['receive_ms']} |\n" for r in rows)
     message = sender.encode(schedule)
     trips = []
-    for way, name in (("gloo", "gloo broadcast (before)"), ("pipe", "pipe (workers.Channel)")):
-        send_ms, trip = trip_ms(way, message, args.repeats)
-        trips.append(dict(way=name, frame_bytes=len(frame(message)), send_ms=float(f"{send_ms:.4g}"),
+    frame_bytes = len(frame(message))
+    for way, name, buffer_bytes in (("gloo", "gloo broadcast (before)", GLOO_BUFFER),
+                                    ("gloo", "gloo broadcast of the frame alone", frame_bytes),
+                                    ("pipe", "pipe (workers.Channel)", 0)):
+        send_ms, trip = trip_ms(way, message, args.repeats, buffer_bytes)
+        trips.append(dict(way=name, frame_bytes=frame_bytes, send_ms=float(f"{send_ms:.4g}"),
                           trip_ms=float(f"{trip:.4g}")))
     with open(args.out / "plan_broadcast_trip.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=list(trips[0]))

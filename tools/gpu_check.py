@@ -59,7 +59,7 @@ class Section:
     gpus: int = 1  # GPUs it needs at once; a section of several runs after the shared ones, on the first GPUs
 
 
-TWO_GPU_KERNELS = "tests/kernels/test_peer_collectives_two_gpus.py"
+TWO_GPU_KERNEL_TESTS = "tests/kernels/test_peer_collectives_two_gpus.py"
 
 # The served path first: it is what users run, and what no other check covers.
 SECTIONS = (
@@ -67,7 +67,7 @@ SECTIONS = (
             ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py"), seconds=153),
     # Eight workers: the kernel tests compile hundreds of variants, each on a core of its own.
     Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py"),
-            ("-n", "8", f"--ignore={TWO_GPU_KERNELS}"), seconds=131),
+            ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=131),
     Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py"), seconds=31),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
@@ -76,7 +76,7 @@ SECTIONS = (
             "test_integer_limits.py", "test_served_logprobs.py")),
         "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=299),
     Section("tensor parallelism, one rank on each of two GPUs: the collectives over peer memory, then served",
-            (TWO_GPU_KERNELS, "tests/server/test_tensor_parallel_gpu.py"), seconds=90, gpus=2),
+            (TWO_GPU_KERNEL_TESTS, "tests/server/test_tensor_parallel_gpu.py"), seconds=90, gpus=2),
 )
 
 

@@ -27,7 +27,9 @@ def gpu_rank(rank, port, results):
         by_nccl, by_peer = partial.clone(), partial.clone()
         tp.group.allreduce([by_nccl]).wait()
         assert tp.peer.fits(by_peer, summed=True)
+        before = tp.peer.counts.clone()
         tp.all_reduce(by_peer)  # the engine's call takes the peer path for these sizes
+        agree.append(torch.equal(tp.peer.counts, before + 1))  # the kernel ran: NCCL would leave the counts
         agree.append(torch.equal(by_nccl, by_peer))
         # Replayed in a graph, with fresh inputs each replay.
         static = partial.clone()
@@ -44,7 +46,9 @@ def gpu_rank(rank, port, results):
         stats = torch.randn(rows, 7, generator=generator, device=device)
         by_nccl = torch.empty(2 * rows, 7, device=device)
         tp.group._allgather_base(by_nccl, stats).wait()
+        before = tp.peer.counts.clone()
         agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
+        agree.append(torch.equal(tp.peer.counts, before + 1))
     # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
     # host work between them, so that a rank may run calls ahead of the other.
     shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
@@ -61,7 +65,9 @@ def gpu_rank(rank, port, results):
                 gathered[i] = tp.gather(t)
             else:
                 tp.all_reduce(t)
+    before = tp.peer.counts.clone()
     graph.replay()
+    agree.append(torch.equal(tp.peer.counts, before + len(statics)))  # every call of the graph over peer memory
     for i, (t, x) in enumerate(zip(statics, inputs)):
         if x.dtype == torch.float32:
             reference = torch.empty(2 * x.shape[0], x.shape[1], device=device)
@@ -81,4 +87,4 @@ def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 33, 1: [True] * 33}
+    assert dict(results) == {0: [True] * 40, 1: [True] * 40}

@@ -14,8 +14,9 @@ def test_smoke_run_sends_the_decode_step_of_every_request_both_ways(tmp_path):
         assert int(row["page_table_entries"]) >= 4 * 64 // 32  # each request's pages cover its context
         assert float(row["send_ms"]) > 0 and float(row["receive_ms"]) > 0
     assert 0 < int(wire["plan_bytes"]) < int(whole["plan_bytes"])
-    gloo, pipe = csv_rows(tmp_path / "plan_broadcast_trip.csv")
-    assert (gloo["way"], pipe["way"]) == ("gloo broadcast (before)", "pipe (workers.Channel)")
-    for row in (gloo, pipe):
+    gloo, gloo_frame, pipe = csv_rows(tmp_path / "plan_broadcast_trip.csv")
+    assert [row["way"] for row in (gloo, gloo_frame, pipe)] == [
+        "gloo broadcast (before)", "gloo broadcast of the frame alone", "pipe (workers.Channel)"]
+    for row in (gloo, gloo_frame, pipe):
         assert int(row["frame_bytes"]) > int(wire["plan_bytes"])  # the size's header, then the pickled plan
         assert 0 < float(row["send_ms"]) <= float(row["trip_ms"])

@@ -4,6 +4,7 @@ step, whatever its size and whichever requests come and go; a rank at either end
 once, by name."""
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import threading
@@ -29,13 +30,19 @@ def two_ranks(objects: list) -> list:
             received.extend(channel.broadcast() for _ in objects)
         except BaseException as error:  # noqa: BLE001 (reported by the test's thread)
             errors.append(error)
+            read_end.close()  # a sender blocked on a full pipe then fails, instead of waiting for ever
 
     reader = threading.Thread(target=receive)
     reader.start()
     sender = Channel(None, 0, [write_end])
-    assert [sender.broadcast(obj) for obj in objects] == objects  # rank 0 gets its own objects back
+    try:
+        assert [sender.broadcast(obj) for obj in objects] == objects  # rank 0 gets its own objects back
+    except RuntimeError:
+        assert errors, "the sender failed while the reader did not"
     reader.join(60)
-    read_end.close(), write_end.close()
+    for end in (read_end, write_end):
+        with contextlib.suppress(OSError):  # a pipe that broke mid-frame
+            end.close()
     assert not errors, errors
     return received
 

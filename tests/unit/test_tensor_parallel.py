@@ -149,6 +149,25 @@ def test_a_rank_that_dies_fails_the_engine_with_its_name_and_no_hang(checkpoints
     assert child_pids() - before == set()
 
 
+def test_a_rank_gone_when_its_plan_is_sent_fails_the_engine_with_its_name(checkpoints, monkeypatch):
+    """The plan's write down the pipe is the first to find the rank gone (the check of the workers before a step is
+    switched off here): a closed pipe, not a hang, and the rank's exit status in the error."""
+    engine = Diffulex(checkpoints("llada", {}), **SETTINGS, tensor_parallel_size=2)
+    try:
+        engine.add_request(PROMPTS[0], PARAMS[0])
+        engine.step()
+        worker = engine.workers.processes[0]
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.wait(10)
+        monkeypatch.setattr(engine.workers, "check_alive", lambda: None)
+        with pytest.raises(RankFailure, match=rf"^tensor-parallel rank 1 \(pid {worker.pid}\) exited with signal "
+                                              "SIGKILL$") as failed:
+            engine.step()
+        assert "no longer reads its plans" in str(failed.value.__cause__)
+    finally:
+        engine.close()
+
+
 def test_a_model_that_does_not_split_fails_the_start_and_leaves_no_worker(checkpoints):
     before = child_pids()
     with pytest.raises(ValueError, match=r"^config field 'tensor_parallel_size' is 3, but the model's 4 attention "
@@ -300,9 +319,11 @@ def test_a_decode_step_issues_the_collectives_its_layers_need_and_one_plan_broad
         pipe = engine.workers.channel.pipes[0]
         writes = []
         engine.workers.channel.pipes = [CountingPipe(pipe, writes)]
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-            engine.step()
-        engine.workers.channel.pipes = [pipe]
+        try:
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+                engine.step()
+        finally:
+            engine.workers.channel.pipes = [pipe]
         assert engine.last_schedule.plans[0].blocks  # a step that decodes
         assert len(writes) == 1
         counts = Counter(event.name for event in profile.events() if event.name.startswith("gloo:"))
