@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import csv
 import datetime
+import io
 import os
 import pickle
 import statistics
@@ -38,7 +39,7 @@ import torch.distributed as dist
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.plan_wire import PlanWire
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
-from diffulex_backend.workers import Channel, frame
+from diffulex_backend.workers import Channel, frame, read_frame
 
 GLOO_BUFFER = 1 << 16  # bytes: what the gloo broadcast sent every step, the frame at its start
 
@@ -95,8 +96,7 @@ def worker(way: str, port: int, repeats: int, buffer_bytes: int) -> None:
 
         def receive():
             broadcast(group, buffer)
-            size = int(buffer[:8].view(torch.int64)[0])
-            return pickle.loads(buffer[8:8 + size].numpy().tobytes())
+            return read_frame(io.BytesIO(buffer.numpy()))  # the frame at the buffer's start
     for _ in range(repeats):
         receive()
         sys.stdout.buffer.write(b"!")
