@@ -11,6 +11,9 @@ each call (so the touched weights come from HBM, as in a forward), and launched 
 sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
 per-token sum) alone. A few other tile shapes are timed beside the default plan.
 
+With `--weights fp8` the stacks are float8_e4m3fn with a scale per row (what `quantization: fp8` writes), read as one
+byte a weight (weight-only: the tokens stay bf16), and the touched-weight floor counts one byte a weight.
+
     PYTHONPATH=. python benchmarks/moe.py --out DIR     # GPU: LLaDA2-mini and Qwen3-30B-A3B (SDAR-30B-A3B) experts
     PYTHONPATH=. python benchmarks/moe.py --smoke --out DIR   # anywhere: tiny, one call each, checked against torch
 """
@@ -31,6 +34,7 @@ if not torch.cuda.is_available():
 import triton  # noqa: E402
 from kernels import device_header, measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
 
+from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight  # noqa: E402
 from diffulex_kernels.moe import (  # noqa: E402
     MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles,
 )
@@ -52,18 +56,27 @@ SMOKE_TOKENS = (4, 16)
 # Tile shapes timed beside the default plan (the default is never timed twice).
 VARIANTS = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 128, 64, 4, 4),
             MoeLaunch(32, 64, 128, 4, 4), MoeLaunch(64, 128, 64, 8, 3), MoeLaunch(128, 128, 64, 8, 3)]
+# fp8 stacks also try deeper tiles at decode, whose stages move the bytes of the 16-bit ones (on an H200 at 32 tokens
+# they are slower than the default: docs/kernels.md).
+FP8_VARIANTS = [MoeLaunch(16, 64, 256, 4, 4), MoeLaunch(16, 64, 256, 4, 3), MoeLaunch(16, 128, 256, 4, 3),
+                MoeLaunch(16, 64, 256, 8, 4), MoeLaunch(16, 32, 256, 4, 5), MoeLaunch(32, 64, 256, 4, 3)]
 
 
 def label(launch: MoeLaunch) -> str:
     return f"m{launch.block_m} n{launch.block_n} k{launch.block_k} w{launch.num_warps} s{launch.num_stages}"
 
 
-def moe_case(shape: MoeShape, tokens: int, device: torch.device):
+def moe_case(shape: MoeShape, tokens: int, device: torch.device, weights: str):
+    """(positional arguments of fused_moe, its scale arguments): bf16 stacks, or fp8 ones with a scale per row."""
     hidden = torch.randn(tokens, shape.hidden, device=device).to(torch.bfloat16)
     w_gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) * 0.02).to(torch.bfloat16)
     w_down = (torch.randn(shape.experts, shape.hidden, shape.inter, device=device) * 0.02).to(torch.bfloat16)
     scores, topk_ids = torch.randn(tokens, shape.experts, device=device).topk(shape.top_k, dim=1)
-    return hidden, w_gate_up, w_down, topk_ids, torch.softmax(scores, dim=1)
+    scales = {}
+    if weights == "fp8":
+        (w_gate_up, gate_up_scale), (w_down, down_scale) = quantize_weight(w_gate_up), quantize_weight(w_down)
+        scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+    return (hidden, w_gate_up, w_down, topk_ids, torch.softmax(scores, dim=1)), scales
 
 
 def significant(ms: float) -> float:
@@ -71,35 +84,41 @@ def significant(ms: float) -> float:
     return float(f"{ms:.4g}")
 
 
-def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smoke: bool) -> list[dict]:
-    args = moe_case(shape, tokens, device)
+def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smoke: bool, weights: str
+               ) -> list[dict]:
+    args, scales = moe_case(shape, tokens, device, weights)
     touched = args[3].unique().numel()
     expert_bytes = 3 * shape.hidden * shape.inter * args[1].element_size()
     weight_floor_ms = 1e3 * touched * expert_bytes / ceilings.bandwidth
     compute_floor_ms = 1e3 * 2 * tokens * shape.top_k * 3 * shape.hidden * shape.inter / ceilings.matmul_rate
     default = plan_moe_launch(tokens * shape.top_k, shape.experts, args[0].element_size())
     if smoke:  # the smoke run also checks the product
-        out, ref = fused_moe(*args), fused_moe_reference(*args)
+        ref_args = args if not scales else (args[0], dequantize_weight(args[1], scales["w_gate_up_scale"]),
+                                            dequantize_weight(args[2], scales["w_down_scale"]), *args[3:])
+        out, ref = fused_moe(*args, **scales), fused_moe_reference(*ref_args)
         error = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert error < 1.5e-2, f"{shape.name} T={tokens}: relative error {error:.2e} against the reference"
     hidden, w_gate_up, w_down, topk_ids, topk_weights = args
+    gate_up_scale, down_scale = scales.get("w_gate_up_scale"), scales.get("w_down_scale")
     routed = route_to_tiles(topk_ids, shape.experts, default.block_m)
-    act = gate_up_act(hidden, w_gate_up, routed, shape.top_k, default)
+    act = gate_up_act(hidden, w_gate_up, routed, shape.top_k, default, gate_up_scale)
     stages_ms = [time_graph_ms(stage) for stage in (
         lambda: route_to_tiles(topk_ids, shape.experts, default.block_m),
-        lambda: gate_up_act(hidden, w_gate_up, routed, shape.top_k, default),
-        lambda: down_and_combine(act, w_down, topk_weights, routed, tokens, default),
+        lambda: gate_up_act(hidden, w_gate_up, routed, shape.top_k, default, gate_up_scale),
+        lambda: down_and_combine(act, w_down, topk_weights, routed, tokens, default, down_scale),
     )]
-    reference_ms = time_eager_ms(lambda: fused_moe_reference(*args))
+    reference_ms = time_eager_ms(lambda: fused_moe_reference(*args)) if not scales else math.nan
     rows = []
-    for launch in dict.fromkeys([default] + ([] if smoke else VARIANTS)):
+    variants = [] if smoke else VARIANTS + (FP8_VARIANTS if scales else [])
+    for launch in dict.fromkeys([default] + variants):
         try:
-            kernel_ms = time_graph_ms(lambda: fused_moe(*args, launch=launch))
+            kernel_ms = time_graph_ms(lambda: fused_moe(*args, launch=launch, **scales))
         except triton.runtime.errors.OutOfResources:
             continue  # the tile does not fit in shared memory
-        eager_ms = time_eager_ms(lambda: fused_moe(*args, launch=launch)) if launch == default else math.nan
+        eager_ms = time_eager_ms(lambda: fused_moe(*args, launch=launch, **scales)) if launch == default else math.nan
         rows.append(dict(
-            model=shape.name, tokens=tokens, launch=("default " if launch == default else "") + label(launch),
+            model=shape.name, weights=weights, tokens=tokens,
+            launch=("default " if launch == default else "") + label(launch),
             touched_experts=touched, kernel_ms=significant(kernel_ms), eager_ms=significant(eager_ms),
             # The stages are timed for the default plan only.
             **{f"{name}_ms": significant(ms) if launch == default else math.nan
@@ -115,12 +134,12 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, smo
 
 
 def format_table(rows: list[dict]) -> str:
-    lines = ["| model | T | touched experts | kernel ms | weight floor ms | x weight floor | compute floor ms | "
+    lines = ["| model | weights | T | touched experts | kernel ms | weight floor ms | x weight floor | compute floor ms | "
              "x compute floor | x larger floor | route / gate_up / down ms | eager ms | reference ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["launch"].startswith("default"):
-            lines.append(f"| {r['model']} | {r['tokens']} | {r['touched_experts']} | {r['kernel_ms']:.4f} | "
+            lines.append(f"| {r['model']} | {r['weights']} | {r['tokens']} | {r['touched_experts']} | {r['kernel_ms']:.4f} | "
                          f"{r['weight_floor_ms']:.4f} | {r['vs_weight_floor']:.2f} | {r['compute_floor_ms']:.4f} | "
                          f"{r['vs_compute_floor']:.2f} | {r['vs_larger_floor']:.2f} | "
                          f"{r['route_ms']:.3f} / {r['gate_up_ms']:.3f} / {r['down_ms']:.3f} | "
@@ -132,15 +151,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, one call each")
     parser.add_argument("--out", type=pathlib.Path, help="folder for moe.md and moe.csv")
+    parser.add_argument("--weights", default="bf16", help="bf16, fp8, or both (bf16,fp8)")
+    parser.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, FULL_TOKENS))})")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     shapes, token_counts = (SMOKE_SHAPES, SMOKE_TOKENS) if args.smoke else (FULL_SHAPES, FULL_TOKENS)
+    if args.tokens:
+        token_counts = tuple(int(t) for t in args.tokens.split(","))
     ceilings = measure_ceilings(device, args.smoke)
     header = device_header(device, ceilings)
     print(header, flush=True)
-    rows = [row for shape in shapes for tokens in token_counts
-            for row in bench_case(shape, tokens, device, ceilings, args.smoke)]
+    rows = [row for weights in args.weights.split(",") for shape in shapes for tokens in token_counts
+            for row in bench_case(shape, tokens, device, ceilings, args.smoke, weights)]
     table = format_table(rows)
     print(table)
     if args.out:
