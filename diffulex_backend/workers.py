@@ -124,7 +124,7 @@ class Channel:
         return int(tensor)
 
 
-FRAME_HEADER = struct.Struct("<q")  # a frame's size in bytes
+FRAME_HEADER = struct.Struct("<Q")  # a frame's size in bytes
 
 
 def frame(obj) -> bytes:
@@ -134,14 +134,24 @@ def frame(obj) -> bytes:
 
 def read_frame(pipe: BinaryIO):
     """The next object from rank 0's pipe. EOFError when rank 0 closed it, or exited, mid-frame or between frames."""
-    header = pipe.read(FRAME_HEADER.size)
+    header = read_exactly(pipe, FRAME_HEADER.size)
     if len(header) < FRAME_HEADER.size:
         raise EOFError("rank 0 closed the pipe of plans")
     (size,) = FRAME_HEADER.unpack(header)
-    data = pipe.read(size)
+    data = read_exactly(pipe, size)
     if len(data) < size:
         raise EOFError(f"rank 0 closed the pipe of plans {len(data)} bytes into a frame of {size}")
     return pickle.loads(data)
+
+
+def read_exactly(pipe: BinaryIO, size: int) -> memoryview:
+    """`size` bytes from `pipe`, or fewer where it ends first. An unbuffered pipe's read returns what the pipe holds,
+    which may be part of a frame: the reads go on until the frame is whole."""
+    data = memoryview(bytearray(size))
+    got = 0
+    while got < size and (n := pipe.readinto(data[got:])):
+        got += n
+    return data[:got]
 
 
 @dataclass(frozen=True)

@@ -20,8 +20,10 @@ from diffulex_backend.workers import Channel, frame
 
 def two_ranks(objects: list) -> list:
     """What rank 1 receives when rank 0 broadcasts `objects` in turn, down a pipe between two threads of this
-    process, as down a worker's stdin."""
-    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    process, as down a worker's stdin. Rank 1 reads unbuffered, as a worker does: a read returns what the pipe holds,
+    which may be part of a frame."""
+    read_fd, write_fd = os.pipe()
+    read_end, write_end = os.fdopen(read_fd, "rb", buffering=0), os.fdopen(write_fd, "wb")
     received, errors = [], []
 
     def receive() -> None:
