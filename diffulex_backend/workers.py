@@ -327,11 +327,11 @@ def watch_parent() -> None:
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
-def serve(setup: WorkerSetup, store) -> None:
+def serve(setup: WorkerSetup, store, plans: BinaryIO) -> None:
     torch.set_num_threads(setup.threads)
     device = rank_device(torch.device(setup.device), setup.rank)
     control, tp = connect(store, setup.rank, setup.size, device, setup.config.expert_parallel)
-    channel = Channel(control, setup.rank, [sys.stdin.buffer])
+    channel = Channel(control, setup.rank, [plans])
     dtype = resolve_dtype(setup.config.dtype, device)
     model, _ = load_rank_model(setup.config, device, dtype, tp)
     config: Config = channel.broadcast()  # resolved from the checkpoint and tokenizer by rank 0
@@ -343,13 +343,26 @@ def serve(setup: WorkerSetup, store) -> None:
         tp.peer.close()
 
 
+def plans_pipe() -> BinaryIO:
+    """The pipe from rank 0 (it came as stdin), on a descriptor of its own that no child process inherits; stdin
+    becomes /dev/null. A program the worker starts (a compiler, a tool) then neither holds the pipe open nor reads a
+    plan from it. Unbuffered: read_frame reads each frame into a buffer of the frame's size, and no bytes wait in
+    another buffer between frames."""
+    plans = os.fdopen(os.dup(0), "rb", buffering=0)  # os.dup: not inheritable
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    return plans
+
+
 def main() -> None:
-    setup: WorkerSetup = read_frame(sys.stdin.buffer)
+    plans = plans_pipe()
+    setup: WorkerSetup = read_frame(plans)
     watch_parent()
     store = dist.TCPStore("127.0.0.1", setup.port, None, False, timeout=COLLECTIVE_TIMEOUT)
     try:
         with torch.inference_mode():
-            serve(setup, store)
+            serve(setup, store, plans)
     except BaseException as error:
         message = f"{type(error).__name__}: {error}"
         try:

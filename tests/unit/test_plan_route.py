@@ -7,11 +7,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import re
 import threading
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.plan import LogitBlock, RequestSampling, SchedulerOutput, SeqPlan
 from diffulex_backend.plan_wire import FIELDS, PlanWire
 from diffulex_backend.sampling import Confidence
@@ -71,6 +74,35 @@ def test_a_worker_whose_rank_0_has_gone_stops_with_eof_wherever_the_frame_was_cu
     with pytest.raises(EOFError, match="rank 0 closed the pipe of plans"):
         Channel(None, 1, [read_end]).broadcast()
     read_end.close()
+
+
+def descriptors_of(pid: int, pipe) -> list[int]:
+    """The descriptors of process `pid` that hold `pipe` (either end: both ends are one inode)."""
+    pipe_stat = os.fstat(pipe.fileno())
+    found = []
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(FileNotFoundError):  # a descriptor closed meanwhile
+            held = os.stat(f"/proc/{pid}/fd/{fd}")
+            if (held.st_dev, held.st_ino) == (pipe_stat.st_dev, pipe_stat.st_ino):
+                found.append(int(fd))
+    return found
+
+
+def test_a_worker_reads_its_plans_on_a_descriptor_no_program_it_starts_inherits_and_its_stdin_is_dev_null(
+        llada_checkpoint):
+    engine = Diffulex(llada_checkpoint, dtype="float64", max_num_reqs=2, max_model_len=64, tensor_parallel_size=2)
+    try:
+        worker = engine.workers.processes[0]
+        assert os.readlink(f"/proc/{worker.pid}/fd/0") == os.devnull
+        [fd] = descriptors_of(worker.pid, worker.stdin)
+        assert fd > 2
+        flags = re.search(r"^flags:\s+([0-7]+)$", Path(f"/proc/{worker.pid}/fdinfo/{fd}").read_text(), re.M)[1]
+        assert int(flags, 8) & os.O_CLOEXEC  # closed in any program the worker starts
+        # The plans keep arriving on it: every step of the generation runs on both ranks.
+        [output] = engine.generate([[5, 6, 7, 8]], SamplingParams(max_tokens=8, ignore_eos=True))
+        assert len(output.token_ids) == 8
+    finally:
+        engine.close()
 
 
 def plan(request_id: str, start: int, pages: list[int], seed: int = 1, tokens: int = 4) -> SeqPlan:
