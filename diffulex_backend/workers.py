@@ -288,15 +288,18 @@ class BroadcastRunner:
 
 
 def stop_processes(processes: list[subprocess.Popen]) -> None:
-    """Kill what still runs, and reap every process. Also the finalizer of a group dropped without close()."""
+    """Kill what still runs, reap every process, and close the pipes. Also the finalizer of a group dropped without
+    close(). The pipes close last: a worker that found its pipe ended before the kill reached it would fail with an
+    EOFError, and print its traceback, in an ordinary shutdown."""
     for process in processes:
+        if process.poll() is None:
+            process.kill()
+    for process in processes:
+        process.wait()
         try:
             process.stdin.close()
         except OSError:
-            pass  # the worker has gone, and its pipe with it
-        if process.poll() is None:
-            process.kill()
-        process.wait()
+            pass  # a worker gone before it took its setup: the file still buffers the setup, and its flush fails
 
 
 def exit_status(returncode: int) -> str:
