@@ -16,18 +16,19 @@ closing barrier then waits for threads that the other ranks' pools keep off the 
 of microseconds into milliseconds.
 
 Failure never hangs the engine. A worker that dies closes its pipe and sockets, so rank 0's next plan or collective
-fails at once;
-the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left in the group's
-store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without dying. Workers
-exit when told to, when a collective fails, or when rank 0's process is gone (they watch their parent);
-`WorkerGroup.close` tells them to stop and kills what is left; a group collected without it, or still open when
-the interpreter exits, kills its workers.
+fails at once; the engine then raises RankFailure, naming the rank and its exit status, or the error the worker left
+in the group's store before it exited. Collectives also time out (COLLECTIVE_TIMEOUT) for a rank that hangs without
+dying, and so does the send of a plan that waits for room in the pipe of a worker that does not read it (a
+RankFailure naming the rank). Workers exit when told to, when a collective fails, or when rank 0's process is gone
+(they watch their parent); `WorkerGroup.close` tells them to stop and kills what is left; a group collected without
+it, or still open when the interpreter exits, kills its workers.
 """
 from __future__ import annotations
 
 import datetime
 import os
 import pickle
+import select
 import shutil
 import signal
 import struct
@@ -90,30 +91,58 @@ def connect(store, rank: int, size: int, device: torch.device, expert_parallel: 
 
 class Channel:
     """Rank 0 -> every rank: pickled objects, each in one frame (its size, then its bytes), over the pipe from rank 0
-    to each worker (the worker's stdin).
+    to each worker (which came to the worker as its stdin).
 
     A pipe wakes its blocked reader at once, and a write returns as soon as the bytes sit in the pipe: rank 0 goes on
     to its own forward while the workers read, where a broadcast over the gloo group held it for a round trip of
-    the loopback's sockets every step (benchmarks/plan_broadcast.py times both). A worker that has gone makes the
-    next write fail at once. The gloo group stays for what needs an answer from every rank (`minimum`)."""
+    the loopback's sockets every step (benchmarks/plan_broadcast.py times both). A frame larger than a pipe's free
+    space waits for the worker to read, up to `timeout_s`: a worker alive but not reading by then fails the send with
+    the RankFailure that names it. A worker that has gone makes the send fail at once, also while it waits. A failed
+    send may leave part of a frame in a pipe, which the next frame's bytes would complete into garbage: the channel is
+    broken then, and every later broadcast fails at once without writing. The gloo group stays for what needs an
+    answer from every rank (`minimum`)."""
 
-    def __init__(self, group, rank: int, pipes: list[BinaryIO]):
+    def __init__(self, group, rank: int, pipes: list[BinaryIO], timeout_s: float = COLLECTIVE_TIMEOUT.total_seconds()):
         """`pipes`: on rank 0 the write ends of the workers' pipes, in rank order; on any other rank the one read end
         from rank 0."""
-        self.group, self.rank, self.pipes = group, rank, pipes
+        self.group, self.rank, self.pipes, self.timeout_s = group, rank, pipes, timeout_s
+        self.sent = 0  # frames rank 0 sent to every worker, one a broadcast
+        self.broken: Exception | None = None  # the send that failed, on rank 0
+        if rank == 0:
+            for pipe in pipes:
+                os.set_blocking(pipe.fileno(), False)  # a full pipe is waited on in poll, which has a timeout
 
     def broadcast(self, obj=None):
         """Rank 0 sends `obj`; the others receive it. Returns the object on every rank."""
         if self.rank != 0:
             return read_frame(self.pipes[0])
-        data = frame(obj)
+        if self.broken is not None:
+            raise RankFailure(f"the channel of plans broke at an earlier send: {self.broken}") from self.broken
+        data = memoryview(frame(obj))
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
-                pipe.write(data)
-                pipe.flush()
-            except (BrokenPipeError, ValueError) as error:  # ValueError: the pipe was closed on this side
-                raise RuntimeError(f"tensor-parallel rank {rank} no longer reads its plans ({error})") from error
+                self.send(rank, pipe, data)
+            except Exception as error:
+                self.broken = error
+                raise
+        self.sent += 1
         return obj
+
+    def send(self, rank: int, pipe: BinaryIO, data: memoryview) -> None:
+        """`data` down rank `rank`'s pipe, waiting for room while the pipe is full, up to `timeout_s`."""
+        try:
+            fd = pipe.fileno()
+            deadline = time.monotonic() + self.timeout_s
+            written = 0
+            while written < len(data):
+                try:
+                    written += os.write(fd, data[written:])
+                except BlockingIOError:
+                    if not wait_writable(fd, deadline):
+                        raise RankFailure(f"tensor-parallel rank {rank} did not read its plan within "
+                                          f"{self.timeout_s:g} s") from None
+        except (BrokenPipeError, ValueError) as error:  # ValueError: the pipe was closed on this side
+            raise RuntimeError(f"tensor-parallel rank {rank} no longer reads its plans ({error})") from error
 
     def minimum(self, value: int) -> int:
         """The smallest of every rank's value."""
@@ -125,6 +154,15 @@ class Channel:
 
 
 FRAME_HEADER = struct.Struct("<Q")  # a frame's size in bytes
+
+
+def wait_writable(fd: int, deadline: float) -> bool:
+    """Wait until the pipe has room, or its reader has gone (the next write then fails at once), up to the
+    `deadline` (time.monotonic()). False when the deadline passed first."""
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    left = deadline - time.monotonic()
+    return left > 0 and bool(poller.poll(left * 1e3))
 
 
 def frame(obj) -> bytes:

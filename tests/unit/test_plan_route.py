@@ -1,14 +1,20 @@
 """The plan's route to the other tensor-parallel ranks: the channel that carries an object in one frame down a pipe,
 and the wire form that sends only what changed since the last step. Both ends must agree on every plan, step after
 step, whatever its size and whichever requests come and go; a rank at either end that goes makes the other fail at
-once, by name."""
+once, by name, and a worker that stops reading fails rank 0's send after a timeout, by name. After a failed send the
+channel sends nothing more: a worker may hold part of a frame. A worker reads its plans on a descriptor that no
+program it starts inherits."""
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import fcntl
 import os
 import re
+import struct
+import termios
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +24,7 @@ from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.plan import LogitBlock, RequestSampling, SchedulerOutput, SeqPlan
 from diffulex_backend.plan_wire import FIELDS, PlanWire
 from diffulex_backend.sampling import Confidence
-from diffulex_backend.workers import Channel, frame
+from diffulex_backend.workers import Channel, RankFailure, frame
 
 
 def two_ranks(objects: list) -> list:
@@ -42,18 +48,18 @@ def two_ranks(objects: list) -> list:
     sender = Channel(None, 0, [write_end])
     try:
         assert [sender.broadcast(obj) for obj in objects] == objects  # rank 0 gets its own objects back
+        assert sender.sent == len(objects)
     except RuntimeError:
         assert errors, "the sender failed while the reader did not"
     reader.join(60)
-    for end in (read_end, write_end):
-        with contextlib.suppress(OSError):  # a pipe that broke mid-frame
-            end.close()
+    read_end.close()
+    write_end.close()
     assert not errors, errors
     return received
 
 
 def test_objects_of_any_size_arrive_whole_and_in_order():
-    # 300 KB is more than a pipe holds: the write waits for the reader, and the frame arrives whole all the same.
+    # 300 KB is more than a pipe holds: the send waits for the reader, and the frame arrives whole all the same.
     objects = [None, "x", bytes(range(256)) * 400, {"k": [1, 2, 3]}, b"y" * 300_000, list(range(10))]
     assert two_ranks(objects) == objects
 
@@ -63,6 +69,56 @@ def test_a_worker_that_has_gone_fails_rank_0_s_next_plan_by_its_rank():
     read_end.close()
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 no longer reads its plans"):
         Channel(None, 0, [write_end]).broadcast("plan")
+
+
+def pipe_ends():
+    return (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+
+
+def bytes_in(pipe) -> int:
+    """How many bytes wait in the pipe."""
+    return struct.unpack("i", fcntl.ioctl(pipe, termios.FIONREAD, bytes(4)))[0]
+
+
+def test_a_worker_that_stops_reading_fails_the_send_after_the_timeout_by_its_rank_and_every_later_send_at_once():
+    read_end, write_end = pipe_ends()
+    with read_end, write_end:
+        sender = Channel(None, 0, [write_end], timeout_s=0.3)
+        started = time.monotonic()
+        with pytest.raises(RankFailure, match=r"^tensor-parallel rank 1 did not read its plan within 0\.3 s$"):
+            sender.broadcast(b"x" * 4_000_000)
+        assert 0.3 <= time.monotonic() - started < 5
+        # The pipe holds the frame's first part. Emptied, it has room for the next frame, and still gets none of it:
+        # the worker would take its bytes for the rest of the first frame.
+        os.set_blocking(read_end.fileno(), False)
+        while bytes_in(read_end):
+            read_end.read()
+        with pytest.raises(RankFailure, match=r"^the channel of plans broke at an earlier send: tensor-parallel rank "
+                                              r"1 did not read its plan within 0\.3 s$"):
+            sender.broadcast("plan")
+        assert bytes_in(read_end) == 0 and sender.sent == 0
+
+
+def test_a_worker_that_goes_while_rank_0_waits_for_room_fails_the_send_at_once():
+    read_end, write_end = pipe_ends()
+    sender = Channel(None, 0, [write_end], timeout_s=60)
+
+    def close_once_full() -> None:
+        # The send's first write fills the pipe; the send then waits for room.
+        deadline = time.monotonic() + 30
+        while not bytes_in(read_end) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.1)
+        read_end.close()
+
+    closer = threading.Thread(target=close_once_full)
+    closer.start()
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match="^tensor-parallel rank 1 no longer reads its plans"):
+        sender.broadcast(b"x" * 4_000_000)
+    assert time.monotonic() - started < 10
+    closer.join()
+    write_end.close()
 
 
 @pytest.mark.parametrize("cut", [0, 3, 8, 20], ids=["between-frames", "in-the-header", "after-the-header",

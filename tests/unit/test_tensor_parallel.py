@@ -3,6 +3,7 @@ for every family and decoding strategy; and the worker processes' lives (a rank 
 never leaves a hang or a stray process)."""
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import subprocess
@@ -168,6 +169,26 @@ def test_a_rank_gone_when_its_plan_is_sent_fails_the_engine_with_its_name(checkp
         engine.close()
 
 
+def test_a_rank_that_stops_reading_its_plans_fails_the_engine_with_its_name_after_the_send_s_timeout(checkpoints):
+    """A worker alive but not reading (stopped here) leaves a plan larger than its pipe's room unsent: rank 0's send
+    gives up after the channel's timeout (shortened here) with the RankFailure that names the rank, where a write
+    that blocks would wait for ever. The pipe shrinks to one page here so that a prefill's plan outgrows it."""
+    engine = Diffulex(checkpoints("llada", {}), **dict(SETTINGS, max_model_len=512), tensor_parallel_size=2)
+    try:
+        channel, worker = engine.workers.channel, engine.workers.processes[0]
+        fcntl.fcntl(channel.pipes[0], fcntl.F_SETPIPE_SZ, 4096)
+        channel.timeout_s = 0.3
+        os.kill(worker.pid, signal.SIGSTOP)
+        engine.add_request([3 + i % 200 for i in range(480)], PARAMS[0])  # a plan of 12 bytes a prompt token
+        started = time.monotonic()
+        with pytest.raises(RankFailure, match=r"^tensor-parallel rank 1 did not read its plan within 0\.3 s$"):
+            engine.step()
+        assert time.monotonic() - started < 10
+        assert worker.poll() is None  # alive all along
+    finally:
+        engine.close()
+
+
 def test_a_model_that_does_not_split_fails_the_start_and_leaves_no_worker(checkpoints):
     before = child_pids()
     with pytest.raises(ValueError, match=r"^config field 'tensor_parallel_size' is 3, but the model's 4 attention "
@@ -291,24 +312,10 @@ def test_a_start_that_fails_on_rank_0_alone_ends_at_once(checkpoints, monkeypatc
     assert child_pids() - before == set()
 
 
-class CountingPipe:
-    """A worker's pipe that notes the size of each write it passes on."""
-
-    def __init__(self, pipe, writes: list[int]):
-        self.pipe, self.writes = pipe, writes
-
-    def write(self, data: bytes) -> int:
-        self.writes.append(len(data))
-        return self.pipe.write(data)
-
-    def flush(self) -> None:
-        self.pipe.flush()
-
-
 @pytest.mark.parametrize("family", ["llada", "llada2"])
 @pytest.mark.parametrize("params", [PARAMS[0], PARAMS[1]], ids=["greedy", "sampled"])
 def test_a_decode_step_issues_the_collectives_its_layers_need_and_one_plan_broadcast(checkpoints, family, params):
-    """Per step: the plan in one write down the worker's pipe, and no collective for it; one all-reduce for the
+    """Per step: the plan in one frame down the worker's pipe, and no collective for it; one all-reduce for the
     embedding lookup and one after attention and after the MLP (or MoE) of each layer; one all-gather for the
     sampler: of a few numbers a row when every row is greedy, of the rows' logits when one samples."""
     engine = Diffulex(checkpoints(family, {}), **SETTINGS, tensor_parallel_size=2)
@@ -316,16 +323,12 @@ def test_a_decode_step_issues_the_collectives_its_layers_need_and_one_plan_broad
         engine.add_request(PROMPTS[0], params)
         engine.step()
         engine.step()
-        pipe = engine.workers.channel.pipes[0]
-        writes = []
-        engine.workers.channel.pipes = [CountingPipe(pipe, writes)]
-        try:
-            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
-                engine.step()
-        finally:
-            engine.workers.channel.pipes = [pipe]
+        channel = engine.workers.channel
+        sent = channel.sent
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+            engine.step()
         assert engine.last_schedule.plans[0].blocks  # a step that decodes
-        assert len(writes) == 1
+        assert channel.sent == sent + 1
         counts = Counter(event.name for event in profile.events() if event.name.startswith("gloo:"))
         layers = engine.model.arch.num_layers
         assert counts == {"gloo:all_reduce": 2 * layers + 1, "gloo:all_gather": 1}
