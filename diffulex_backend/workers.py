@@ -26,6 +26,7 @@ it, or still open when the interpreter exits, kills its workers.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import os
 import pickle
 import select
@@ -110,6 +111,7 @@ class Channel:
         self.broken: Exception | None = None  # the send that failed, on rank 0
         if rank == 0:
             for pipe in pipes:
+                enlarge_pipe(pipe.fileno())
                 os.set_blocking(pipe.fileno(), False)  # a full pipe is waited on in poll, which has a timeout
 
     def broadcast(self, obj=None):
@@ -154,6 +156,21 @@ class Channel:
 
 
 FRAME_HEADER = struct.Struct("<Q")  # a frame's size in bytes
+
+
+# What each pipe of plans asks to hold (Linux gives a pipe 64 KiB): a frame that fits the pipe's free space is sent
+# without waiting for the worker, and a long prefill's plan outgrows 64 KiB (batch 64's decode step at 4k-token
+# contexts comes near it: docs/performance.md).
+PIPE_BYTES = 1 << 20
+
+
+def enlarge_pipe(fd: int) -> None:
+    """Ask the pipe to hold PIPE_BYTES. Where the system allows less (over /proc/sys/fs/pipe-max-size, or past the
+    user's share of pipe buffers), the pipe keeps the size it has."""
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETPIPE_SZ, PIPE_BYTES)
+    except PermissionError:
+        pass
 
 
 def wait_writable(fd: int, deadline: float) -> bool:

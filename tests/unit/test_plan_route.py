@@ -59,8 +59,8 @@ def two_ranks(objects: list) -> list:
 
 
 def test_objects_of_any_size_arrive_whole_and_in_order():
-    # 300 KB is more than a pipe holds: the send waits for the reader, and the frame arrives whole all the same.
-    objects = [None, "x", bytes(range(256)) * 400, {"k": [1, 2, 3]}, b"y" * 300_000, list(range(10))]
+    # 3 MB is more than a pipe holds: the send waits for the reader, and the frame arrives whole all the same.
+    objects = [None, "x", bytes(range(256)) * 400, {"k": [1, 2, 3]}, b"y" * 3_000_000, list(range(10))]
     assert two_ranks(objects) == objects
 
 
@@ -119,6 +119,16 @@ def test_a_worker_that_goes_while_rank_0_waits_for_room_fails_the_send_at_once()
     assert time.monotonic() - started < 10
     closer.join()
     write_end.close()
+
+
+def test_a_pipe_of_plans_holds_a_mebibyte_or_what_the_system_allows():
+    read_end, write_end = pipe_ends()
+    with read_end, write_end:
+        default = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+        Channel(None, 0, [write_end])
+        size = fcntl.fcntl(write_end, fcntl.F_GETPIPE_SZ)
+        limit = int(Path("/proc/sys/fs/pipe-max-size").read_text())  # binds processes without CAP_SYS_RESOURCE
+        assert size == 1 << 20 or (limit < 1 << 20 and size == default)
 
 
 @pytest.mark.parametrize("cut", [0, 3, 8, 20], ids=["between-frames", "in-the-header", "after-the-header",
