@@ -108,7 +108,7 @@ class Channel:
         from rank 0."""
         self.group, self.rank, self.pipes, self.timeout_s = group, rank, pipes, timeout_s
         self.sent = 0  # frames rank 0 sent to every worker, one a broadcast
-        self.broken: Exception | None = None  # the send that failed, on rank 0
+        self.broken: BaseException | None = None  # on rank 0, what failed a send: the channel sends no more
         if rank == 0:
             for pipe in pipes:
                 enlarge_pipe(pipe.fileno())
@@ -124,7 +124,7 @@ class Channel:
         for rank, pipe in enumerate(self.pipes, start=1):
             try:
                 self.send(rank, pipe, data)
-            except Exception as error:
+            except BaseException as error:  # an interrupt too may leave part of a frame in the pipe
                 self.broken = error
                 raise
         self.sent += 1
@@ -155,9 +155,6 @@ class Channel:
         return int(tensor)
 
 
-FRAME_HEADER = struct.Struct("<Q")  # a frame's size in bytes
-
-
 # What each pipe of plans asks to hold (Linux gives a pipe 64 KiB): a frame that fits the pipe's free space is sent
 # without waiting for the worker, and a long prefill's plan outgrows 64 KiB (batch 64's decode step at 4k-token
 # contexts comes near it: docs/performance.md).
@@ -180,6 +177,9 @@ def wait_writable(fd: int, deadline: float) -> bool:
     poller.register(fd, select.POLLOUT)
     left = deadline - time.monotonic()
     return left > 0 and bool(poller.poll(left * 1e3))
+
+
+FRAME_HEADER = struct.Struct("<Q")  # a frame's size in bytes
 
 
 def frame(obj) -> bytes:
