@@ -39,7 +39,7 @@ import torch.distributed as dist
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.plan_wire import PlanWire
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
-from diffulex_backend.workers import Channel, frame, read_frame
+from diffulex_backend.workers import Channel, frame, plans_pipe, read_frame
 
 GLOO_BUFFER = 1 << 16  # bytes: what the gloo broadcast sent every step, the frame at its start
 
@@ -88,7 +88,7 @@ def worker(way: str, port: int, repeats: int, buffer_bytes: int) -> None:
     with one byte."""
     torch.set_num_threads(1)
     if way == "pipe":
-        channel = Channel(None, 1, [sys.stdin.buffer])
+        channel = Channel(None, 1, [plans_pipe()])  # as a worker reads its plans
         receive = channel.broadcast
     else:
         group = gloo_group(dist.TCPStore("127.0.0.1", port, None, False, timeout=datetime.timedelta(minutes=1)), 1)
