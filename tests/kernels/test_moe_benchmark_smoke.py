@@ -1,6 +1,6 @@
-"""Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape (and checks the product there), so it
-cannot rot between GPU runs, with bf16 and fp8 stacks, and the floors a reader compares against are finite, below the measured time, and the
-ratios are what their names say."""
+"""Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape, with bf16 and fp8 stacks (and checks the
+product there), so it cannot rot between GPU runs, and the floors a reader compares against are finite, below the
+measured time, and the ratios are what their names say."""
 import math
 
 import pytest

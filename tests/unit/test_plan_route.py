@@ -27,6 +27,11 @@ from diffulex_backend.sampling import Confidence
 from diffulex_backend.workers import Channel, RankFailure, frame
 
 
+def pipe_ends():
+    """A pipe's (read end, write end), buffered as Popen gives rank 0 a worker's stdin."""
+    return (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+
+
 def two_ranks(objects: list) -> list:
     """What rank 1 receives when rank 0 broadcasts `objects` in turn, down a pipe between two threads of this
     process, as down a worker's stdin. Rank 1 reads unbuffered, as a worker does: a read returns what the pipe holds,
@@ -65,14 +70,10 @@ def test_objects_of_any_size_arrive_whole_and_in_order():
 
 
 def test_a_worker_that_has_gone_fails_rank_0_s_next_plan_by_its_rank():
-    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    read_end, write_end = pipe_ends()
     read_end.close()
     with pytest.raises(RuntimeError, match="tensor-parallel rank 1 no longer reads its plans"):
         Channel(None, 0, [write_end]).broadcast("plan")
-
-
-def pipe_ends():
-    return (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
 
 
 def bytes_in(pipe) -> int:
@@ -134,7 +135,7 @@ def test_a_pipe_of_plans_holds_a_mebibyte_or_what_the_system_allows():
 @pytest.mark.parametrize("cut", [0, 3, 8, 20], ids=["between-frames", "in-the-header", "after-the-header",
                                                       "mid-frame"])
 def test_a_worker_whose_rank_0_has_gone_stops_with_eof_wherever_the_frame_was_cut(cut):
-    read_end, write_end = (os.fdopen(fd, mode) for fd, mode in zip(os.pipe(), ("rb", "wb")))
+    read_end, write_end = pipe_ends()
     write_end.write(frame(list(range(100)))[:cut])
     write_end.close()
     with pytest.raises(EOFError, match="rank 0 closed the pipe of plans"):
