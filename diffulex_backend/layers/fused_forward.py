@@ -18,7 +18,7 @@ small kernels would otherwise cost more than the weights take to stream.
   head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
   (the kernel takes any head stride), after those norms.
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
-  streaming kernel; their split-K partial sum is the one product, and gate_up's SiLU-and-mul the separate launch.
+  streaming kernel, o_proj and down_proj as split-K partial sums too; gate_up's SiLU-and-mul is a launch of its own.
   The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
   row as they write them (`Fp8Rows`), so those inputs are written in one byte a value and need no cast launch of
   their own; o_proj's input (the attention output) takes `quantize_rows`. A projection with a LoRA delta in the
@@ -50,7 +50,7 @@ from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
-from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear
+from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, quantize_rows
 from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
@@ -163,8 +163,10 @@ def _project(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [T, N]
 
 
 def _project_partials(proj, x: torch.Tensor | Fp8Rows) -> torch.Tensor:  # [S, T, N]
+    """A row-parallel projection (o_proj, down_proj: no bias) as the partial sums its norm adds up."""
     if isinstance(proj, Fp8Linear):
-        return _project(proj, x)[None]
+        rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_rows(x.contiguous()), x.dtype)
+        return fp8_rows_partials(rows.q, rows.scale, proj.weight, proj.weight_scale, rows.dtype)
     return linear_partials(x, proj.weight)
 
 

@@ -17,7 +17,8 @@ import torch
 from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight
 from diffulex_backend.layers.moe import experts_reference
 from diffulex_kernels.fp8 import (
-    FP8, fp8_linear, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
+    FP8, MIN_PROGRAMS, SHARED_MEMORY_BYTES, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials,
+    fp8_rows_partials, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.moe import fused_moe
@@ -70,6 +71,65 @@ def test_weight_only_fp8_matmul_equals_the_float_product_with_dequantized_weight
     want = x.double() @ dequantize_weight(w_q, w_scale).double().T + bias.double()
     # fp8 values are exact in bf16, so the products are exact; only the float32 sums and the scaling round.
     assert relative_error(out, want) < 1e-5
+
+
+# (rows, K, N, tiles): K split 2 to 8 ways, a slice that ends past K (448 columns in 8 slices of 64: the last holds
+# none), and M past one row tile. Block scales cover GROUP_COLUMNS columns, no fewer than a K tile.
+SPLIT_CASES = ([(32, 4096, 4096, Tiles(64, 128, 2, 4, 5)), (32, 12288, 4096, Tiles(64, 128, 4, 4, 5)),
+                (64, 4096, 1024, Tiles(64, 128, 8, 4, 4))]
+               if FULL_SHAPES else [(5, 256, 48, Tiles(32, 64, 2, 4, 2)), (16, 448, 96, Tiles(64, 64, 8, 4, 2)),
+                                    (70, 512, 40, Tiles(32, 64, 4, 4, 2))])
+GROUP_COLUMNS = 128 if FULL_SHAPES else 64
+
+
+@pytest.mark.parametrize("scaled", ["per-channel", "block"])
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_fp8_matmul_partials_over_k_slices_sum_to_the_product(case, scaled):
+    """Every slice's partial product is written (none is NaN, none left unset), and the slices sum to the product of
+    the dequantized operands; the split the tiles ask for is the split returned."""
+    m, k, n, tiles = case
+    groups = 1 if scaled == "per-channel" else k // GROUP_COLUMNS
+    gen = generator(11)
+    x_q, x_scale = quantize_rows_reference(randn(m, k, dtype=torch.float32, gen=gen))
+    w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
+    partials = fp8_matmul_partials(x_q, x_scale, w_q, w_scale, tiles)
+    assert partials.shape == (tiles.split_k, m, n) and partials.dtype == torch.float32
+    assert not partials.isnan().any()
+    assert relative_error(partials.sum(0), reference_product(x_q, x_scale, w_q, w_scale)) < FP8_SUM_TOLERANCE
+    # fp8_matmul with the same tiles is the one sum, with the bias once.
+    bias = randn(n, dtype=torch.float32, gen=gen)
+    out = fp8_matmul(x_q, x_scale, w_q, w_scale, bias, torch.float32, tiles)
+    assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale, bias)) < FP8_SUM_TOLERANCE
+
+
+def test_fp8_rows_partials_split_k_where_the_row_tiles_leave_the_gpu_idle():
+    """o_proj's shape at a block's rows: too few row tiles for the multiprocessors, so the product comes as partials."""
+    m, k, n = (32, 4096, 4096) if FULL_SHAPES else (5, 1024, 64)
+    gen = generator(12)
+    x_q, x_scale = quantize_rows_reference(randn(m, k, dtype=torch.float32, gen=gen))
+    w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5)
+    partials = fp8_rows_partials(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+    assert partials.shape[0] == choose_tiles(m, n, k).split_k > 1
+    assert relative_error(partials.sum(0), reference_product(x_q, x_scale, w_q, w_scale)) < FP8_SUM_TOLERANCE
+
+
+def test_choose_tiles_fills_the_gpu_and_fits_shared_memory():
+    # LLaDA-8B's projections at one block: split until about two programs a multiprocessor.
+    assert choose_tiles(32, 4096, 4096) == Tiles(64, 128, 4, 4, 4)  # o_proj: 64 row tiles
+    assert choose_tiles(32, 4096, 12288).split_k == 4  # down_proj
+    assert choose_tiles(32, 12288, 4096).split_k == 2  # qkv: 192 row tiles
+    assert choose_tiles(32, 24576, 4096).split_k == 1  # gate_up: 384 row tiles already
+    assert choose_tiles(32, 64, 128).split_k == 1  # never a slice under one K tile
+    for m in (1, 16, 32, 64, 200):
+        for weight_only in (False, True):
+            tiles = choose_tiles(m, 4096, 4096, weight_only=weight_only)
+            programs = (4096 // tiles.block_n) * tiles.split_k * -(-m // 64)
+            assert programs >= MIN_PROGRAMS or tiles.split_k == 8
+            block_m = min(64, max(16, 1 << (m - 1).bit_length()))
+            stage = tiles.block_n * tiles.block_k + tiles.block_k * block_m * (2 if weight_only else 1)
+            assert tiles.num_stages * stage <= SHARED_MEMORY_BYTES
+    # A block-scaled weight's K tile stays inside one group of columns.
+    assert choose_tiles(32, 4096, 4096, groups=64).block_k == 64
 
 
 def test_fp8_matmul_scales_each_column_group_by_its_own_block_scale():
