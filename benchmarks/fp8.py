@@ -17,11 +17,16 @@ The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms
 norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
 they are written (`fused_add_rmsnorm_fp8`, the engine's way), against the floor of the bytes each moves.
 
+The tiles section times the Triton fp8 kernel alone at each projection's shape, a few rows to 64, over a grid of
+tile shapes, K splits, warps and pipeline stages (`Tiles`), against the weight-streaming floor and beside the bf16
+streaming kernel (`linear_partials`) at the same shape: the row `choose_tiles` marks is the engine's cut, and the
+best row of each case says whether that rule is still the fastest there.
+
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
 square bf16 product, a square cuBLASLt fp8 product). The floor is the larger of the two.
 
-    PYTHONPATH=. python benchmarks/fp8.py --out DIR            # GPU (Hopper): about a minute on an H100
+    PYTHONPATH=. python benchmarks/fp8.py --out DIR            # GPU (Hopper): about three minutes on an H100
     PYTHONPATH=. python benchmarks/fp8.py --smoke --out DIR    # anywhere: tiny shapes, eager, products checked
 """
 from __future__ import annotations
@@ -38,8 +43,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, TRITON_MAX_ROWS, fp8_matmul, quantize_rows, quantize_rows_reference, scaled_mm,
+    FP8, SHARED_MEMORY_BYTES, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
+    quantize_rows_reference, scaled_mm,
 )
+from diffulex_kernels.linear import linear_partials  # noqa: E402
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
 from forward import device_ms, fp8_matmul_rate, graph_replay_ms, synchronize, wall_ms  # noqa: E402
 from result_table import ResultTable  # noqa: E402
@@ -52,6 +59,12 @@ WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast",
         "triton W8A16")
 NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
+TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
+               "bf16_kernel_vs_floor", "note"]
+TILE_ROWS = (32, 64)  # one block and two: a decode step's rows per request
+TILE_GRID = [Tiles(block_n, block_k, split, warps, stages)
+             for block_n in (32, 64, 128) for block_k in (128, 256) for split in (1, 2, 4, 8)
+             for warps in (4, 8) for stages in (3, 4, 5)]
 
 
 def torch_cast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -157,11 +170,54 @@ def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
                 assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: {product.__name__}"
 
 
+def fits(tiles: Tiles, rows: int) -> bool:
+    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
+    return tiles.num_stages * (tiles.block_n * tiles.block_k + tiles.block_k * block_m) <= SHARED_MEMORY_BYTES
+
+
+def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smoke: bool, out: pathlib.Path):
+    """The Triton fp8 kernel at every shape and row count over TILE_GRID (the engine's cut among them), each as the
+    engine would run it: partial sums, LAYERS weights in turn, replayed from a CUDA graph. Every cut is a row; the
+    engine's and the fastest are marked."""
+    table = ResultTable("fp8-tiles", TILE_FIELDS, script="fp8")
+    grid = TILE_GRID[:2] if smoke else TILE_GRID
+    for rows in (4,) if smoke else TILE_ROWS:
+        for index, (name, n, k) in enumerate(shapes):
+            x_q, x_scale = quantize_rows_reference(torch.randn(rows, k, device=device).to(torch.bfloat16))
+            x = torch.randn(rows, k, device=device).to(torch.bfloat16)
+            weights = [layer[index] for layer in layers_fp8]
+            floor_us = 1e6 * n * k / bandwidth
+            bf16_fn = lambda: [linear_partials(x, layer[index]) for layer in layers_bf16]  # noqa: E731
+            bf16_us = 1e3 * (wall_ms(bf16_fn, device) if smoke else graph_replay_ms(bf16_fn, device, reps=20)) / len(
+                layers_bf16)
+            engine_cut = choose_tiles(rows, n, k)
+            results = []
+            for tiles in dict.fromkeys([engine_cut] + [t for t in grid if fits(t, rows)]):
+                fn = lambda: [fp8_matmul_partials(x_q, x_scale, w, s, tiles) for w, s in weights]  # noqa: E731
+                try:
+                    total_ms = wall_ms(fn, device) if smoke else graph_replay_ms(fn, device, reps=20)
+                except Exception as error:  # noqa: BLE001 (a cut the compiler refuses: out of resources)
+                    print(f"{name} {rows} rows {tiles}: {type(error).__name__}", flush=True)
+                    continue
+                results.append((1e3 * total_ms / len(weights), tiles))
+            best = min(results, key=lambda r: r[0])[1] if results else None
+            for us, tiles in results:
+                note = " ".join(word for word, yes in (("choose_tiles", tiles == engine_cut), ("best", tiles == best))
+                                if yes)
+                table.add(projection=name, rows=rows, tiles=" ".join(f"{f}={v}" for f, v in tiles._asdict().items()),
+                          us=us, floor_us=floor_us, vs_floor=us / floor_us, weight_tb_per_s=n * k / (us * 1e-6) / 1e12,
+                          bf16_kernel_us=bf16_us, bf16_kernel_vs_floor=bf16_us / (2 * floor_us), note=note)
+    table.write(out, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, eager, on any device")
+    parser.add_argument("--sections", default="ways,tiles", help="ways (every way a layer's products run), tiles "
+                        "(the Triton kernel's cuts), or both")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     shapes, row_counts, layers = (SMOKE, (4, 32), 2) if args.smoke else (LLADA_8B, (32, 1024), LAYERS)
@@ -173,7 +229,9 @@ def main() -> None:
     params = sum(n * k for _, n, k in shapes)
     table = ResultTable("fp8", FIELDS)
     on_gpu = device.type == "cuda"
-    for rows in row_counts:
+    if "tiles" in sections:
+        tiles_section(shapes, layers_fp8, layers_bf16, bandwidth, device, args.smoke, args.out)
+    for rows in row_counts if "ways" in sections else ():
         x = {k: torch.randn(rows, k, device=device).to(torch.bfloat16) for k in {k for _, _, k in shapes}}
         pre_cast = {k: quantize_rows_reference(v) for k, v in x.items()}
         if args.smoke:

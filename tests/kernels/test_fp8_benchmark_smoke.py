@@ -1,7 +1,7 @@
 """A smoke run of the FP8 benchmark on the CPU (the Triton kernels under the interpreter), so the script cannot rot
 between GPU runs: it checks its own products, and writes a row per row count and way that runs without a GPU (the
 products, then the norms that write their inputs), with times that are times and speedups that are bf16's time
-over the way's."""
+over the way's; and the tile table, with the engine's cut at every projection."""
 import pytest
 from benchmark_smoke import csv_rows, run_smoke
 
@@ -27,3 +27,19 @@ def test_smoke_run_times_each_way_against_bf16_and_marks_the_engines_choice(tmp_
     markdown = (tmp_path / "fp8.md").read_text()
     assert markdown.startswith("`python benchmarks/fp8.py --smoke --out") and "| rows | way |" in markdown
     assert "device: cpu (interpreter)" in markdown
+
+
+def test_smoke_run_times_the_engines_tile_cut_at_every_projection(tmp_path):
+    run_smoke("fp8.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "fp8-tiles.csv")
+    # Each projection has a row per cut: one of them the engine's (choose_tiles), one the fastest (maybe the same).
+    for projection in ("qkv", "o", "gate_up", "down"):
+        mine = [r for r in rows if r["projection"] == projection]
+        assert sum("choose_tiles" in r["note"] for r in mine) == 1
+        assert sum("best" in r["note"] for r in mine) == 1
+        for row in mine:
+            # The smoke run measures no bandwidth, so its floors are NaN, and so is every ratio to them.
+            us, floor, vs_floor = float(row["us"]), float(row["floor_us"]), float(row["vs_floor"])
+            assert us > 0 and float(row["bf16_kernel_us"]) > 0
+            assert vs_floor == pytest.approx(us / floor, rel=2e-3, nan_ok=True)
+    assert (tmp_path / "fp8-tiles.md").read_text().startswith("`python benchmarks/fp8.py --smoke --out")
