@@ -1,18 +1,18 @@
 """FP8 weights through the CUDA forward: the fused forward's W8A8 products stay within a stated bound of the float
-forward of the same (dequantized) weights; and the engine's CUDA graphs give the tokens of its eager steps, dense
-and MoE."""
+forward of the same (dequantized) weights; and the engine's CUDA graph replays give the forward of their steps,
+dense and MoE."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend import SamplingParams
+from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.fp8_linear import Fp8Linear, dequantize_weight
 from diffulex_backend.quantization import quantize_model
 from diffulex_backend.testing.checkpoint import random_model, write_random_checkpoint
-from kernel_cases import graph_and_eager_tokens
+from kernel_cases import FP8_REPLAY_BOUND, REPLAY_BOUND, replay_against_eager
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused forward needs a CUDA device")
 
@@ -67,34 +67,34 @@ def test_fp8_fused_forward_is_within_the_stated_bound_of_the_dequantized_float_f
     assert error < HIDDEN_BOUND, f"hidden states off by {error:.4f}, logits by {logits_error:.4f}"
 
 
-def test_fp8_engine_graphs_give_the_tokens_of_eager_steps(tmp_path):
+def test_fp8_engine_graph_replays_give_the_forward_of_their_steps(tmp_path):
     path = str(write_random_checkpoint(tmp_path / "llada", "llada", seed=5, **SHAPE))
-    prompts = ["fp8 on the GPU", "a second prompt, longer than the first one"]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-
-    def check(llm):
+    llm = Diffulex(path, **ENGINE, quantization="fp8")
+    try:
         assert llm.model.fused_kernels and any(p.dtype == torch.float8_e4m3fn for p in llm.model.parameters())
-
-    # float32 activations: every fp8 product takes the Triton kernel (cuBLASLt's takes bf16 only), whose rows
-    # do not depend on how many rows a step pads to, rather than switching kernels at 64 rows.
-    graphs, eager = graph_and_eager_tokens(path, prompts, params, check, **ENGINE, quantization="fp8")
-    assert graphs == eager
+        seen = replay_against_eager(llm, ["fp8 on the GPU", "a second prompt, longer than the first one"],
+                                    SamplingParams(max_tokens=48, ignore_eos=True))
+    finally:
+        llm.close()
+    assert max(seen.padded) == 0
+    assert max(seen.eager) < FP8_REPLAY_BOUND, seen.eager
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["float experts", "fp8 experts"])
-def test_moe_graphs_give_the_tokens_of_eager_steps(tmp_path, quantization):
+def test_moe_graph_replays_give_the_forward_of_their_steps(tmp_path, quantization):
     """A CUDA graph's padding rows hold garbage, NaN included, and the router used to turn a NaN row's choice into an
-    index past the last expert, which the expert kernels wrote through (float and fp8 stacks alike, at this shape).
-    float32, as the dense test above: both paths take the same kernels whatever rows a step pads to."""
+    index past the last expert, which the expert kernels wrote through (float and fp8 stacks alike, at this shape):
+    the real rows of the replay were then off by the whole."""
     path = str(write_random_checkpoint(tmp_path / "llada2", "llada2", seed=5, **SHAPE, num_experts=8,
                                        num_experts_per_tok=2, moe_intermediate_size=128, num_expert_groups=1,
                                        topk_groups=1, dense_layers=(0,)))
-    prompts = ["fp8 experts on the GPU", "a second prompt, longer than the first one"]
-    params = SamplingParams(max_tokens=48, ignore_eos=True)
-
-    def check(llm):
+    llm = Diffulex(path, **ENGINE, quantization=quantization)
+    try:
         assert any(p.dtype == torch.float8_e4m3fn and p.dim() == 3 for p in llm.model.parameters()) == (
             quantization == "fp8")
-
-    graphs, eager = graph_and_eager_tokens(path, prompts, params, check, **ENGINE, quantization=quantization)
-    assert graphs == eager
+        seen = replay_against_eager(llm, ["fp8 experts on the GPU", "a second prompt, longer than the first one"],
+                                    SamplingParams(max_tokens=48, ignore_eos=True))
+    finally:
+        llm.close()
+    assert max(seen.padded) == 0
+    assert max(seen.eager) < (FP8_REPLAY_BOUND if quantization else REPLAY_BOUND), seen.eager
