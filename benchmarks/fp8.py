@@ -9,9 +9,11 @@ Ways (each a layer's four products, over LAYERS layers whose weights are separat
 - scaled_mm + fused cast: after `quantize_rows`, the one-pass Triton cast the engine uses;
 - triton: the Triton `tl.dot` fp8 kernel (`fp8_matmul`) on activations cast beforehand;
 - triton + fused cast: `quantize_rows` then the Triton kernel;
-- triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast.
-`fp8_linear` takes the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the table says which way wins
-where.
+- triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast;
+- the engine's: the products as the fused forward calls them. qkv and gate_up take `fp8_rows_linear` on rows the
+  norms cast as they write them, o_proj takes `quantize_rows` then `fp8_rows_partials`, down_proj
+  `fp8_rows_partials` on rows the SiLU-and-mul casts (the partials' sum is the next norm's read). Each takes the
+  Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the casts in the norms are the norm rows' part.
 
 The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms. Three more rows time those two
 norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
@@ -43,8 +45,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, SHARED_MEMORY_BYTES, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
-    quantize_rows_reference, scaled_mm,
+    FP8, SHARED_MEMORY_BYTES, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_linear,
+    fp8_rows_partials, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.linear import linear_partials  # noqa: E402
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
@@ -56,7 +58,11 @@ LLADA_8B = [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), (
 SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)]
 LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
 WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
-        "triton W8A16")
+        "triton W8A16", "the engine's")
+# The projections whose rows the fused forward casts with quantize_rows (o_proj's input, the attention output), and
+# those that hand split-K partials to the norm after them (the row-parallel ones).
+CAST_APART = ("o",)
+PARTIALS = ("o", "down")
 NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
 TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
@@ -78,14 +84,21 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (w.float() / scale).to(FP8), scale
 
 
-def layer_fn(way: str, x: torch.Tensor, layers_bf16, layers_fp8, pre_cast):
+def layer_fn(way: str, x: torch.Tensor, names: list[str], layers_bf16, layers_fp8, pre_cast):
     """One call runs every layer's four products the given way; returns their outputs."""
     def run():
         outs = []
         for bf16, fp8 in zip(layers_bf16, layers_fp8):
-            for (w, (wq, ws)) in zip(bf16, fp8):
+            for (name, w, (wq, ws)) in zip(names, bf16, fp8):
                 k = w.shape[1]
                 xk = x[k]
+                if way == "the engine's":
+                    xq, xs = quantize_rows(xk) if name in CAST_APART else pre_cast[k]
+                    if name in PARTIALS:
+                        outs.append(fp8_rows_partials(xq, xs, wq, ws, torch.bfloat16))
+                    else:
+                        outs.append(fp8_rows_linear(xq, xs, wq, ws, None, torch.bfloat16))
+                    continue
                 if way == "bf16":
                     outs.append(F.linear(xk, w))
                     continue
@@ -241,15 +254,12 @@ def main() -> None:
         for way in WAYS:
             if way.startswith("scaled_mm") and not on_gpu:
                 continue  # cuBLASLt only on the GPU
-            fn = layer_fn(way, x, layers_bf16, layers_fp8, pre_cast)
+            fn = layer_fn(way, x, [name for name, _, _ in shapes], layers_bf16, layers_fp8, pre_cast)
             total_ms = graph_replay_ms(fn, device, reps=20) if on_gpu and not args.smoke else wall_ms(fn, device)
             times[way] = us = 1e3 * total_ms / layers
             weight_bytes = params * (2 if way == "bf16" else 1)
             floor_us = 1e6 * max(weight_bytes / bandwidth, flops / (bf16_rate if way == "bf16" else fp8_rate))
-            note = ""
-            if way == "triton + fused cast" and rows <= TRITON_MAX_ROWS or way == "scaled_mm + fused cast" and (
-                    rows > TRITON_MAX_ROWS):
-                note = "fp8_linear's choice"
+            note = "the engine's way" if way == "the engine's" else ""
             table.add(rows=rows, way=way, us_per_layer=us, speedup_vs_bf16=times["bf16"] / us, floor_us=floor_us,
                       vs_floor=us / floor_us, weight_tb_per_s=weight_bytes / (us * 1e-6) / 1e12, note=note)
         hidden = shapes[0][2]

@@ -16,8 +16,9 @@ token per block per step, so random weights cannot change how much a step decode
     and each rank streams 1/N of them);
   - the weight-streaming floor of one rank: its share of the model's bytes / the measured HBM bandwidth.
 And where rank 0's host time per step goes (tensor_parallel_host.md): scheduling, the plan's broadcast, building
-the batch, launching the forward, the logits and the sampler, the step's one read-back (which waits for the
-device), and the engine's update after it.
+the batch, launching the forward, the sampler's inputs (its rows and their upload), the logits and the sampler, the
+step's one read-back (which waits for the device), and the rest: the per-row values built on the host, and the
+engine's update after the read-back.
 Writes tensor_parallel.csv/.md and tensor_parallel_host.csv/.md to --out.
 
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
@@ -51,7 +52,8 @@ from result_table import ResultTable
 
 FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup",
           "weight_floor_ms", "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
-PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "logits", "sample", "accept", "read_back", "update"]
+PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "sampler_inputs", "logits", "sample", "accept",
+          "read_back", "update"]
 HOST_FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
 PROMPT = 256
 NEW_TOKENS = 4 * BLOCK
@@ -104,7 +106,8 @@ class HostClock:
         (or of the runner module), removed at the end."""
         runner = engine.runner.runner if engine.workers is not None else engine.runner
         methods = [(engine.scheduler, "schedule", "schedule"), (runner, "build_batch", "build_batch"),
-                   (runner, "forward", "forward_launch"), (runner, "accept", "accept"),
+                   (runner, "forward", "forward_launch"), (runner, "logit_rows", "sampler_inputs"),
+                   (runner, "accept", "accept"),
                    (runner.model, "compute_logits", "logits")]
         if engine.workers is not None:  # the plan's wire form and its broadcast
             methods += [(engine.runner.wire, "encode", "broadcast"), (engine.workers.channel, "broadcast", "broadcast")]
@@ -119,8 +122,10 @@ class HostClock:
             return out
 
         runner.model.compute_logits = first_logits
-        functions = {name: getattr(runner_module, name) for name in ("read_back", "sample", "greedy_over_shards")}
-        for name, phase in (("read_back", "read_back"), ("sample", "sample"), ("greedy_over_shards", "sample")):
+        functions = {name: getattr(runner_module, name)
+                     for name in ("read_back", "sample", "greedy_over_shards", "upload")}
+        for name, phase in (("read_back", "read_back"), ("sample", "sample"), ("greedy_over_shards", "sample"),
+                            ("upload", "sampler_inputs")):
             setattr(runner_module, name, self.wrap(phase, functions[name]))
         try:
             yield self
@@ -133,8 +138,9 @@ class HostClock:
     def per_step(self, step_seconds: list[float]) -> dict[str, float]:
         steps = len(step_seconds)
         ms = {f"{p}_ms": 1e3 * self.seconds[p] / steps for p in PHASES if p != "update"}
-        # Sampling includes the sharded greedy exchange; the rest of runner.execute (the sampler's inputs) and the
-        # engine's bookkeeping after it are the update.
+        # Sampling includes the sharded greedy exchange; the sampler's inputs are the logit rows and the uploads of
+        # the per-row values (a copy that waits where its host memory is not pinned); the rest of runner.execute
+        # (the per-row values built on the host) and the engine's bookkeeping after the read-back are the update.
         ms["update_ms"] = 1e3 * sum(step_seconds) / steps - sum(ms.values())
         return ms
 

@@ -10,7 +10,7 @@ def test_smoke_run_times_each_way_against_bf16_and_marks_the_engines_choice(tmp_
     run_smoke("fp8.py", tmp_path, cpu=True)
     rows = csv_rows(tmp_path / "fp8.csv")
     # cuBLASLt's ways need a GPU; the rest run at both row counts.
-    products = ("bf16", "triton", "triton + fused cast", "triton W8A16")
+    products = ("bf16", "triton", "triton + fused cast", "triton W8A16", "the engine's")
     norms = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
     assert [(r["rows"], r["way"]) for r in rows] == [(n, w) for n in ("4", "32") for w in products + norms]
     by_rows = {}
@@ -22,7 +22,7 @@ def test_smoke_run_times_each_way_against_bf16_and_marks_the_engines_choice(tmp_
             for way in group:
                 us = float(ways[way]["us_per_layer"])
                 assert us > 0 and float(ways[way]["speedup_vs_bf16"]) == pytest.approx(base / us, rel=2e-3)
-        assert ways["triton + fused cast"]["note"] == "fp8_linear's choice"
+        assert ways["the engine's"]["note"] == "the engine's way"
         assert ways["norms casting rows"]["note"] == "the engine's way"
     markdown = (tmp_path / "fp8.md").read_text()
     assert markdown.startswith("`python benchmarks/fp8.py --smoke --out") and "| rows | way |" in markdown

@@ -29,4 +29,5 @@ def test_smoke_run_compares_two_ranks_with_one(tmp_path):
         assert min(float(v) for k, v in row.items() if k.endswith("_ms")) >= 0
         assert (float(row["broadcast_ms"]) > 0) == (row["tp"] == "2")
         assert float(row["forward_launch_ms"]) > 0 and float(row["read_back_ms"]) > 0
+        assert float(row["sampler_inputs_ms"]) > 0
     assert (tmp_path / "tensor_parallel_host.md").read_text().startswith("`python benchmarks/tensor_parallel.py --smoke")
