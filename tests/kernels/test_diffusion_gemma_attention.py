@@ -1,7 +1,7 @@
 """DiffusionGemma's layers on the Triton attention kernel: its sliding window and both head sizes (64 for the
 sliding layers, 128 for the full ones here; 256 and 512 in the released model) reach the kernel, with scale 1, and
-the forward matches the model's torch attention over the paged cache. On a GPU its steps replay CUDA graphs and give
-the tokens of eager steps."""
+the forward matches the model's torch attention over the paged cache. On a GPU each step that replays a CUDA graph
+gives the forward of its step, run eagerly."""
 from __future__ import annotations
 
 import pytest
