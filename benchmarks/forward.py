@@ -72,12 +72,12 @@ from diffulex_backend.layers import moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
 from diffulex_backend.quantization import has_fp8, quantize_model  # noqa: E402
-from diffulex_backend.layers.fp8_linear import quantize_weight  # noqa: E402
+from diffulex_backend.layers.fp8_linear import Fp8Linear, quantize_weight  # noqa: E402
 from diffulex_backend.runner import kv_cache_layout  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.kv_store import SCALE_BYTES, pack_fp8_rows  # noqa: E402
-from diffulex_kernels.linear import linear, linear_silu_and_mul  # noqa: E402
+from diffulex_kernels.linear import linear  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
@@ -810,7 +810,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
     forward. In a MoE layer the matrix products are the router, the routed experts through the fused-MoE kernel
     on the routing this forward's tokens get (its sort into tiles included), and the shared expert."""
     context = plan.contexts[0]
-    batches = (plan.batches[0], plan.batches[-2])
+    # The plan's first batch and its largest up to 32 (1 and 32 by default), each once.
+    batches = tuple(dict.fromkeys((plan.batches[0], max(b for b in plan.batches if b <= max(32, plan.batches[0])))))
     engine = make_engine(model, model_dir, device, plan, max_model_len=context + 2 * BLOCK,
                          max_num_reqs=max(batches), num_kv_pages=max(batches) * -(-(context + BLOCK) // PAGE_SIZE))
     fill_cache(engine, seed=7)
@@ -828,36 +829,58 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                 inputs[size] = torch.randn(batch * BLOCK, size, device=device, dtype=dtype)
             return inputs[size]
 
-        def gated(mlp):  # as the fused forward runs them: gate_up with SiLU-and-mul in its epilogue
-            if model.fused_kernels:
-                act = linear_silu_and_mul(x_for(mlp.gate_up_proj.weight), mlp.gate_up_proj.weight)
-                linear(act, mlp.down_proj.weight)
-            else:
-                torch.nn.functional.linear(x_for(mlp.gate_up_proj.weight), mlp.gate_up_proj.weight)
-                torch.nn.functional.linear(x_for(mlp.down_proj.weight), mlp.down_proj.weight)
+        cast = {}
 
-        def matmuls():  # the weight-streaming kernel at a few tokens, as the fused forward calls them
-            mm = linear if model.fused_kernels else torch.nn.functional.linear
+        def project(proj, way: str = "one"):
+            """A projection's product as the forward takes it: with the kernels, `one` product, split-K `partials`
+            (o_proj, down_proj) or `gated` (gate_up, with SiLU-and-mul in a float product's epilogue and none in an
+            fp8 one's, whose rows the SiLU-and-mul casts after it); an fp8 projection's rows cast once beforehand,
+            as the kernels that write them cast them. Without the kernels, the torch module."""
+            x = x_for(proj.weight)
+            if not model.fused_kernels:
+                return proj(x)
+            from diffulex_backend.layers import fused_forward  # imports Triton: only with the kernels
+            if isinstance(proj, Fp8Linear):
+                if x.shape[-1] not in cast:
+                    from diffulex_kernels.fp8 import quantize_rows
+                    cast[x.shape[-1]] = fused_forward.Fp8Rows(*quantize_rows(x), x.dtype)
+                x = cast[x.shape[-1]]
+            if way == "partials":
+                return fused_forward._project_partials(proj, x)
+            if way == "gated" and not isinstance(proj, Fp8Linear):
+                return fused_forward._project_silu_and_mul(proj, x)
+            return fused_forward._project(proj, x)
+
+        def matmuls():  # every product of the forward, as the fused forward calls them
             moe_index = 0
             for layer in model.layers:
-                mm(x_for(layer.attn.qkv_proj.weight), layer.attn.qkv_proj.weight)
-                mm(x_for(layer.attn.o_proj.weight), layer.attn.o_proj.weight)
+                project(layer.attn.qkv_proj)
+                project(layer.attn.o_proj, "partials")
                 mlp = layer.mlp
                 if isinstance(mlp, MoE):
                     x = x_for(mlp.w_gate_up)
                     torch.nn.functional.linear(x.float(), mlp.gate.weight.float())  # the router, in float32
                     ids, weights = routes[moe_index]
                     moe_index += 1
+                    scales = (mlp.w_gate_up_scale, mlp.w_down_scale)
                     if model.fused_kernels:
                         from diffulex_kernels.moe import fused_moe
-                        fused_moe(x, mlp.w_gate_up, mlp.w_down, ids, weights)
+                        fused_moe(x, mlp.w_gate_up, mlp.w_down, ids, weights, w_gate_up_scale=scales[0],
+                                  w_down_scale=scales[1])
                     else:
-                        experts_reference(x, mlp.w_gate_up, mlp.w_down, ids, weights)
+                        experts_reference(x, mlp.w_gate_up, mlp.w_down, ids, weights, *scales)
                     if mlp.shared_experts is not None:
-                        gated(mlp.shared_experts)
+                        project(mlp.shared_experts.gate_up_proj, "gated")
+                        project(mlp.shared_experts.down_proj, "partials")
                 else:
-                    gated(mlp)
-            mm(x_for(head), head)
+                    project(mlp.gate_up_proj, "gated")
+                    project(mlp.down_proj, "partials")
+            if isinstance(model.lm_head, Fp8Linear):  # fp8_lm_head
+                project(model.lm_head)
+            elif model.fused_kernels:
+                linear(x_for(head), head)
+            else:
+                torch.nn.functional.linear(x_for(head), head)
 
         with torch.inference_mode():
             if device.type == "cuda":
@@ -894,7 +917,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
-    for kind, marks in (("moe experts", ("_gate_up_kernel", "_down_kernel", "_combine_kernel")),
+    for kind, marks in (("fp8 cast", ("quantize_rows",)), ("moe experts", ("_gate_up_kernel", "_down_kernel", "_combine_kernel")),
                         ("moe routing", ("_count_experts", "_plan_runs", "_scatter_pairs", "sort", "topk")),
                         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm",
                                     "linear_kernel", "splitkreduce")),
@@ -1017,8 +1040,8 @@ def fp8_against_float(report: Report, name: str, fp8_logits: torch.Tensor, float
                     f"the same cache and blocks: rel diff {rel:.3e}, argmax agrees on {100 * argmax:.1f}% of rows")
 
 
-# The sections that read the float weights themselves (the float32 reference copy, the matmuls replayed alone).
-FLOAT_ONLY_SECTIONS = ("check", "profile")
+# The sections that read the float weights themselves (the float32 reference copy).
+FLOAT_ONLY_SECTIONS = ("check",)
 
 
 def parse_list(text: str, choices=None, cast=str) -> tuple:

@@ -202,8 +202,8 @@ def test_fp8_floors_count_the_weights_as_held_and_the_fp8_rate():
 
 
 def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path):
-    run_smoke("forward.py", tmp_path, "--sections", "forward,check", "--quantization", "none,fp8", "--batches", "1",
-              cpu=True)
+    run_smoke("forward.py", tmp_path, "--sections", "forward,check,profile", "--quantization", "none,fp8",
+              "--batches", "1", cpu=True)
     rows = csv_rows(tmp_path / "forward.csv")
     forward = {(r["model"], r["case"]): r for r in rows if r["section"] == "forward"}
     assert sorted(forward) == [(m, "b1_ctx64") for m in ("smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8")]
@@ -214,6 +214,10 @@ def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path
         # test_fp8_floors_count_the_weights_as_held_and_the_fp8_rate's).
         assert float(fp8_row["weight_floor_ms"]) < float(float_row["weight_floor_ms"])
         assert "fp8" in fp8_row["note"]  # plain PyTorch reads float weights: not run, and the row says so
+    # The profile runs over fp8 weights too: the products alone through the fp8 projections' own path.
+    profiles = {r["model"]: r["note"] for r in rows if r["section"] == "profile"}
+    assert sorted(profiles) == ["smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8"]
+    assert all("matmuls alone" in note for note in profiles.values())
     checks = {(r["model"], r["case"]): r["note"] for r in rows if r["section"] == "check"}
     # The float32 reference copy is a float model's check only; the fp8 model gets its logits against the float's.
     assert sorted(checks) == [("smoke", "kernels+graphs vs torch path"), ("smoke-fp8", "fp8_vs_float_weights"),
