@@ -22,7 +22,8 @@ they are written (`fused_add_rmsnorm_fp8`, the engine's way), against the floor 
 The tiles section times the Triton fp8 kernel alone at each projection's shape, a few rows to 64, over a grid of
 tile shapes, K splits, warps and pipeline stages (`Tiles`), against the weight-streaming floor and beside the bf16
 streaming kernel (`linear_partials`) at the same shape: the row `choose_tiles` marks is the engine's cut, and the
-best row of each case says whether that rule is still the fastest there.
+best row of each case says whether that rule is still the fastest there. o_proj and down_proj run as split-K partials,
+qkv and gate_up as one product over cuts of one K slice, as the engine runs each.
 
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
@@ -203,10 +204,17 @@ def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smo
             bf16_fn = lambda: [linear_partials(x, layer[index]) for layer in layers_bf16]  # noqa: E731
             bf16_us = 1e3 * (wall_ms(bf16_fn, device) if smoke else graph_replay_ms(bf16_fn, device, reps=20)) / len(
                 layers_bf16)
-            engine_cut = choose_tiles(rows, n, k)
+            # qkv and gate_up run as one product (`fp8_matmul`: their outputs feed no norm that adds partials).
+            partials = name in PARTIALS
+            engine_cut = choose_tiles(rows, n, k) if partials else choose_tiles(rows, n, k)._replace(split_k=1)
             results = []
-            for tiles in dict.fromkeys([engine_cut] + [t for t in grid if fits(t, rows)]):
-                fn = lambda: [fp8_matmul_partials(x_q, x_scale, w, s, tiles) for w, s in weights]  # noqa: E731
+            for tiles in dict.fromkeys([engine_cut] + [t for t in grid if fits(t, rows) and (
+                    partials or t.split_k == 1)]):
+                if partials:
+                    fn = lambda: [fp8_matmul_partials(x_q, x_scale, w, s, tiles) for w, s in weights]  # noqa: E731
+                else:
+                    fn = lambda: [fp8_matmul(x_q, x_scale, w, s, None, torch.bfloat16, tiles)  # noqa: E731
+                                  for w, s in weights]
                 try:
                     total_ms = wall_ms(fn, device) if smoke else graph_replay_ms(fn, device, reps=20)
                 except Exception as error:  # noqa: BLE001 (a cut the compiler refuses: out of resources)

@@ -82,9 +82,8 @@ def test_fp8_engine_graph_replays_give_the_forward_of_their_steps(tmp_path):
 
 @pytest.mark.parametrize("quantization", [None, "fp8"], ids=["float experts", "fp8 experts"])
 def test_moe_graph_replays_give_the_forward_of_their_steps(tmp_path, quantization):
-    """A CUDA graph's padding rows hold garbage, NaN included, and the router used to turn a NaN row's choice into an
-    index past the last expert, which the expert kernels wrote through (float and fp8 stacks alike, at this shape),
-    and the replays decoded other tokens than eager steps."""
+    """A CUDA graph's padding rows hold garbage, NaN included: the router must keep a NaN row's choice among the
+    experts, or the expert kernels write past their stacks (float and fp8 stacks alike, at this shape)."""
     path = str(write_random_checkpoint(tmp_path / "llada2", "llada2", seed=5, **SHAPE, num_experts=8,
                                        num_experts_per_tok=2, moe_intermediate_size=128, num_expert_groups=1,
                                        topk_groups=1, dense_layers=(0,)))

@@ -27,4 +27,4 @@ def test_graph_replays_over_fp8_rows_give_the_forward_of_their_steps(tmp_path):
     finally:
         llm.close()
     assert max(seen.padded) == 0
-    assert max(seen.eager) < FP8_REPLAY_BOUND, seen  # 2e-6 on an H200.eager
+    assert max(seen.eager) < FP8_REPLAY_BOUND, seen.eager
