@@ -356,3 +356,28 @@ def test_omp_num_threads_sets_every_rank_s_threads(monkeypatch):
     assert rank_threads(2) == 5
     monkeypatch.setenv("OMP_NUM_THREADS", "0")  # not a thread count: the cores' share
     assert rank_threads(2) == max(1, len(os.sched_getaffinity(0)) // 2)
+
+
+def test_stopping_the_workers_kills_them_before_their_pipes_close(tmp_path):
+    """Workers blocked on their plan pipes, as between steps: each dies by the kill, never reading the pipe's end (an
+    EOFError, with its traceback, in an ordinary shutdown), and every kill comes before the first pipe closes."""
+    from diffulex_backend.workers import stop_processes
+
+    saw_eof = tmp_path / "saw-eof"
+    worker = f"import sys; print(flush=True); sys.stdin.buffer.read(); open({str(saw_eof)!r}, 'a').write('eof')"
+    processes = [subprocess.Popen([sys.executable, "-c", worker], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+                 for _ in range(2)]
+    events = []
+    for index, process in enumerate(processes):
+        assert process.stdout.readline() == b"\n"  # alive, and about to block on its pipe
+        for name, owner in (("kill", process), ("wait", process), ("close", process.stdin)):
+            def recorded(*args, _call=getattr(owner, name), _event=(name, index), **kwargs):
+                events.append(_event)
+                return _call(*args, **kwargs)
+            setattr(owner, name, recorded)
+    stop_processes(processes)
+    assert [p.returncode for p in processes] == [-signal.SIGKILL] * 2
+    assert not saw_eof.exists()
+    assert [name for name, _ in events] == ["kill", "kill", "wait", "close", "wait", "close"]
+    for process in processes:
+        process.stdout.close()
