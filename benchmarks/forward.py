@@ -68,7 +68,7 @@ from diffulex_backend.models.diffusion_gemma import DenoiseSchedule, GemmaMoE  #
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
 from diffulex_backend.model_setup import select_attention  # noqa: E402
-from diffulex_backend.layers import moe as moe_layer  # noqa: E402
+from diffulex_backend.layers import fused_forward, moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
 from diffulex_backend.quantization import has_fp8, quantize_model  # noqa: E402
@@ -77,7 +77,9 @@ from diffulex_backend.runner import kv_cache_layout  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.kv_store import SCALE_BYTES, pack_fp8_rows  # noqa: E402
+from diffulex_kernels.fp8 import quantize_rows  # noqa: E402
 from diffulex_kernels.linear import linear  # noqa: E402
+from diffulex_kernels.moe import fused_moe  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
 
 BLOCK = 32
@@ -839,10 +841,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
             x = x_for(proj.weight)
             if not model.fused_kernels:
                 return proj(x)
-            from diffulex_backend.layers import fused_forward  # imports Triton: only with the kernels
             if isinstance(proj, Fp8Linear):
                 if x.shape[-1] not in cast:
-                    from diffulex_kernels.fp8 import quantize_rows
                     cast[x.shape[-1]] = fused_forward.Fp8Rows(*quantize_rows(x), x.dtype)
                 x = cast[x.shape[-1]]
             if way == "partials":
@@ -864,7 +864,6 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                     moe_index += 1
                     scales = (mlp.w_gate_up_scale, mlp.w_down_scale)
                     if model.fused_kernels:
-                        from diffulex_kernels.moe import fused_moe
                         fused_moe(x, mlp.w_gate_up, mlp.w_down, ids, weights, w_gate_up_scale=scales[0],
                                   w_down_scale=scales[1])
                     else:

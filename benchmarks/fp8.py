@@ -10,10 +10,10 @@ Ways (each a layer's four products, over LAYERS layers whose weights are separat
 - triton: the Triton `tl.dot` fp8 kernel (`fp8_matmul`) on activations cast beforehand;
 - triton + fused cast: `quantize_rows` then the Triton kernel;
 - triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast;
-- the engine's: the products as the fused forward calls them. qkv and gate_up take `fp8_rows_linear` on rows the
-  norms cast as they write them, o_proj takes `quantize_rows` then `fp8_rows_partials`, down_proj
-  `fp8_rows_partials` on rows the SiLU-and-mul casts (the partials' sum is the next norm's read). Each takes the
-  Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the casts in the norms are the norm rows' part.
+- the engine's: the fused forward's own products (`_project`, `_project_partials`). qkv and gate_up take rows the
+  norms cast as they write them, o_proj casts its input (the attention output) itself, down_proj takes rows the
+  SiLU-and-mul casts, and o_proj and down_proj give split-K partials (their sum is the next norm's read). Each takes
+  the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the casts in the norms are the norm rows' part.
 
 The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms. Three more rows time those two
 norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
@@ -46,9 +46,11 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, SHARED_MEMORY_BYTES, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_linear,
-    fp8_rows_partials, quantize_rows, quantize_rows_reference, scaled_mm,
+    FP8, SHARED_MEMORY_BYTES, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
+    quantize_rows_reference, scaled_mm,
 )
+from diffulex_backend.layers.fp8_linear import Fp8Linear  # noqa: E402
+from diffulex_backend.layers.fused_forward import Fp8Rows, _project, _project_partials  # noqa: E402
 from diffulex_kernels.linear import linear_partials  # noqa: E402
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
 from forward import device_ms, fp8_matmul_rate, graph_replay_ms, synchronize, wall_ms  # noqa: E402
@@ -60,9 +62,7 @@ SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)
 LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
 WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
         "triton W8A16", "the engine's")
-# The projections whose rows the fused forward casts with quantize_rows (o_proj's input, the attention output), and
-# those that hand split-K partials to the norm after them (the row-parallel ones).
-CAST_APART = ("o",)
+# The row-parallel projections, which hand split-K partials to the norm after them.
 PARTIALS = ("o", "down")
 NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
@@ -87,18 +87,22 @@ def quantize_weight(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def layer_fn(way: str, x: torch.Tensor, names: list[str], layers_bf16, layers_fp8, pre_cast):
     """One call runs every layer's four products the given way; returns their outputs."""
+    modules = [[Fp8Linear(wq, ws, None) for wq, ws in layer] for layer in layers_fp8]
+    # The fused forward's own products: o_proj takes the attention output and casts it, the others take rows that
+    # the kernels writing them cast (here beforehand, once).
+    rows = {k: Fp8Rows(*pre_cast[k], torch.bfloat16) for k in pre_cast}
+
     def run():
         outs = []
-        for bf16, fp8 in zip(layers_bf16, layers_fp8):
-            for (name, w, (wq, ws)) in zip(names, bf16, fp8):
+        for bf16, fp8, fp8_modules in zip(layers_bf16, layers_fp8, modules):
+            for (name, w, (wq, ws), module) in zip(names, bf16, fp8, fp8_modules):
                 k = w.shape[1]
                 xk = x[k]
                 if way == "the engine's":
-                    xq, xs = quantize_rows(xk) if name in CAST_APART else pre_cast[k]
                     if name in PARTIALS:
-                        outs.append(fp8_rows_partials(xq, xs, wq, ws, torch.bfloat16))
+                        outs.append(_project_partials(module, xk if name == "o" else rows[k]))
                     else:
-                        outs.append(fp8_rows_linear(xq, xs, wq, ws, None, torch.bfloat16))
+                        outs.append(_project(module, rows[k]))
                     continue
                 if way == "bf16":
                     outs.append(F.linear(xk, w))
