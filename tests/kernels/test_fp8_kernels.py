@@ -102,6 +102,30 @@ def test_fp8_matmul_partials_over_k_slices_sum_to_the_product(case, scaled):
     assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale, bias)) < FP8_SUM_TOLERANCE
 
 
+@pytest.mark.parametrize("partials", [False, True], ids=["product", "split-k"])
+def test_a_row_s_product_does_not_depend_on_the_rows_padded_beside_it(partials):
+    """A CUDA graph pads a step's rows to its bucket, with garbage (NaN included) in the padding: the real rows'
+    products are the same bits at every padded row count up to 64, one row tile, where the split of K depends on
+    the weight alone (past 64 rows more row tiles take fewer slices: kernels/fp8.py's choose_tiles)."""
+    n, k = (4096, 4096) if FULL_SHAPES else (96, 256)
+    gen = generator(14)
+    x = randn(64, k, dtype=torch.float32, gen=gen)
+    w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5)
+
+    def first_rows(m: int) -> torch.Tensor:
+        padded = x[:m].clone()
+        padded[5:] = float("nan")
+        x_q, x_scale = quantize_rows(padded)
+        if partials:
+            out = fp8_rows_partials(x_q, x_scale, w_q, w_scale, torch.float32)[:, :5]
+            return out.sum(0) if out.shape[0] > 1 else out[0]  # in slice order, as the norm adds them
+        return fp8_matmul(x_q, x_scale, w_q, w_scale, None, torch.float32)[:5]
+
+    alone = first_rows(5)
+    for m in (8, 16, 17, 32, 33, 64):
+        assert torch.equal(first_rows(m), alone), f"{m} rows"
+
+
 def test_fp8_rows_partials_split_k_where_the_row_tiles_leave_the_gpu_idle():
     """o_proj's shape at a block's rows: too few row tiles for the multiprocessors, so the product comes as partials."""
     m, k, n = (32, 4096, 4096) if FULL_SHAPES else (5, 1024, 64)
