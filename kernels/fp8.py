@@ -15,11 +15,12 @@
   products; benchmarks/fp8.py measures it beside W8A8 at a few rows, where the weights' bytes decide.
 - `scaled_mm` is cuBLASLt's FP8 product through `torch._scaled_mm`, with row-wise scales (one per token, one per
   weight row); it takes G = 1 only.
-`fp8_linear` (and `fp8_rows_partials`) chooses: the Triton kernel up to `TRITON_MAX_ROWS` rows, for block scales and for activations other
-than bf16 (cuBLASLt writes row-wise scaled products in bf16 only), `scaled_mm` otherwise (benchmarks/fp8.py
-measures both at a decode step's shapes).
+`fp8_linear` and `fp8_rows_partials` choose: the Triton kernel up to `TRITON_MAX_ROWS` rows, for block scales and
+for activations other than bf16 (cuBLASLt writes row-wise scaled products in bf16 only), `scaled_mm` otherwise
+(benchmarks/fp8.py measures both at a decode step's shapes).
 
-The scales are float32 and every product accumulates in float32. The output is in the activations' dtype.
+The scales are float32 and every product accumulates in float32. A product is in the activations' dtype, the
+Triton kernel's partial sums in float32.
 """
 from __future__ import annotations
 
@@ -110,7 +111,7 @@ def choose_tiles(m: int, n: int, k: int, groups: int = 1, weight_only: bool = Fa
     64 weight rows by 128 columns, four stages deep, are small enough that a multiprocessor holds several programs
     at once, and K is split until there are about two programs per multiprocessor: on an H200 that streams LLaDA-8B's
     projections at 32 rows faster than deeper tiles (256 columns) or pipelines (five stages) do, which leave fewer
-    programs on each multiprocessor (benchmarks/fp8.py's tiles section; docs/kernels.md has the table). A
+    programs on each multiprocessor (benchmarks/fp8.py's tiles section; docs/kernels.md). A
     block-scaled weight's K tile stays within one scale group."""
     group_k = k // groups
     block_k = BLOCK_K if groups == 1 else min(BLOCK_K, group_k)
@@ -163,8 +164,10 @@ def _fp8_matmul_kernel(
             w = w.to(DOT_DTYPE)
             x = x.to(DOT_DTYPE)
         if GROUPED:
-            s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + (k_start + k) // GROUP_K, mask=n_valid,
-                        other=0.0)
+            # The last slice of K may run whole tiles past K: their masked products are 0, and their scales, past
+            # the row's last group (past the tensor at the last row), are not read.
+            s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + (k_start + k) // GROUP_K,
+                        mask=n_valid & (k_start + k < K), other=0.0)
             acc += tl.dot(w, x, max_num_imprecise_acc=IMPRECISE_ACC) * s[:, None]
         else:
             acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
@@ -230,7 +233,7 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
 
 def fp8_matmul_partials(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                         tiles: Tiles | None = None) -> torch.Tensor:
-    """fp8_matmul as partial sums [S, M, N] whose sum over S is the product, float32 when S > 1: the row-parallel
+    """fp8_matmul as float32 partial sums [S, M, N] whose sum over S is the product: the row-parallel
     projections' form, which the residual-add norm after them adds up as it reads (norm.py)."""
     return _launch(x_q, x_scale, w, w_scale, None, torch.float32, True, tiles)
 
@@ -270,7 +273,8 @@ def fp8_rows_linear(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w
 
 def fp8_rows_partials(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                       out_dtype: torch.dtype) -> torch.Tensor:
-    """fp8_rows_linear as partial sums [S, M, N] (S = 1: the one product in out_dtype, from cuBLASLt)."""
+    """fp8_rows_linear as partial sums [S, M, N]: the Triton kernel's in float32, or cuBLASLt's one product (S = 1)
+    in out_dtype."""
     if _takes_cublas(x_q, w, w_scale, out_dtype):
         return scaled_mm(x_q, x_scale, w, w_scale, None, out_dtype)[None]
     return fp8_matmul_partials(x_q, x_scale, w, w_scale)

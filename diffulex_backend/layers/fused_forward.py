@@ -131,8 +131,9 @@ def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm, fp8: bool):
 def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
     """A row-parallel product's partial sums ([S, T, hidden]) as they go to the residual-add norm: unchanged on one
     rank (the norm adds them up); under tensor parallelism summed here and over ranks, in their dtype: float32 from
-    the streaming kernel, the activation dtype from cuBLAS past its MAX_TOKENS rows (one product, S = 1), where the
-    all-reduce then moves half the bytes and each rank's share is rounded before the sum."""
+    the streaming kernel and the Triton fp8 kernel, the activation dtype from cuBLAS past its MAX_TOKENS rows and
+    from cuBLASLt's fp8 product (one product, S = 1), where the all-reduce then moves half the bytes and each rank's
+    share is rounded before the sum."""
     if tp.size == 1:
         return partials
     return tp.all_reduce(partials.sum(0) if partials.dim() == 3 else partials)

@@ -126,6 +126,23 @@ def test_a_row_s_product_does_not_depend_on_the_rows_padded_beside_it(partials):
         assert torch.equal(first_rows(m), alone), f"{m} rows"
 
 
+def test_a_slice_past_k_reads_no_block_scale_past_the_weights():
+    """K = 3 column groups in two slices of two tiles: the second slice's last tile lies past K, and the scale it
+    would read for the last weight row lies past the scale tensor. NaN there must not reach the product."""
+    m, n, groups = 3, 40, 3
+    k = groups * GROUP_COLUMNS
+    gen = generator(13)
+    x_q, x_scale = quantize_rows_reference(randn(m, k, dtype=torch.float32, gen=gen))
+    w_q, w_scale = quantize_weight(randn(n, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
+    memory = torch.full((n * groups + 64,), float("nan"), device=DEVICE)
+    memory[: n * groups] = w_scale.reshape(-1)
+    followed_by_nan = memory[: n * groups].view(n, groups)
+    tiles = Tiles(32, GROUP_COLUMNS, 2, 4, 2)
+    partials = fp8_matmul_partials(x_q, x_scale, w_q, followed_by_nan, tiles)
+    assert not partials.isnan().any()
+    assert relative_error(partials.sum(0), reference_product(x_q, x_scale, w_q, w_scale)) < FP8_SUM_TOLERANCE
+
+
 def test_fp8_rows_partials_split_k_where_the_row_tiles_leave_the_gpu_idle():
     """o_proj's shape at a block's rows: too few row tiles for the multiprocessors, so the product comes as partials."""
     m, k, n = (32, 4096, 4096) if FULL_SHAPES else (5, 1024, 64)
