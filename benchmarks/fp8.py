@@ -25,11 +25,18 @@ streaming kernel (`linear_partials`) at the same shape: the row `choose_tiles` m
 best row of each case says whether that rule is still the fastest there. o_proj and down_proj run as split-K partials,
 qkv and gate_up as one product over cuts of one K slice, as the engine runs each.
 
+The casts section times the kernels that write a layer's rows, one launch at a time at 32 and 1024 rows: the
+residual-add RMSNorm over the split-K partials the engine hands it (as many as `choose_tiles` splits o_proj and
+down_proj into; one bf16 product where cuBLASLt takes the rows), writing bf16 rows or casting them, at 4, 8 and 16
+warps a row (the engine's marked); the SiLU-and-mul, writing bf16 rows or casting them; and `quantize_rows` of the
+attention output. Each against the floor of the bytes it moves.
+
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
 square bf16 product, a square cuBLASLt fp8 product). The floor is the larger of the two.
 
     PYTHONPATH=. python benchmarks/fp8.py --out DIR            # GPU (Hopper): about three minutes on an H100
+    PYTHONPATH=. python benchmarks/fp8.py --out DIR --sections casts   # the row-writing kernels alone
     PYTHONPATH=. python benchmarks/fp8.py --smoke --out DIR    # anywhere: tiny shapes, eager, products checked
 """
 from __future__ import annotations
@@ -45,14 +52,15 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, SHARED_MEMORY_BYTES, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
+    FP8, SHARED_MEMORY_BYTES, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
     quantize_rows_reference, scaled_mm,
 )
 from diffulex_backend.layers.fp8_linear import Fp8Linear  # noqa: E402
 from diffulex_backend.layers.fused_forward import Fp8Rows, _project, _project_partials  # noqa: E402
 from diffulex_kernels.linear import linear_partials  # noqa: E402
-from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8  # noqa: E402
+from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, norm_warps  # noqa: E402
 from forward import device_ms, fp8_matmul_rate, graph_replay_ms, synchronize, wall_ms  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
@@ -68,6 +76,7 @@ NORM_WAYS = ("norms: bf16 rows", "norms + quantize_rows", "norms casting rows")
 FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floor", "weight_tb_per_s", "note"]
 TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
                "bf16_kernel_vs_floor", "note"]
+CAST_FIELDS = ["rows", "kernel", "writes", "inputs", "num_warps", "us", "floor_us", "vs_floor", "note"]
 TILE_ROWS = (32, 64)  # one block and two: a decode step's rows per request
 TILE_GRID = [Tiles(block_n, block_k, split, warps, stages)
              for block_n in (32, 64, 128) for block_k in (128, 256) for split in (1, 2, 4, 8)
@@ -235,12 +244,59 @@ def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smo
     table.write(out, None)
 
 
+def casts_section(shapes, bandwidth: float, device, smoke: bool, out: pathlib.Path):
+    """The kernels that write a layer's rows, each launch alone (module note), replayed 50 times from a CUDA graph."""
+    table = ResultTable("fp8-casts", CAST_FIELDS, script="fp8")
+    sizes = dict((name, (n, k)) for name, n, k in shapes)
+    hidden, intermediate = sizes["o"][0], sizes["down"][1]
+    reps = 2 if smoke else 50
+
+    def time_us(fn) -> float:
+        many = lambda: [fn() for _ in range(reps)]  # noqa: E731
+        return 1e3 * (wall_ms(many, device) if smoke else graph_replay_ms(many, device, reps=5)) / reps
+
+    for rows in (4,) if smoke else (32, 1024):
+        residual = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+        weight = torch.rand(hidden, device=device).to(torch.bfloat16) + 0.5
+        # The split-K partials o_proj and down_proj hand over at these rows, or cuBLASLt's one bf16 product.
+        splits = sorted({choose_tiles(rows, n, k).split_k for n, k in (sizes["o"], sizes["down"])})
+        inputs = [(s, torch.randn(s, rows, hidden, device=device)) for s in splits] if rows <= TRITON_MAX_ROWS else [
+            (1, torch.randn(1, rows, hidden, device=device).to(torch.bfloat16))]
+        for split, partials in inputs:
+            read = partials.numel() * partials.element_size() + 2 * rows * hidden  # partials, residual
+            for writes, fp8 in (("bf16", False), ("fp8", True)):
+                moved = read + 2 * rows * hidden + (rows * (hidden + 4) if fp8 else 2 * rows * hidden)
+                engine = norm_warps(hidden, fp8)
+                for warps in (4, 8, 16):
+                    if fp8:
+                        fn = lambda: fused_add_rmsnorm_fp8(partials, residual, weight, 1e-6, num_warps=warps)  # noqa: E731
+                    else:
+                        fn = lambda: fused_add_rmsnorm(partials, residual, weight, 1e-6, num_warps=warps)  # noqa: E731
+                    us = time_us(fn)
+                    floor_us = 1e6 * 2 * moved / bandwidth
+                    table.add(rows=rows, kernel="residual-add RMSNorm", writes=writes,
+                              inputs=f"{split} {'float32 partials' if partials.dtype == torch.float32 else 'bf16'}",
+                              num_warps=warps, us=us, floor_us=floor_us, vs_floor=us / floor_us,
+                              note="the engine's" if warps == engine else "")
+        gate_up = torch.randn(rows, 2 * intermediate, device=device).to(torch.bfloat16)
+        attention_out = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
+        for kernel, writes, fn, moved in (
+                ("SiLU-and-mul", "bf16", lambda: silu_and_mul(gate_up), 6 * rows * intermediate),
+                ("SiLU-and-mul", "fp8", lambda: silu_and_mul_fp8(gate_up), rows * (5 * intermediate + 4)),
+                ("quantize_rows", "fp8", lambda: quantize_rows(attention_out), rows * (3 * hidden + 4))):
+            us = time_us(fn)
+            floor_us = 1e6 * 2 * moved / bandwidth
+            table.add(rows=rows, kernel=kernel, writes=writes, inputs="bf16", num_warps="", us=us, floor_us=floor_us,
+                      vs_floor=us / floor_us, note="the engine's")
+    table.write(out, None)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, eager, on any device")
-    parser.add_argument("--sections", default="ways,tiles", help="ways (every way a layer's products run), tiles "
-                        "(the Triton kernel's cuts), or both")
+    parser.add_argument("--sections", default="ways,tiles,casts", help="ways (every way a layer's products run), "
+                        "tiles (the Triton kernel's cuts), casts (the kernels that write the rows), comma-separated")
     args = parser.parse_args()
     sections = set(args.sections.split(","))
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -256,6 +312,8 @@ def main() -> None:
     on_gpu = device.type == "cuda"
     if "tiles" in sections:
         tiles_section(shapes, layers_fp8, layers_bf16, bandwidth, device, args.smoke, args.out)
+    if "casts" in sections:
+        casts_section(shapes, bandwidth, device, args.smoke, args.out)
     for rows in row_counts if "ways" in sections else ():
         x = {k: torch.randn(rows, k, device=device).to(torch.bfloat16) for k in {k for _, _, k in shapes}}
         pre_cast = {k: quantize_rows_reference(v) for k, v in x.items()}

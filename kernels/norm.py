@@ -10,7 +10,7 @@ it adds them up and rounds the sum to the activation dtype, as the unsplit produ
 The `_fp8` forms write the normalized rows as the input of an FP8 projection (kernels/fp8.py): each row cast to
 float8_e4m3fn with its scale, from the registers that hold it, instead of written in the activation dtype and read
 back by `quantize_rows`. The row is rounded to the activation dtype first, so the result is that of the two
-launches, bit for bit.
+launches, bit for bit, when the float norm runs at the cast norm's warps (its sums' order follows the warps).
 """
 from __future__ import annotations
 
@@ -84,7 +84,15 @@ def _qk_rmsnorm_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, stride_token, num_q_h
     tl.store(ptrs, (x * inv_rms * weight).to(qk_ptr.dtype.element_ty), mask=mask)
 
 
-def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=None):
+def norm_warps(hidden_size: int, fp8_out: bool) -> int:
+    """Warps a row. Casting the row costs a second reduction (its largest magnitude) and a rounded division per
+    value, and at a decode step's few rows few programs run: the cast norm takes twice the float norm's warps,
+    which it turns into time where the float norm does not (benchmarks/fp8.py's casts section; docs/kernels.md)."""
+    block = triton.next_power_of_2(hidden_size)
+    return min(16, max(4, block // (256 if fp8_out else 512)))
+
+
+def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=None, num_warps=None):
     partials = x if x.dim() == 3 else x[None]
     x = partials[0]
     num_rows, hidden_size = x.shape
@@ -102,17 +110,18 @@ def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=N
         hidden_size, eps,
         NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block, FP8_OUT=scale is not None,
         ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype), HAS_WEIGHT=weight is not None,
-        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=min(16, max(4, block // 512)),
+        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=num_warps or norm_warps(hidden_size, scale is not None),
     )
 
 
 def rmsnorm(
-    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None
+    x: torch.Tensor, weight: torch.Tensor | None, eps: float, *, out: torch.Tensor | None = None,
+    num_warps: int | None = None,  # a launch other than norm_warps' (benchmarks, tests)
 ) -> torch.Tensor:
     """x: [T, hidden]; returns x / rms(x) * weight (x / rms(x) where weight is None), computed in float32, in x's
     dtype."""
     out = torch.empty_like(x) if out is None else out
-    _launch(x, None, weight, eps, out, None)
+    _launch(x, None, weight, eps, out, None, num_warps=num_warps)
     return out
 
 
@@ -140,12 +149,13 @@ def fused_add_rmsnorm(
     *,
     out: torch.Tensor | None = None,
     residual_out: torch.Tensor | None = None,  # may be `residual` itself: each row is read before it is written
+    num_warps: int | None = None,  # a launch other than norm_warps' (benchmarks, tests)
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x, residual: [T, hidden], or x as split-K partial sums [S, T, hidden]. Returns (rmsnorm(x + residual),
     x + residual) in one pass."""
     out = torch.empty_like(residual) if out is None else out
     residual_out = torch.empty_like(residual) if residual_out is None else residual_out
-    _launch(x, residual, weight, eps, out, residual_out)
+    _launch(x, residual, weight, eps, out, residual_out, num_warps=num_warps)
     return out, residual_out
 
 
@@ -159,11 +169,12 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torc
 
 
 def fused_add_rmsnorm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
-    """fused_add_rmsnorm with the normalized rows cast per row to fp8: ((q, scale), x + residual)."""
+    """fused_add_rmsnorm with the normalized rows cast per row to fp8: ((q, scale), x + residual). `num_warps`: a
+    launch other than norm_warps' (benchmarks)."""
     out = torch.empty(residual.shape, dtype=FP8, device=residual.device)
     scale = torch.empty(residual.shape[0], dtype=torch.float32, device=residual.device)
     residual_out = torch.empty_like(residual)
-    _launch(x, residual, weight, eps, out, residual_out, scale, residual.dtype)
+    _launch(x, residual, weight, eps, out, residual_out, scale, residual.dtype, num_warps)
     return (out, scale), residual_out

@@ -43,3 +43,21 @@ def test_smoke_run_times_the_engines_tile_cut_at_every_projection(tmp_path):
             assert us > 0 and float(row["bf16_kernel_us"]) > 0
             assert vs_floor == pytest.approx(us / floor, rel=2e-3, nan_ok=True)
     assert (tmp_path / "fp8-tiles.md").read_text().startswith("`python benchmarks/fp8.py --smoke --out")
+
+
+def test_smoke_run_times_the_row_writing_kernels_and_marks_the_engines_launch(tmp_path):
+    run_smoke("fp8.py", tmp_path, cpu=True)
+    rows = csv_rows(tmp_path / "fp8-casts.csv")
+    norms = [r for r in rows if r["kernel"] == "residual-add RMSNorm"]
+    # The smoke shapes split o_proj and down_proj alike at 4 rows: one partials count, both writes, three warps.
+    assert sorted((r["writes"], r["num_warps"]) for r in norms) == [
+        (writes, warps) for writes in ("bf16", "fp8") for warps in ("16", "4", "8")]
+    for writes in ("bf16", "fp8"):
+        assert sum(r["note"] == "the engine's" for r in norms if r["writes"] == writes) == 1
+    others = [(r["kernel"], r["writes"]) for r in rows if r not in norms]
+    assert others == [("SiLU-and-mul", "bf16"), ("SiLU-and-mul", "fp8"), ("quantize_rows", "fp8")]
+    for row in rows:
+        assert float(row["us"]) > 0
+        assert float(row["vs_floor"]) == pytest.approx(float(row["us"]) / float(row["floor_us"]), rel=2e-3,
+                                                        nan_ok=True)
+    assert (tmp_path / "fp8-casts.md").read_text().startswith("`python benchmarks/fp8.py --smoke --out")
