@@ -54,7 +54,7 @@ if not torch.cuda.is_available():
 
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, SHARED_MEMORY_BYTES, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, quantize_rows,
+    FP8, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, pipeline_bytes, quantize_rows,
     quantize_rows_reference, scaled_mm,
 )
 from diffulex_backend.layers.fp8_linear import Fp8Linear  # noqa: E402
@@ -77,7 +77,9 @@ FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floo
 TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
                "bf16_kernel_vs_floor", "note"]
 CAST_FIELDS = ["rows", "kernel", "writes", "inputs", "num_warps", "us", "floor_us", "vs_floor", "note"]
-TILE_ROWS = (32, 64)  # one block and two: a decode step's rows per request
+TILE_ROWS = (32, 64)
+# The grid's cuts whose pipeline fits what an H100 gives a program (227 KB), less room for the epilogue.
+SHARED_MEMORY_BYTES = 180 * 1024  # one block and two: a decode step's rows per request
 TILE_GRID = [Tiles(block_n, block_k, split, warps, stages)
              for block_n in (32, 64, 128) for block_k in (128, 256) for split in (1, 2, 4, 8)
              for warps in (4, 8) for stages in (3, 4, 5)]
@@ -198,8 +200,7 @@ def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
 
 
 def fits(tiles: Tiles, rows: int) -> bool:
-    block_m = min(64, max(16, 1 << (rows - 1).bit_length()))
-    return tiles.num_stages * (tiles.block_n * tiles.block_k + tiles.block_k * block_m) <= SHARED_MEMORY_BYTES
+    return pipeline_bytes(tiles, rows) <= SHARED_MEMORY_BYTES
 
 
 def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smoke: bool, out: pathlib.Path):

@@ -42,8 +42,6 @@ TRITON_MAX_ROWS = 64
 BLOCK_N = 64
 BLOCK_K = 128
 NUM_STAGES = 4
-# Shared memory for the pipeline's stages: what an H100 gives a program (227 KB), less room for the epilogue.
-SHARED_MEMORY_BYTES = 180 * 1024
 # About two programs per multiprocessor of an H100 (132), before a split of K is worth its partials: with its small
 # fp8 tiles each multiprocessor holds several programs, and more of them keep more loads in flight than deeper
 # pipelines do (benchmarks/fp8.py's tiles section).
@@ -104,6 +102,17 @@ class Tiles(NamedTuple):
     num_stages: int
 
 
+def row_block(m: int) -> int:
+    """The kernel's row tile at m rows: 16 to 64, the tensor cores' narrow side."""
+    return min(64, max(16, triton.next_power_of_2(m)))
+
+
+def pipeline_bytes(tiles: Tiles, m: int, weight_only: bool = False) -> int:
+    """Shared memory of a cut's pipeline at m rows: every stage holds a weight tile and a row tile (16-bit rows
+    for a weight-only product)."""
+    return tiles.num_stages * (tiles.block_n * tiles.block_k + tiles.block_k * row_block(m) * (2 if weight_only else 1))
+
+
 def choose_tiles(m: int, n: int, k: int, groups: int = 1, weight_only: bool = False) -> Tiles:
     """The tiles of an [M, K] @ [N, K].T product.
 
@@ -111,18 +120,14 @@ def choose_tiles(m: int, n: int, k: int, groups: int = 1, weight_only: bool = Fa
     64 weight rows by 128 columns, four stages deep, are small enough that a multiprocessor holds several programs
     at once, and K is split until there are about two programs per multiprocessor: on an H200 that streams LLaDA-8B's
     projections at 32 rows faster than deeper tiles (256 columns) or pipelines (five stages) do, which leave fewer
-    programs on each multiprocessor (benchmarks/fp8.py's tiles section; docs/kernels.md). A
-    block-scaled weight's K tile stays within one scale group."""
-    group_k = k // groups
-    block_k = BLOCK_K if groups == 1 else min(BLOCK_K, group_k)
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
-    stage_bytes = BLOCK_N * block_k + block_k * block_m * (2 if weight_only else 1)
-    stages = max(2, min(NUM_STAGES, SHARED_MEMORY_BYTES // stage_bytes))
-    programs = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, block_m)
+    programs on each multiprocessor (benchmarks/fp8.py's tiles section; docs/kernels.md). Four such stages take at
+    most 96 KB of shared memory. A block-scaled weight's K tile stays within one scale group."""
+    block_k = BLOCK_K if groups == 1 else min(BLOCK_K, k // groups)
+    programs = triton.cdiv(n, BLOCK_N) * triton.cdiv(m, row_block(m))
     split = 1
     while split < MAX_SPLIT_K and programs * split < MIN_PROGRAMS and 2 * split * block_k <= k:
         split *= 2
-    return Tiles(BLOCK_N, block_k, split, 4, stages)
+    return Tiles(BLOCK_N, block_k, split, 4, NUM_STAGES)
 
 
 # M changes with every batch, and the partials' stride (M x N) with it: specialized on them, each new token count
@@ -207,7 +212,7 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_
     out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=x_q.device)
     if m == 0:
         return out
-    block_m = min(64, max(16, triton.next_power_of_2(m)))
+    block_m = row_block(m)
     w_scale = w_scale.float().contiguous()
     pdl = use_pdl(x_q)
     _fp8_matmul_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(m, block_m), split)](
