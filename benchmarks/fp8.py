@@ -267,14 +267,11 @@ def casts_section(shapes, bandwidth: float, device, smoke: bool, out: pathlib.Pa
             read = partials.numel() * partials.element_size() + 2 * rows * hidden  # partials, residual
             for writes, fp8 in (("bf16", False), ("fp8", True)):
                 moved = read + 2 * rows * hidden + (rows * (hidden + 4) if fp8 else 2 * rows * hidden)
-                engine = norm_warps(hidden, fp8)
+                engine = norm_warps(hidden, fp8, rows)
+                norm = fused_add_rmsnorm_fp8 if fp8 else fused_add_rmsnorm
                 for warps in (4, 8, 16):
-                    if fp8:
-                        fn = lambda: fused_add_rmsnorm_fp8(partials, residual, weight, 1e-6, num_warps=warps)  # noqa: E731
-                    else:
-                        fn = lambda: fused_add_rmsnorm(partials, residual, weight, 1e-6, num_warps=warps)  # noqa: E731
-                    us = time_us(fn)
-                    floor_us = 1e6 * 2 * moved / bandwidth
+                    us = time_us(lambda: norm(partials, residual, weight, 1e-6, num_warps=warps))
+                    floor_us = 1e6 * moved / bandwidth
                     table.add(rows=rows, kernel="residual-add RMSNorm", writes=writes,
                               inputs=f"{split} {'float32 partials' if partials.dtype == torch.float32 else 'bf16'}",
                               num_warps=warps, us=us, floor_us=floor_us, vs_floor=us / floor_us,
@@ -286,7 +283,7 @@ def casts_section(shapes, bandwidth: float, device, smoke: bool, out: pathlib.Pa
                 ("SiLU-and-mul", "fp8", lambda: silu_and_mul_fp8(gate_up), rows * (5 * intermediate + 4)),
                 ("quantize_rows", "fp8", lambda: quantize_rows(attention_out), rows * (3 * hidden + 4))):
             us = time_us(fn)
-            floor_us = 1e6 * 2 * moved / bandwidth
+            floor_us = 1e6 * moved / bandwidth
             table.add(rows=rows, kernel=kernel, writes=writes, inputs="bf16", num_warps="", us=us, floor_us=floor_us,
                       vs_floor=us / floor_us, note="the engine's")
     table.write(out, None)

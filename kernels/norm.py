@@ -84,12 +84,19 @@ def _qk_rmsnorm_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, stride_token, num_q_h
     tl.store(ptrs, (x * inv_rms * weight).to(qk_ptr.dtype.element_ty), mask=mask)
 
 
-def norm_warps(hidden_size: int, fp8_out: bool) -> int:
+# Fewer rows than an H100 has multiprocessors (132): one program a row leaves most of them idle, and a program's
+# latency is the launch's.
+FEW_ROWS = 128
+
+
+def norm_warps(hidden_size: int, fp8_out: bool, num_rows: int) -> int:
     """Warps a row. Casting the row costs a second reduction (its largest magnitude) and a rounded division per
-    value, and at a decode step's few rows few programs run: the cast norm takes twice the float norm's warps,
-    which it turns into time where the float norm does not (benchmarks/fp8.py's casts section; docs/kernels.md)."""
+    value: at few rows the cast norm takes twice the float norm's warps, which shorten each program where the float
+    norm gains nothing, and at many rows cost a little more than they save (benchmarks/fp8.py's casts section;
+    docs/kernels.md)."""
     block = triton.next_power_of_2(hidden_size)
-    return min(16, max(4, block // (256 if fp8_out else 512)))
+    per_warp = 256 if fp8_out and num_rows < FEW_ROWS else 512
+    return min(16, max(4, block // per_warp))
 
 
 def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=None, num_warps=None):
@@ -110,7 +117,8 @@ def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=N
         hidden_size, eps,
         NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block, FP8_OUT=scale is not None,
         ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype), HAS_WEIGHT=weight is not None,
-        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x), num_warps=num_warps or norm_warps(hidden_size, scale is not None),
+        USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
+        num_warps=num_warps or norm_warps(hidden_size, scale is not None, num_rows),
     )
 
 

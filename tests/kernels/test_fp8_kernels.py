@@ -266,7 +266,7 @@ def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype
     the activation dtype, the same scale, the same cast (the interpreter's included), and the same residual. The
     float norm runs at the cast norm's warps, which order its sums."""
     tokens, hidden = (32, 4096) if FULL_SHAPES else (5, 96)
-    warps = norm_warps(hidden, fp8_out=True)
+    warps = norm_warps(hidden, fp8_out=True, num_rows=tokens)
     gen = generator(7)
     x = randn(partials, tokens, hidden, dtype=torch.float32 if partials > 1 else dtype, gen=gen)
     x = x if partials > 1 else x[0]
@@ -283,8 +283,11 @@ def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype):
-    tokens, inter = (32, 12288) if FULL_SHAPES else (5, 80)
+@pytest.mark.parametrize("shape", [(32, 12288), (1024, 18944)] if FULL_SHAPES else [(5, 80), (6, 2500)], ids=str)
+def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype, shape):
+    """A row spread over chunks of columns (the second shape's rows take three, the last one ragged) gets the scale
+    of its largest value wherever that lies."""
+    tokens, inter = shape
     gate_up = randn(tokens, 2 * inter, dtype=dtype, gen=generator(8))
     q, scale = silu_and_mul_fp8(gate_up)
     want_q, want_scale = quantize_rows(silu_and_mul(gate_up))
