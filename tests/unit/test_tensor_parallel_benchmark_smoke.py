@@ -1,7 +1,7 @@
 """A smoke run of the tensor-parallel benchmark on two CPU ranks, so the script that measures TP on GPUs cannot rot
 between runs on a machine with two of them: its rows are there, the two ranks' outputs equal one rank's, their first
-logits differ from one rank's by float32 rounding, the collectives are counted on the two-rank rows only, and the
-host-time table splits each step into its phases."""
+logits differ from one rank's by float32 rounding, the collectives are counted on the two-rank rows only, the
+host-time table splits each step into its phases, and rank 0's longest host calls are listed, longest first."""
 
 import pytest
 from benchmark_smoke import csv_rows, run_smoke
@@ -31,3 +31,10 @@ def test_smoke_run_compares_two_ranks_with_one(tmp_path):
         assert float(row["forward_launch_ms"]) > 0 and float(row["read_back_ms"]) > 0
         assert float(row["sampler_inputs_ms"]) > 0
     assert (tmp_path / "tensor_parallel_host.md").read_text().startswith("`python benchmarks/tensor_parallel.py --smoke")
+    ops = csv_rows(tmp_path / "tensor_parallel_host_ops.csv")
+    for tp, batch in [(r["tp"], r["batch"]) for r in rows]:
+        mine = [r for r in ops if (r["tp"], r["batch"]) == (tp, batch)]
+        assert len(mine) == 12
+        times = [float(r["self_ms_per_step"]) for r in mine]
+        assert times == sorted(times, reverse=True) and times[-1] > 0
+        assert all(float(r["calls_per_step"]) > 0 for r in mine)
