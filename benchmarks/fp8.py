@@ -77,9 +77,9 @@ FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floo
 TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
                "bf16_kernel_vs_floor", "note"]
 CAST_FIELDS = ["rows", "kernel", "writes", "inputs", "num_warps", "us", "floor_us", "vs_floor", "note"]
-TILE_ROWS = (32, 64)
+TILE_ROWS = (32, 64)  # one block and two: a decode step's rows per request
 # The grid's cuts whose pipeline fits what an H100 gives a program (227 KB), less room for the epilogue.
-SHARED_MEMORY_BYTES = 180 * 1024  # one block and two: a decode step's rows per request
+SHARED_MEMORY_BYTES = 180 * 1024
 TILE_GRID = [Tiles(block_n, block_k, split, warps, stages)
              for block_n in (32, 64, 128) for block_k in (128, 256) for split in (1, 2, 4, 8)
              for warps in (4, 8) for stages in (3, 4, 5)]

@@ -261,11 +261,13 @@ def test_fused_moe_with_fp8_stacks_equals_the_dequantized_reference(groups):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("partials", [1, 2], ids=["product", "split-k"])
-def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype, partials):
+@pytest.mark.parametrize("shape", [(32, 4096), (1024, 4096), (32, 3584)] if FULL_SHAPES else [(5, 96)], ids=str)
+def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype, partials, shape):
     """The norm that casts its rows as it writes them equals the norm, then quantize_rows: the same rounding to
     the activation dtype, the same scale, the same cast (the interpreter's included), and the same residual. The
-    float norm runs at the cast norm's warps, which order its sums."""
-    tokens, hidden = (32, 4096) if FULL_SHAPES else (5, 96)
+    float norm runs at the cast norm's warps, which order its sums: more of them below 128 rows (LLaDA-8B's and
+    Dream-7B's widths at a block's rows), as many at 1024."""
+    tokens, hidden = shape
     warps = norm_warps(hidden, fp8_out=True, num_rows=tokens)
     gen = generator(7)
     x = randn(partials, tokens, hidden, dtype=torch.float32 if partials > 1 else dtype, gen=gen)
@@ -285,8 +287,8 @@ def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(32, 12288), (1024, 18944)] if FULL_SHAPES else [(5, 80), (6, 2500)], ids=str)
 def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype, shape):
-    """A row spread over chunks of columns (the second shape's rows take three, the last one ragged) gets the scale
-    of its largest value wherever that lies."""
+    """A row spread over chunks of 1024 columns, the last one ragged, gets the scale of its largest value wherever
+    that lies."""
     tokens, inter = shape
     gate_up = randn(tokens, 2 * inter, dtype=dtype, gen=generator(8))
     q, scale = silu_and_mul_fp8(gate_up)
