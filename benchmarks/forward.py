@@ -916,7 +916,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 
 def kernel_kind(name: str) -> str:
     lowered = name.lower()
-    for kind, marks in (("fp8 cast", ("quantize_rows",)),
+    for kind, marks in (("fp8 cast", ("quantize_rows", "cast_chunks")),
                         ("moe experts", ("_gate_up_kernel", "_down_kernel", "_combine_kernel")),
                         ("moe routing", ("_count_experts", "_plan_runs", "_scatter_pairs", "sort", "topk")),
                         ("matmul", ("gemm", "nvjet", "cutlass", "xmma", "matmul", "aten::mm", "aten::addmm",
