@@ -54,7 +54,7 @@ if not torch.cuda.is_available():
 
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, pipeline_bytes, quantize_rows,
+    FP8, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_partials, pipeline_bytes, quantize_rows,
     quantize_rows_reference, scaled_mm,
 )
 from diffulex_backend.layers.fp8_linear import Fp8Linear  # noqa: E402
@@ -199,10 +199,6 @@ def check_products(name, rows, layers_bf16, layers_fp8, x, device) -> None:
                 assert ((got - want).norm() / want.norm()) < 2**-4, f"{name} {rows} rows: {product.__name__}"
 
 
-def fits(tiles: Tiles, rows: int) -> bool:
-    return pipeline_bytes(tiles, rows) <= SHARED_MEMORY_BYTES
-
-
 def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smoke: bool, out: pathlib.Path):
     """The Triton fp8 kernel at every shape and row count over TILE_GRID (the engine's cut among them), each as the
     engine would run it: partial sums, LAYERS weights in turn, replayed from a CUDA graph. Every cut is a row; the
@@ -222,8 +218,8 @@ def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smo
             partials = name in PARTIALS
             engine_cut = choose_tiles(rows, n, k) if partials else choose_tiles(rows, n, k)._replace(split_k=1)
             results = []
-            for tiles in dict.fromkeys([engine_cut] + [t for t in grid if fits(t, rows) and (
-                    partials or t.split_k == 1)]):
+            cuts = [t for t in grid if pipeline_bytes(t, rows) <= SHARED_MEMORY_BYTES and (partials or t.split_k == 1)]
+            for tiles in dict.fromkeys([engine_cut] + cuts):
                 if partials:
                     fn = lambda: [fp8_matmul_partials(x_q, x_scale, w, s, tiles) for w, s in weights]  # noqa: E731
                 else:
@@ -245,9 +241,11 @@ def tiles_section(shapes, layers_fp8, layers_bf16, bandwidth: float, device, smo
     table.write(out, None)
 
 
-def casts_section(shapes, bandwidth: float, device, smoke: bool, out: pathlib.Path):
-    """The kernels that write a layer's rows, each launch alone (module note), replayed 50 times from a CUDA graph."""
+def casts_section(shapes, layer_fp8, bandwidth: float, device, smoke: bool, out: pathlib.Path):
+    """The kernels that write a layer's rows, each launch alone (module note), replayed 50 times from a CUDA graph.
+    `layer_fp8`: one layer's fp8 weights, whose row-parallel products give the norm its partials."""
     table = ResultTable("fp8-casts", CAST_FIELDS, script="fp8")
+    weights = {name: w for (name, _, _), w in zip(shapes, layer_fp8)}
     sizes = dict((name, (n, k)) for name, n, k in shapes)
     hidden, intermediate = sizes["o"][0], sizes["down"][1]
     reps = 2 if smoke else 50
@@ -259,11 +257,14 @@ def casts_section(shapes, bandwidth: float, device, smoke: bool, out: pathlib.Pa
     for rows in (4,) if smoke else (32, 1024):
         residual = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
         weight = torch.rand(hidden, device=device).to(torch.bfloat16) + 0.5
-        # The split-K partials o_proj and down_proj hand over at these rows, or cuBLASLt's one bf16 product.
-        splits = sorted({choose_tiles(rows, n, k).split_k for n, k in (sizes["o"], sizes["down"])})
-        inputs = [(s, torch.randn(s, rows, hidden, device=device)) for s in splits] if rows <= TRITON_MAX_ROWS else [
-            (1, torch.randn(1, rows, hidden, device=device).to(torch.bfloat16))]
-        for split, partials in inputs:
+        # What o_proj and down_proj hand the norm at these rows, as the engine takes their products: the Triton
+        # kernel's float32 split-K partials, or cuBLASLt's one bf16 product. One input per distinct form.
+        inputs = {}
+        for name in PARTIALS:
+            x_q, x_scale = quantize_rows_reference(torch.randn(rows, sizes[name][1], device=device).to(torch.bfloat16))
+            partials = fp8_rows_partials(x_q, x_scale, *weights[name], torch.bfloat16)
+            inputs.setdefault((partials.shape[0], partials.dtype), partials)
+        for (split, _), partials in inputs.items():
             read = partials.numel() * partials.element_size() + 2 * rows * hidden  # partials, residual
             for writes, fp8 in (("bf16", False), ("fp8", True)):
                 moved = read + 2 * rows * hidden + (rows * (hidden + 4) if fp8 else 2 * rows * hidden)
@@ -311,7 +312,7 @@ def main() -> None:
     if "tiles" in sections:
         tiles_section(shapes, layers_fp8, layers_bf16, bandwidth, device, args.smoke, args.out)
     if "casts" in sections:
-        casts_section(shapes, bandwidth, device, args.smoke, args.out)
+        casts_section(shapes, layers_fp8[0], bandwidth, device, args.smoke, args.out)
     for rows in row_counts if "ways" in sections else ():
         x = {k: torch.randn(rows, k, device=device).to(torch.bfloat16) for k in {k for _, _, k in shapes}}
         pre_cast = {k: quantize_rows_reference(v) for k, v in x.items()}
