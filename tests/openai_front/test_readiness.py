@@ -14,7 +14,7 @@ import httpx
 import tritonclient.http as httpclient
 from diffulex_client.perf.front_process import FrontProcess
 from front_requests import error_in, post
-from processes import live_children
+from processes import kill_with_children, live_children
 from google.protobuf import json_format, text_format
 from triton_server import SHIPPED_MODEL, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model, free_ports, \
     with_parameters
@@ -80,8 +80,7 @@ def test_the_front_answers_503_while_triton_is_away_and_ends_streams_on_a_dead_s
 
         # Killed: after a stub's death Triton 2.51 cannot shut down cleanly (and at times aborts by itself while the
         # watchdog reloads the model, on a lock the dead stub held). Then a new server on the same ports.
-        servers[0].process.kill()
-        servers[0].process.wait()
+        kill_with_children(servers[0].process)
         wait_until(lambda: front.health() == 503, timeout_s=5)
         assert post(front, "/v1/completions", BODY).status_code == 503
         servers.append(start_server(tmp_path, checkpoint, ports, "second"))
@@ -90,8 +89,7 @@ def test_the_front_answers_503_while_triton_is_away_and_ends_streams_on_a_dead_s
     finally:
         for server in servers:
             if server.process.poll() is None:
-                server.process.kill()
-                server.process.wait()
+                kill_with_children(server.process)
         front.stop()
 
 

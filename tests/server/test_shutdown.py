@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
+from processes import kill_with_children
 from triton_server import STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model
 
 LEAVING = b'data: {"error":"the server is shutting down or unloading this model"}'
@@ -26,8 +27,7 @@ def slow_server(tmp_path, checkpoint):
     server.wait_ready(STARTUP_TIMEOUT_S)
     yield server
     if server.process.poll() is None:
-        server.process.kill()
-        server.process.wait()
+        kill_with_children(server.process)
 
 
 class Stream(threading.Thread):

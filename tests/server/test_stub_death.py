@@ -9,6 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import tritonclient.grpc as grpcclient
+from processes import kill_with_children
 from served import generate, post, reference, stub_pids, wait_for
 from triton_server import STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model
 
@@ -23,8 +24,7 @@ def own_server(tmp_path, checkpoint):
                           ("--model-control-mode=explicit", "--load-model=diffulex", "--exit-timeout-secs=5"))
     server.wait_ready(STARTUP_TIMEOUT_S)
     yield server
-    server.process.kill()
-    server.process.wait()
+    kill_with_children(server.process)
 
 
 def test_a_killed_stub_makes_the_model_not_ready_at_once_and_it_comes_back(own_server, engine):
