@@ -18,11 +18,14 @@ token per block per step, so random weights cannot change how much a step decode
 And where rank 0's host time per step goes (tensor_parallel_host.md): scheduling, the plan's broadcast, building
 the batch, launching the forward, the sampler's inputs (its rows and their upload), the logits and the sampler, the
 step's one read-back (which waits for the device), and the rest: the per-row values built on the host, and the
-engine's update after the read-back. And, from the profiled request set, rank 0's host calls that take the most of
-its time (tensor_parallel_host_ops.md): torch's operators and the CUDA runtime's calls by their own time per step,
-where a call that waits for the device (a copy to or from pageable memory, a synchronisation) shows by name. The
-profiler slows the host, so these times are larger than the clock's; what they rank is where a step waits.
-Writes tensor_parallel.csv/.md, tensor_parallel_host.csv/.md and tensor_parallel_host_ops.csv/.md to --out.
+engine's update after the read-back. And, from the profiled request set (tensor_parallel_ops.md), rank 0's calls
+that take the most time per step, on each side:
+  - host: torch's operators and the CUDA runtime's calls by their own time, where a call that waits for the device
+    (a copy to or from pageable memory, a synchronisation) shows by name. The profiler slows the host, so these
+    times are larger than the clock's; what they rank is where a step waits;
+  - device: the kernels by their time on the GPU, and all of them together ("all kernels"), so that a step whose
+    device is busy for longer than its weights take to stream shows which kernels hold it.
+Writes tensor_parallel.csv/.md, tensor_parallel_host.csv/.md and tensor_parallel_ops.csv/.md to --out.
 
     python benchmarks/tensor_parallel.py --out DIR                          # 2 GPUs: LLaDA-8B at TP 1 and 2
     python benchmarks/tensor_parallel.py --out DIR --models llada-8b,llada2-mini --dtypes bfloat16,float32
@@ -58,8 +61,8 @@ FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms"
 PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "sampler_inputs", "logits", "sample", "accept",
           "read_back", "update"]
 HOST_FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", *[f"{p}_ms" for p in PHASES]]
-HOST_OP_FIELDS = ["model", "dtype", "threads", "tp", "batch", "call", "calls_per_step", "self_ms_per_step"]
-HOST_OPS = 12  # rank 0's host calls listed per (size, batch), the longest first
+OP_FIELDS = ["model", "dtype", "threads", "tp", "batch", "side", "call", "calls_per_step", "self_ms_per_step"]
+TOP_OPS = 12  # rank 0's calls listed per (size, batch) and side, the longest first
 PROMPT = 256
 NEW_TOKENS = 4 * BLOCK
 
@@ -77,12 +80,21 @@ def collective_ms(profile) -> float:
     return total_us / 1e3
 
 
-def host_ops(profile, steps: int) -> list[dict]:
-    """Rank 0's host calls with the most self time in the profiled span, per step: operators, ranges and CUDA
-    runtime calls alike."""
-    events = sorted(profile.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:HOST_OPS]
-    return [dict(call=e.key, calls_per_step=e.count / steps, self_ms_per_step=e.self_cpu_time_total / 1e3 / steps)
-            for e in events]
+def top_ops(profile, steps: int) -> list[dict]:
+    """Rank 0's calls with the most self time in the profiled span, per step. Host: operators, ranges and CUDA
+    runtime calls alike. Device: the kernels (and copies) the GPU ran, led by their sum."""
+    events = profile.key_averages()
+    host = sorted(events, key=lambda e: e.self_cpu_time_total, reverse=True)[:TOP_OPS]
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    device = sorted(kernels, key=lambda e: e.self_device_time_total, reverse=True)[:TOP_OPS]
+    rows = [dict(side="host", call=e.key, calls_per_step=e.count / steps,
+                 self_ms_per_step=e.self_cpu_time_total / 1e3 / steps) for e in host]
+    if kernels:
+        rows.append(dict(side="device", call="all kernels", calls_per_step=sum(e.count for e in kernels) / steps,
+                         self_ms_per_step=sum(e.self_device_time_total for e in kernels) / 1e3 / steps))
+    rows += [dict(side="device", call=e.key, calls_per_step=e.count / steps,
+                  self_ms_per_step=e.self_device_time_total / 1e3 / steps) for e in device]
+    return rows
 
 
 class HostClock:
@@ -208,7 +220,7 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
                 step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(profiled),
                 tokens=[r.tokens[r.gen_start:].tolist() for r in requests], first_logits=clock.first_logits,
                 host=dict(step_ms=1e3 * statistics.mean(host_times), **clock.per_step(host_times)),
-                host_ops=host_ops(profile, len(profiled)),
+                ops=top_ops(profile, len(profiled)),
                 weight_bytes=sum(p.numel() * p.element_size() for p in engine.model.parameters()),
                 threads=torch.get_num_threads())
             print(f"tp {size}, batch {batch}: measured after {time.perf_counter() - started:.0f} s", file=sys.stderr,
@@ -294,7 +306,7 @@ def main(argv=None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     table = ResultTable("tensor_parallel", FIELDS)
     host_table = ResultTable("tensor_parallel_host", HOST_FIELDS, script="tensor_parallel")
-    ops_table = ResultTable("tensor_parallel_host_ops", HOST_OP_FIELDS, script="tensor_parallel")
+    ops_table = ResultTable("tensor_parallel_ops", OP_FIELDS, script="tensor_parallel")
     with tempfile.TemporaryDirectory() as tmp:
         for name, shape in models.items():
             if shape is None:
@@ -326,7 +338,7 @@ def main(argv=None) -> int:
                                   note=f"{device}, prompt {16 if args.smoke else PROMPT}, "
                                        f"{result['threads']} threads a rank")
                         host_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **result["host"])
-                        for op in result["host_ops"]:
+                        for op in result["ops"]:
                             ops_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **op)
                 # Written after every setting: a run cut off by a time limit keeps the rows it measured.
                 table.write(args.out, argv)

@@ -20,7 +20,7 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce
+from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce, one_shot_sum_partials
 
 # The largest sum the one-shot kernel makes, in bytes: a batch-32 decode step's rows at hidden 4096 in bfloat16.
 CAPACITY = 8 << 20
@@ -109,6 +109,11 @@ class PeerCollectives:
         """Sums `tensor` (which fits) over the ranks, in place."""
         return one_shot_all_reduce(tensor, self.staging.view(tensor.dtype), self.staging_offsets, self.flag_ptrs,
                                    self.counts, self.rank, self.timeout_ns)
+
+    def sum_partials(self, partials: torch.Tensor) -> torch.Tensor:
+        """partials [S, *shape] (contiguous, partials[0] fits) summed over S and over the ranks, into partials[0]."""
+        return one_shot_sum_partials(partials, self.staging.view(partials.dtype), self.staging_offsets,
+                                     self.flag_ptrs, self.counts, self.rank, self.timeout_ns)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[size, *shape]: every rank's `tensor` (which fits), rank 0's first."""

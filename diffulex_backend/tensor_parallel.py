@@ -64,6 +64,16 @@ class TensorParallel:
             self.group.allreduce([tensor]).wait()
         return tensor
 
+    def sum_partials(self, partials: torch.Tensor) -> torch.Tensor:
+        """A row-parallel product's split sums [S, *shape] summed over S and over the ranks: [*shape] in their
+        dtype. Over peer memory one launch does both sums; through NCCL torch adds the splits first."""
+        if partials.shape[0] == 1:
+            return self.all_reduce(partials[0])
+        if self.size > 1 and self.peer is not None and partials.is_contiguous() and self.peer.fits(partials[0],
+                                                                                                    summed=True):
+            return self.peer.sum_partials(partials)
+        return self.all_reduce(partials.sum(0))
+
     def all_reduce_max(self, tensor: torch.Tensor) -> torch.Tensor:
         """Elementwise maximum over ranks, in place; returns `tensor`. A no-op with one rank."""
         if self.size > 1:

@@ -5,7 +5,8 @@ For the small sums a tensor-parallel decode step makes (a block of rows times th
 ring all-reduce is bound by its latency: a few steps of a protocol, each a round trip. Between GPUs that map each
 other's memory (NVLink, or PCIe with peer access) one launch does it:
 
-1. each program copies its chunks of the rank's partial into the rank's staging buffer;
+1. each program copies its chunks of the rank's partial into the rank's staging buffer (summing them first, in
+   float32, when the rank's partial comes as the split sums of a row-parallel product);
 2. it raises its flag in every rank's flag array (a release store at system scope) and waits until every rank's
    same program has raised its own (acquire loads);
 3. it sums its chunks over every rank's staging buffer, in float32 and in rank order, so every rank rounds the same
@@ -47,8 +48,9 @@ def _staging(staging_ptr, staging_offsets, rank, half):
 @triton.jit(debug=True)  # keeps the device assertion of the timeout
 def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_ptr, n, half_size, rank,
                          timeout_ns, WORLD: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                         TIMED: tl.constexpr, USE_PDL: tl.constexpr):
+                         PARTIALS: tl.constexpr, TIMED: tl.constexpr, USE_PDL: tl.constexpr):
     """Sums x into out (x itself, in place), or with GATHER writes every rank's x into out ([WORLD, n]).
+    With PARTIALS > 1, x is [PARTIALS, n], this rank's share is their sum, and out is x[0].
     staging_ptr: this rank's staging buffer ([2, half_size] of x's dtype); staging_offsets: int64 [WORLD], where
     every rank's starts from it, in 16-byte units; flag_ptrs: int64 [WORLD], the addresses of every rank's flag
     array (int64 [programs, WORLD]); counts_ptr: int64 [programs], this rank's."""
@@ -62,7 +64,14 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
     for chunk in range(program, chunks, programs):
         index = chunk * BLOCK + offsets
         mask = index < n
-        tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
+        if PARTIALS > 1:
+            # In order, in float32: the sum the residual-add norm takes of them on one rank.
+            share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+            for part in tl.static_range(1, PARTIALS):
+                share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
+            tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
+        else:
+            tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
     # Every thread's copy is done before the flag says so; the release makes the copies visible with it. Every
     # thread has read the count, too, before it is written: a warp that read it after the write would take the
     # other half, and wait for a call the other ranks have not made.
@@ -110,6 +119,15 @@ def one_shot_all_reduce(x: torch.Tensor, staging: torch.Tensor, staging_offsets:
     return x
 
 
+def one_shot_sum_partials(partials: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,
+                          flag_ptrs: torch.Tensor, counts: torch.Tensor, rank: int, timeout_ns: int = 0) -> torch.Tensor:
+    """partials [S, *shape] (contiguous): their sum over S and over the ranks, written over partials[0], which it
+    returns. One launch where one_shot_all_reduce(partials.sum(0)) takes two; the buffers as it takes them."""
+    _launch(partials, partials[0], False, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns,
+            partials.shape[0])
+    return partials[0]
+
+
 def one_shot_all_gather(x: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,
                         flag_ptrs: torch.Tensor, counts: torch.Tensor, rank: int, timeout_ns: int = 0) -> torch.Tensor:
     """[world, *x.shape]: every rank's x, rank 0's first. The buffers as one_shot_all_reduce takes them, and the
@@ -119,11 +137,12 @@ def one_shot_all_gather(x: torch.Tensor, staging: torch.Tensor, staging_offsets:
     return out
 
 
-def _launch(x, out, gather, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns):
+def _launch(x, out, gather, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns, partials=1):
     half_size = staging.numel() // 2
-    assert x.is_contiguous() and x.numel() <= half_size and staging.dtype == x.dtype
+    n = x.numel() // partials
+    assert x.is_contiguous() and n <= half_size and staging.dtype == x.dtype
     pdl = use_pdl(x)
     _one_shot_collective[(counts.numel(),)](
-        x, out, staging, staging_offsets, flag_ptrs, counts, x.numel(), half_size, rank, timeout_ns,
-        WORLD=staging_offsets.numel(), BLOCK=BLOCK, GATHER=gather, TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl,
-        num_warps=8, launch_pdl=pdl)
+        x, out, staging, staging_offsets, flag_ptrs, counts, n, half_size, rank, timeout_ns,
+        WORLD=staging_offsets.numel(), BLOCK=BLOCK, GATHER=gather, PARTIALS=partials,
+        TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8, launch_pdl=pdl)

@@ -136,7 +136,7 @@ def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:
     share is rounded before the sum."""
     if tp.size == 1:
         return partials
-    return tp.all_reduce(partials.sum(0) if partials.dim() == 3 else partials)
+    return tp.sum_partials(partials) if partials.dim() == 3 else tp.all_reduce(partials)
 
 
 def _add_lora(out: torch.Tensor, x: torch.Tensor, stack: LoraStack | None, lora: LoraSegments | None) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The one-shot collectives over peer memory (kernels/peer_collectives.py) under Triton's interpreter: the all-reduce
 gives every rank the same sum, the rank-order float32 sum rounded once, and the all-gather every rank's tensor in rank
 order, call after call and one kind after the other: the flags, the counts and the two staging halves keep ranks that
-run ahead from overwriting what another still reads.
+run ahead from overwriting what another still reads. A row-parallel product's split sums are summed over the splits
+in order and then over the ranks, in the same launch.
 
 The ranks are processes (the interpreter runs one kernel at a time in a process) over buffers in shared memory, each
 with the addresses it maps them at. tests/kernels/test_peer_collectives_two_gpus.py is the twin on two GPUs."""
@@ -18,25 +19,40 @@ SIZES = [7, 4096, 6145, 1, 2049, HALF_SIZE, 300, 6144 - 1]
 # Calls that gather int64 instead, as the greedy step gathers float32 beside bfloat16 sums: another dtype, through
 # the same staging buffer and counts.
 GATHERS = {3, 6}
+# Calls that sum a rank's split sums [S, n] first, as a row-parallel product hands them over: S of them.
+SPLITS = {1: 3, 4: 2}
 
 
 def call_input(call: int, size: int, dtype: torch.dtype, generator: torch.Generator) -> torch.Tensor:
     if call in GATHERS:
         return torch.randint(-2**62, 2**62, (size,), generator=generator).share_memory_()
-    return (torch.randn(size, generator=generator) * 8).to(dtype).share_memory_()
+    shape = (SPLITS[call], size) if call in SPLITS else (size,)
+    return (torch.randn(shape, generator=generator) * 8).to(dtype).share_memory_()
 
 
-def assert_equal_after_truncation(out: torch.Tensor, expected: torch.Tensor) -> None:
+def rank_share(x: torch.Tensor) -> torch.Tensor:
+    """What a rank contributes: x, or its splits summed in order in float32 and rounded to their dtype."""
+    if x.dim() == 1:
+        return x
+    share = x[0].float()
+    for split in x[1:]:
+        share = share + split.float()
+    return share.to(x.dtype)
+
+
+def assert_equal_after_truncation(out: torch.Tensor, expected: torch.Tensor, shares: list[torch.Tensor]) -> None:
     """Bit for bit in float32. Triton's interpreter truncates float32 to bfloat16 instead of rounding to nearest
-    even, so a bfloat16 sum may be one unit in the last place off."""
+    even, so a bfloat16 sum may be one unit in the last place off, and a rank's share of split sums, truncated
+    before the ranks' sum, one unit of its own."""
     if out.dtype != torch.bfloat16:
         assert torch.equal(out, expected)
     else:
-        assert ((out.float() - expected.float()).abs() <= expected.float().abs() * 2.0**-7).all()
+        bound = expected.float().abs() + sum(share.float().abs() for share in shares)
+        assert ((out.float() - expected.float()).abs() <= bound * 2.0**-7).all()
 
 
 def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
-    from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce
+    from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce, one_shot_sum_partials
 
     from diffulex_backend.peer_memory import staging_offset
 
@@ -51,8 +67,13 @@ def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
                 assert torch.equal(everyone[peer], inputs[peer][call]), (rank, call, peer)
             continue
         summed = x.clone()
-        assert one_shot_all_reduce(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank) is summed
-        out.copy_(summed)
+        if call in SPLITS:
+            into = one_shot_sum_partials(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank)
+            assert into.data_ptr() == summed.data_ptr() and into.shape == out.shape  # over the first split
+        else:
+            into = one_shot_all_reduce(summed, staging[rank], staging_offsets, flag_ptrs, counts, rank)
+            assert into is summed
+        out.copy_(into)
     assert counts.tolist() == [len(SIZES)] * PROGRAMS
 
 
@@ -77,10 +98,11 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype, monkey
             process.kill()
     assert [process.exitcode for process in ranks] == [0] * world  # each rank checked every gather itself
     for call in set(range(len(SIZES))) - GATHERS:
-        expected = sum(inputs[rank][call].float() for rank in range(world)).to(dtype)
+        shares = [rank_share(inputs[rank][call]) for rank in range(world)]
+        expected = sum(share.float() for share in shares).to(dtype)
         for rank in range(world):
             assert torch.equal(outputs[rank][call], outputs[0][call])  # one sum, whichever rank asks
-            assert_equal_after_truncation(outputs[rank][call], expected)
+            assert_equal_after_truncation(outputs[rank][call], expected, shares if call in SPLITS else [])
     # Each rank's flags hold, from every rank, the count of its last call; the last two calls' partials sit in the
     # two halves of each rank's staging buffer, the call with count c in half c % 2: a rank that runs a call ahead
     # writes the half no rank reads any more.

@@ -31,7 +31,9 @@ def test_smoke_run_compares_two_ranks_with_one(tmp_path):
         assert float(row["forward_launch_ms"]) > 0 and float(row["read_back_ms"]) > 0
         assert float(row["sampler_inputs_ms"]) > 0
     assert (tmp_path / "tensor_parallel_host.md").read_text().startswith("`python benchmarks/tensor_parallel.py --smoke")
-    ops = csv_rows(tmp_path / "tensor_parallel_host_ops.csv")
+    ops = csv_rows(tmp_path / "tensor_parallel_ops.csv")
+    # On CPU ranks no kernel runs on a device: the host's calls alone.
+    assert {r["side"] for r in ops} == {"host"}
     for tp, batch in [(r["tp"], r["batch"]) for r in rows]:
         mine = [r for r in ops if (r["tp"], r["batch"]) == (tp, batch)]
         assert len(mine) == 12
