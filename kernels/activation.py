@@ -17,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cast import abs_max, cast_to_fp8_range, nan_max, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
 
 BLOCK = 1024
@@ -37,7 +38,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, amax_ptr, stride_x, stride_out, size, n
     h = (silu * up).to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, h, mask=mask)
     if CHUNK_AMAX:
-        tl.store(amax_ptr + row * num_chunks + chunk, tl.max(tl.abs(h.to(tl.float32)), axis=0))
+        tl.store(amax_ptr + row * num_chunks + chunk, abs_max(h.to(tl.float32), 0))
 
 
 def _launch(gate_up: torch.Tensor, out: torch.Tensor, chunk_amax: torch.Tensor | None) -> None:
@@ -68,14 +69,12 @@ def _cast_chunks_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, stride_h, stride_q, s
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     chunks = tl.arange(0, CHUNKS)
-    amax = tl.max(tl.load(amax_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0), axis=0)
     # As quantize_rows casts a row (kernels/fp8.py).
-    scale = tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38)
+    scale = row_scale(nan_max(tl.load(amax_ptr + row * num_chunks + chunks, mask=chunks < num_chunks, other=0.0), 0))
     cols = chunk * BLOCK + tl.arange(0, BLOCK)
     mask = cols < size
     h = tl.load(h_ptr + row * stride_h + cols, mask=mask, other=0.0).to(tl.float32)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(h, scale), -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(q_ptr + row * stride_q + cols, cast_to_fp8_range(h, scale).to(q_ptr.dtype.element_ty), mask=mask)
     if chunk == 0:
         tl.store(scale_ptr + row, scale)
 

@@ -31,11 +31,10 @@ import triton
 import triton.language as tl
 
 from .dtypes import dot_dtype
+from .fp8_cast import FP8_MAX, MIN_SCALE, abs_max, cast_to_fp8_range, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
-FP8_MAX = 448.0
-MIN_SCALE = torch.finfo(torch.float32).tiny
 # Rows up to which the Triton kernel runs a per-channel product, past which cuBLASLt does: a decode step's block
 # of 32 rows streams the weights (the Triton kernel's shape), 1024 rows are a compute-bound GEMM.
 TRITON_MAX_ROWS = 64
@@ -61,10 +60,8 @@ def _quantize_rows_kernel(x_ptr, q_ptr, scale_ptr, K, stride_x, stride_q, BLOCK:
     cols = tl.arange(0, BLOCK)
     mask = cols < K
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-    # Round-to-nearest divisions, as torch divides, so the scale and the fp8 values match the reference bit for bit.
-    scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(x), axis=0), 448.0), 1.1754943508222875e-38)
-    q = tl.minimum(tl.maximum(tl.math.div_rn(x, scale), -448.0), 448.0)
-    tl.store(q_ptr + row * stride_q + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    scale = row_scale(abs_max(x, 0))
+    tl.store(q_ptr + row * stride_q + cols, cast_to_fp8_range(x, scale).to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(scale_ptr + row, scale)
 
 
@@ -113,7 +110,7 @@ def pipeline_bytes(tiles: Tiles, m: int, weight_only: bool = False) -> int:
     return tiles.num_stages * (tiles.block_n * tiles.block_k + tiles.block_k * row_block(m) * (2 if weight_only else 1))
 
 
-def choose_tiles(m: int, n: int, k: int, groups: int = 1, weight_only: bool = False) -> Tiles:
+def choose_tiles(m: int, n: int, k: int, groups: int = 1) -> Tiles:
     """The tiles of an [M, K] @ [N, K].T product.
 
     At a decode step's few rows the product streams the weight once, and its speed is the loads in flight. Tiles of
@@ -201,7 +198,7 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_
         raise ValueError("fp8_matmul: the K dimension of x and w must be contiguous")
     group_k = k // groups
     weight_only = x_scale is None
-    tiles = tiles or choose_tiles(m, n, k, groups, weight_only)
+    tiles = tiles or choose_tiles(m, n, k, groups)
     if not partials:
         tiles = tiles._replace(split_k=1)
     if groups > 1 and (group_k % tiles.block_k or tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1)):

@@ -16,9 +16,9 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cast import FP8_MAX, abs_max
 from .pdl import use_pdl, wait_for_previous_kernel
 
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 SCALE_BYTES = 4  # a row's float32 scale, after every row's values
 MIN_AMAX = 1e-12  # an all-zero row keeps a finite scale
 # A scale is max|x| times this float32 reciprocal, here and in the reference: a product rounds alike everywhere,
@@ -110,8 +110,9 @@ def _store_kv_kernel(
         v = v.to(tl.float32)
         # The row divided by its scale as IEEE (and torch) round it, not by the GPU's fast approximation: the same
         # quotient, the same e4m3 value as the reference.
-        k_scale = tl.maximum(tl.max(tl.abs(k), axis=1), _MIN_AMAX) * _INV_FP8_MAX  # [BLOCK_H]
-        v_scale = tl.maximum(tl.max(tl.abs(v), axis=1), _MIN_AMAX) * _INV_FP8_MAX
+        # A NaN in a head's row makes its scale NaN, as the reference's amax does (kernels/fp8_cast.py).
+        k_scale = tl.maximum(abs_max(k, 1), _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX  # [BLOCK_H]
+        v_scale = tl.maximum(abs_max(v, 1), _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX
         tl.store(k_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(k, k_scale[:, None])).to(tl.float8e4nv), mask=mask)
         tl.store(v_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(v, v_scale[:, None])).to(tl.float8e4nv), mask=mask)
         tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)

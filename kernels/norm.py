@@ -19,6 +19,7 @@ import triton
 import triton.language as tl
 
 from .dtypes import triton_dtype
+from .fp8_cast import abs_max, cast_to_fp8_range, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
 
 FP8 = torch.float8_e4m3fn
@@ -59,8 +60,8 @@ def _rmsnorm_kernel(
     if FP8_OUT:
         # As quantize_rows casts the rows the unfused norm writes (kernels/fp8.py).
         y = y.to(ACT_DTYPE).to(tl.float32)
-        scale = tl.maximum(tl.math.div_rn(tl.max(tl.abs(y), axis=0), 448.0), 1.1754943508222875e-38)
-        y = tl.minimum(tl.maximum(tl.math.div_rn(y, scale), -448.0), 448.0)
+        scale = row_scale(abs_max(y, 0))
+        y = cast_to_fp8_range(y, scale)
         tl.store(scale_ptr + row, scale)
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
@@ -118,7 +119,7 @@ def _launch(x, residual, weight, eps, out, residual_out, scale=None, act_dtype=N
         NUM_PARTIALS=partials.shape[0], ADD_RESIDUAL=add, BLOCK=block, FP8_OUT=scale is not None,
         ACT_DTYPE=tl.float32 if scale is None else triton_dtype(act_dtype), HAS_WEIGHT=weight is not None,
         USE_PDL=use_pdl(x), launch_pdl=use_pdl(x),
-        num_warps=num_warps or norm_warps(hidden_size, scale is not None, num_rows),
+        num_warps=norm_warps(hidden_size, scale is not None, num_rows) if num_warps is None else num_warps,
     )
 
 
@@ -177,12 +178,12 @@ def rmsnorm_fp8(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tuple[torc
 
 
 def fused_add_rmsnorm_fp8(
-    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, num_warps: int | None = None,
+    x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float, *, num_warps: int | None = None,
 ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor]:
     """fused_add_rmsnorm with the normalized rows cast per row to fp8: ((q, scale), x + residual). `num_warps`: a
     launch other than norm_warps' (benchmarks)."""
     out = torch.empty(residual.shape, dtype=FP8, device=residual.device)
     scale = torch.empty(residual.shape[0], dtype=torch.float32, device=residual.device)
     residual_out = torch.empty_like(residual)
-    _launch(x, residual, weight, eps, out, residual_out, scale, residual.dtype, num_warps)
+    _launch(x, residual, weight, eps, out, residual_out, scale, residual.dtype, num_warps=num_warps)
     return (out, scale), residual_out

@@ -162,10 +162,10 @@ def test_choose_tiles_fills_the_gpu_and_fits_shared_memory():
     assert choose_tiles(32, 24576, 4096).split_k == 1  # gate_up: 384 row tiles already
     assert choose_tiles(32, 64, 128).split_k == 1  # never a slice under one K tile
     for m in (1, 16, 32, 64, 200):
-        for weight_only in (False, True):
-            tiles = choose_tiles(m, 4096, 4096, weight_only=weight_only)
-            programs = (4096 // tiles.block_n) * tiles.split_k * -(-m // 64)
-            assert programs >= MIN_PROGRAMS or tiles.split_k == 8
+        tiles = choose_tiles(m, 4096, 4096)
+        programs = (4096 // tiles.block_n) * tiles.split_k * -(-m // 64)
+        assert programs >= MIN_PROGRAMS or tiles.split_k == 8
+        for weight_only in (False, True):  # the same cut serves both
             # What an H100 gives a program (227 KB), less room for the epilogue.
             assert pipeline_bytes(tiles, m, weight_only) <= 180 * 1024
     # A block-scaled weight's K tile stays inside one group of columns.
@@ -294,3 +294,45 @@ def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit
     q, scale = silu_and_mul_fp8(gate_up)
     want_q, want_scale = quantize_rows(silu_and_mul(gate_up))
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def assert_cast_like_torch(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> None:
+    """The scales torch's cast of `rows` (quantize_rows_reference) gives, and on the GPU NaN values where it gives
+    them (the interpreter casts a float32 NaN to a finite float8 value)."""
+    want_q, want_scale = quantize_rows_reference(rows)
+    torch.testing.assert_close(scale, want_scale, rtol=0, atol=0, equal_nan=True)
+    if DEVICE.type == "cuda":
+        assert torch.equal(q.float().isnan(), want_q.float().isnan())
+
+
+NON_FINITE_ROWS = {1: float("nan"), 2: float("inf"), 3: float("-inf")}  # row -> a value one of its columns holds
+
+
+@pytest.mark.parametrize("writer", ["quantize_rows", "silu_and_mul_fp8", "rmsnorm_fp8", "fused_add_rmsnorm_fp8"])
+def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
+    """A NaN or an infinity in a row is not dropped: the row's scale and values come out as torch's cast gives
+    them (a NaN row stays NaN, an infinite magnitude makes an infinite scale), never finite values at full
+    magnitude. Triton's maxima drop NaN on a GPU unless told otherwise; the interpreter keeps it, so this is a GPU
+    test in effect. The other rows are untouched by their neighbours'."""
+    tokens, width = (32, 4096) if FULL_SHAPES else (5, 2500)  # more than two 1024-column chunks of the SiLU
+    gen = generator(9)
+    x = randn(tokens, 2 * width if writer == "silu_and_mul_fp8" else width, dtype=torch.bfloat16, gen=gen)
+    for row, value in NON_FINITE_ROWS.items():
+        x[row, width - 3] = value  # in the last, ragged chunk (the up half of the SiLU's input)
+    weight = randn(width, dtype=torch.bfloat16, gen=gen)
+    if writer == "quantize_rows":
+        q, scale = quantize_rows(x)
+        rows = x
+    elif writer == "silu_and_mul_fp8":
+        q, scale = silu_and_mul_fp8(x)
+        rows = silu_and_mul(x)
+    elif writer == "rmsnorm_fp8":
+        q, scale = rmsnorm_fp8(x, weight, 1e-6)
+        rows = rmsnorm(x, weight, 1e-6)
+    else:
+        residual = randn(tokens, width, dtype=torch.bfloat16, gen=gen)
+        (q, scale), _ = fused_add_rmsnorm_fp8(x, residual, weight, 1e-6)
+        rows, _ = fused_add_rmsnorm(x, residual, weight, 1e-6)
+    assert rows[1].isnan().any() and not rows[0].isnan().any()
+    assert_cast_like_torch(q, scale, rows)
+    assert scale[1].isnan() and scale[0].isfinite() and scale[4].isfinite()

@@ -106,3 +106,32 @@ def test_fp8_rows_lie_on_16_byte_boundaries_with_their_scales_after_every_row():
         assert scales.data_ptr() == cache.data_ptr() + values.numel() and scales.is_contiguous()
     with pytest.raises(ValueError, match="contiguous uint8"):
         kv_store.fp8_rows(cache[:, ::2])
+
+
+def test_a_head_row_holding_nan_gets_a_nan_scale_and_the_heads_beside_it_are_untouched():
+    """As the reference stores it: a NaN in one (token, head) row makes that row's scale and values NaN (Triton's
+    maxima drop NaN on a GPU unless told otherwise, which would store finite values at full magnitude); the same
+    token's other heads are quantized as ever."""
+    head_dim = 64
+    gen = generator(3)
+    key = randn(NUM_TOKENS, KV_HEADS, head_dim, dtype=torch.bfloat16, gen=gen)
+    value = randn(NUM_TOKENS, KV_HEADS, head_dim, dtype=torch.bfloat16, gen=gen)
+    key[1, 0, 5] = float("nan")
+    value[1, 1, 7] = float("inf")
+    row = kv_store.fp8_row_bytes(head_dim)
+    k_cache, v_cache = torch.zeros(2, NUM_PAGES, 16, KV_HEADS, row, dtype=torch.uint8, device=DEVICE)
+    k_ref, v_ref = torch.zeros(2, NUM_PAGES, 16, KV_HEADS, row, dtype=torch.uint8, device=DEVICE)
+    slots = make_slots(NUM_TOKENS, 16, seed=5)
+    assert slots[1] >= 0
+    store_kv_reference(key, value, k_ref, v_ref, slots)
+    diffulex_kernels.store_kv(key, value, k_cache, v_cache, slots)
+    for cache, ref in ((k_cache, k_ref), (v_cache, v_ref)):
+        (values, scales), (ref_values, ref_scales) = (
+            (v.view(-1, KV_HEADS, head_dim), s.view(-1, KV_HEADS)) for v, s in map(kv_store.fp8_rows, (cache, ref)))
+        torch.testing.assert_close(scales, ref_scales, rtol=0, atol=0, equal_nan=True)
+        if DEVICE.type == "cuda":  # the interpreter casts a float32 NaN to a finite float8 value
+            assert torch.equal(values.float().isnan(), ref_values.float().isnan())
+    k_scales = kv_store.fp8_rows(k_cache)[1].view(-1, KV_HEADS)[slots[1]]
+    v_scales = kv_store.fp8_rows(v_cache)[1].view(-1, KV_HEADS)[slots[1]]
+    assert k_scales[0].isnan() and k_scales[1:].isfinite().all()
+    assert v_scales[1].isinf() and v_scales[0].isfinite()

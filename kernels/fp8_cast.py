@@ -1,0 +1,48 @@
+"""The cast of a row to float8_e4m3fn with a scale of its own, as the kernels that write fp8 rows share it.
+
+A row's scale is its largest magnitude over 448 (the largest finite e4m3 value), never below float32's smallest
+normal, so that an all-zero row divides by something; each value is divided by the scale and clamped to ±448.
+The divisions round to nearest, as torch divides, so that a kernel's scale and fp8 values equal the torch
+reference's bit for bit.
+
+NaN goes through as torch lets it through: a row holding a NaN gets a NaN scale and NaN values, and an infinite
+magnitude an infinite scale. Triton's maximum, minimum and max reduction drop a NaN on a GPU by default (the
+interpreter keeps it, as numpy does), which would turn a NaN row into finite values at full magnitude.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FP8_MAX = 448.0  # the largest finite float8_e4m3fn
+MIN_SCALE = 1.1754943508222875e-38  # float32's smallest normal
+
+
+@triton.jit
+def _max_keeping_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def abs_max(x, axis):
+    """The largest magnitude of x along `axis`; NaN where a NaN is among them, as torch's amax."""
+    return tl.reduce(tl.abs(x), axis, _max_keeping_nan)
+
+
+@triton.jit
+def nan_max(x, axis):
+    """The largest value of x along `axis`; NaN where a NaN is among them."""
+    return tl.reduce(x, axis, _max_keeping_nan)
+
+
+@triton.jit
+def row_scale(amax):
+    """A row's fp8 scale from its largest magnitude (float32)."""
+    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
+def cast_to_fp8_range(x, scale):
+    """x (float32) over its scale, clamped to ±448, in float32: its fp8 value once converted."""
+    q = tl.maximum(tl.math.div_rn(x, scale), -448.0, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
