@@ -78,7 +78,8 @@ def _round_to_e4m3(x):
     y = tl.abs(x) * 512.0
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r) / 512.0
-    return tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -r, r), normal)
+    # A NaN stays NaN: the GPU's NaN (all mantissa bits set) would carry through the exponent into the sign, -0.
+    return tl.where(x != x, x, tl.where(tl.abs(x) < 0.015625, tl.where(x < 0, -r, r), normal))
 
 
 @triton.jit

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 import diffulex_kernels
 from diffulex_kernels import kv_store
@@ -135,3 +137,24 @@ def test_a_head_row_holding_nan_gets_a_nan_scale_and_the_heads_beside_it_are_unt
     v_scales = kv_store.fp8_rows(v_cache)[1].view(-1, KV_HEADS)[slots[1]]
     assert k_scales[0].isnan() and k_scales[1:].isfinite().all()
     assert v_scales[1].isinf() and v_scales[0].isfinite()
+
+
+@triton.jit
+def _round_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offsets = tl.arange(0, BLOCK)
+    mask = offsets < n
+    tl.store(out_ptr + offsets, kv_store._round_to_e4m3(tl.load(x_ptr + offsets, mask=mask)), mask=mask)
+
+
+def test_rounding_to_e4m3_keeps_every_nan_a_nan():
+    """The store rounds each quotient to e4m3 on its float32 bits before the cast. A GPU writes NaN as 0x7FFFFFFF
+    (x86 as 0xFFC00000), whose carry in that rounding ran through the exponent into the sign: -0 in the cache where
+    the reference holds NaN. Every NaN pattern stays NaN; the other values round as e4m3 does."""
+    nan_bits = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, -4194304, 0x7F800001], dtype=torch.int32)  # -1: 0xFFFFFFFF
+    values = torch.tensor([448.0, -448.0, 0.0, 1.0 / 1024, 300.0, -17.0])
+    x = torch.cat([nan_bits.view(torch.float32), values]).to(DEVICE)
+    out = torch.empty_like(x)
+    _round_kernel[(1,)](x, out, x.numel(), BLOCK=16)
+    assert out[:len(nan_bits)].isnan().all()
+    want = values.to(torch.float8_e4m3fn).float().to(DEVICE)
+    assert torch.equal(out[len(nan_bits):], want)
