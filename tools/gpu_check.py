@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,7 @@ class Outcome:
     returncode: int
     seconds: float
     not_run: str = ""  # why the section did not run (too few GPUs here); it then counts neither way
+    cut: bool = False  # stopped at the check's time limit: its counts are of the tests that had ended by then
 
     @property
     def passed(self) -> bool:
@@ -105,7 +107,20 @@ class Outcome:
 
     @property
     def result(self) -> str:
-        return f"not run: {self.not_run}" if self.not_run else "pass" if self.passed else "FAIL"
+        if self.not_run:
+            return f"not run: {self.not_run}"
+        return "FAIL: cut at the time limit" if self.cut else "pass" if self.passed else "FAIL"
+
+
+# pytest -v's line for a test that ended, with or without xdist's worker prefix.
+VERBOSE_OUTCOME = re.compile(r"(?:^\S+::\S+.* |^\[gw\d+\] .*)(PASSED|FAILED|ERROR|SKIPPED|XFAIL|XPASS)\b")
+
+
+def counts_from_log(log: str) -> tuple[int, int, int]:
+    """(tests, failed, skipped) from pytest -v's lines of the tests that ended: a section cut at the time limit
+    writes no junit report, and its table row still says how far it got."""
+    outcomes = [match.group(1) for match in map(VERBOSE_OUTCOME.search, log.splitlines()) if match]
+    return len(outcomes), sum(o in ("FAILED", "ERROR") for o in outcomes), outcomes.count("SKIPPED")
 
 
 def install_runtime(runtime: Path, prefix: Path) -> Path:
@@ -136,6 +151,9 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float, 
             log.write("\ncut off at the check's time limit\n")
             returncode = -1
     seconds = time.monotonic() - started
+    cut = returncode == -1
+    if cut:
+        return Outcome(section, *counts_from_log((log_dir / f"{slug}.log").read_text()), returncode, seconds, cut=True)
     tests = failed = skipped = 0
     if junit.exists():
         for suite in ElementTree.parse(junit).getroot().iter("testsuite"):

@@ -1,6 +1,7 @@
 """tools/gpu_check.py shares its sections out over the GPUs a machine has: every section runs once, on one GPU, in
 the table's order there, and the longest shares balance; a section that needs two GPUs runs after them on the first
-two, or, where the machine has one, is written down as not run."""
+two, or, where the machine has one, is written down as not run. A section cut at the time limit says so, with the
+tests that had ended by then."""
 import importlib.util
 import sys
 from pathlib import Path
@@ -87,3 +88,26 @@ def test_one_gpu_writes_the_two_gpu_section_down_as_not_run_and_judges_the_rest(
     assert "| pass (1 not run) |" in report.splitlines()[-1]
     code, report, _ = fake_machine(gpus=1, failing="offline API")
     assert code == 1 and "| FAIL (1 not run) |" in report.splitlines()[-1]
+
+
+CUT_LOG = """\
+============================= test session starts ==============================
+tests/client/test_cli.py::test_generate_prints_the_completion_text[grpc] PASSED [ 87%]
+tests/client/test_cli.py::test_stream_prints_the_same_text[http] FAILED  [ 90%]
+tests/client/test_cli.py::test_needs_a_gpu SKIPPED (no GPU)             [ 91%]
+[gw0] [ 92%] PASSED tests/kernels/test_rotary.py::test_rotary[32]
+[gw1] [ 93%] ERROR tests/kernels/test_rotary.py::test_rotary[64]
+tests/client/test_cli.py::test_help_documents_the_exit_codes 
+FAILED tests/client/test_cli.py::test_stream_prints_the_same_text[http] - AssertionError
+cut off at the check's time limit
+"""
+
+
+def test_a_section_cut_at_the_time_limit_counts_the_tests_that_ended_and_says_it_was_cut(gpu_check):
+    # The test still running when the section was cut has no outcome; the summary's FAILED line is not a second one.
+    assert gpu_check.counts_from_log(CUT_LOG) == (5, 2, 1)
+    section = gpu_check.SECTIONS[0]
+    cut = gpu_check.Outcome(section, 5, 0, 0, -1, 300.0, cut=True)
+    assert not cut.passed and cut.result == "FAIL: cut at the time limit"
+    row = gpu_check.table([cut], "abc", "a GPU", 1, 300.0).splitlines()[-2]
+    assert row.endswith("| 5 | 0 | 0 | FAIL: cut at the time limit | 300 |")
