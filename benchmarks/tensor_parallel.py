@@ -69,7 +69,8 @@ NEW_TOKENS = 4 * BLOCK
 
 def collective_ms(profile) -> float:
     """Device time of NCCL kernels and of the one-shot collectives over peer memory, or host time of gloo
-    collectives, in ms over the profiled span."""
+    collectives, in ms over the profiled span. Over peer memory the collective also adds a product's split sums as
+    it stages them (one_shot_sum_partials); through NCCL and gloo a torch reduce adds them first, apart."""
     total_us = 0.0
     for event in profile.key_averages():
         name = event.key.lower()

@@ -68,7 +68,7 @@ class TensorParallel:
         """A row-parallel product's split sums [S, *shape] summed over S and over the ranks: [*shape] in their
         dtype. Over peer memory one launch does both sums; through NCCL torch adds the splits first."""
         if partials.shape[0] == 1:
-            return self.all_reduce(partials[0])
+            return self.all_reduce(partials[0].contiguous())
         if self.size > 1 and self.peer is not None and partials.is_contiguous() and self.peer.fits(partials[0],
                                                                                                     summed=True):
             return self.peer.sum_partials(partials)

@@ -1,4 +1,6 @@
-"""The cast of a row to float8_e4m3fn with a scale of its own, as the kernels that write fp8 rows share it.
+"""The cast of a row to float8_e4m3fn with a scale of its own, as the kernels that write fp8 activations share it
+(`quantize_rows`, the casting norms, the SiLU-and-mul); the fp8 KV store takes its rows' largest magnitudes here
+too, and makes its scales its own way (kv_store.py).
 
 A row's scale is its largest magnitude over 448 (the largest finite e4m3 value), never below float32's smallest
 normal, so that an all-zero row divides by something; each value is divided by the scale and clamped to ±448.
@@ -6,8 +8,10 @@ The divisions round to nearest, as torch divides, so that a kernel's scale and f
 reference's bit for bit.
 
 NaN goes through as torch lets it through: a row holding a NaN gets a NaN scale and NaN values, and an infinite
-magnitude an infinite scale. Triton's maximum, minimum and max reduction drop a NaN on a GPU by default (the
-interpreter keeps it, as numpy does), which would turn a NaN row into finite values at full magnitude.
+magnitude an infinite scale. Triton's maximum, minimum and max reduction drop a NaN on a GPU by default, which
+would turn a NaN row into finite values at full magnitude; here each is told to keep it. The interpreter cannot
+show the difference (its maximum and minimum keep NaN whatever they are told, its max reduction drops it), so
+tests/kernels/test_fp8_cast_ir.py reads the compiled kernels' IR instead.
 """
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ import triton.language as tl
 
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 MIN_SCALE = 1.1754943508222875e-38  # float32's smallest normal
+_FP8_MAX = tl.constexpr(FP8_MAX)
+_MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
@@ -38,11 +44,11 @@ def nan_max(x, axis):
 @triton.jit
 def row_scale(amax):
     """A row's fp8 scale from its largest magnitude (float32)."""
-    return tl.maximum(tl.math.div_rn(amax, 448.0), 1.1754943508222875e-38, propagate_nan=tl.PropagateNan.ALL)
+    return tl.maximum(tl.math.div_rn(amax, _FP8_MAX), _MIN_SCALE, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def cast_to_fp8_range(x, scale):
     """x (float32) over its scale, clamped to ±448, in float32: its fp8 value once converted."""
-    q = tl.maximum(tl.math.div_rn(x, scale), -448.0, propagate_nan=tl.PropagateNan.ALL)
-    return tl.minimum(q, 448.0, propagate_nan=tl.PropagateNan.ALL)
+    q = tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    return tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)

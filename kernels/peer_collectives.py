@@ -48,9 +48,9 @@ def _staging(staging_ptr, staging_offsets, rank, half):
 @triton.jit(debug=True)  # keeps the device assertion of the timeout
 def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs, counts_ptr, n, half_size, rank,
                          timeout_ns, WORLD: tl.constexpr, BLOCK: tl.constexpr, GATHER: tl.constexpr,
-                         PARTIALS: tl.constexpr, TIMED: tl.constexpr, USE_PDL: tl.constexpr):
+                         NUM_PARTIALS: tl.constexpr, TIMED: tl.constexpr, USE_PDL: tl.constexpr):
     """Sums x into out (x itself, in place), or with GATHER writes every rank's x into out ([WORLD, n]).
-    With PARTIALS > 1, x is [PARTIALS, n], this rank's share is their sum, and out is x[0].
+    With NUM_PARTIALS > 1, x is [NUM_PARTIALS, n], this rank's share is their sum, and out is x[0].
     staging_ptr: this rank's staging buffer ([2, half_size] of x's dtype); staging_offsets: int64 [WORLD], where
     every rank's starts from it, in 16-byte units; flag_ptrs: int64 [WORLD], the addresses of every rank's flag
     array (int64 [programs, WORLD]); counts_ptr: int64 [programs], this rank's."""
@@ -64,10 +64,10 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
     for chunk in range(program, chunks, programs):
         index = chunk * BLOCK + offsets
         mask = index < n
-        if PARTIALS > 1:
+        if NUM_PARTIALS > 1:
             # In order, in float32: the sum the residual-add norm takes of them on one rank.
             share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-            for part in tl.static_range(1, PARTIALS):
+            for part in tl.static_range(1, NUM_PARTIALS):
                 share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
             tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
         else:
@@ -137,12 +137,12 @@ def one_shot_all_gather(x: torch.Tensor, staging: torch.Tensor, staging_offsets:
     return out
 
 
-def _launch(x, out, gather, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns, partials=1):
+def _launch(x, out, gather, staging, staging_offsets, flag_ptrs, counts, rank, timeout_ns, num_partials=1):
     half_size = staging.numel() // 2
-    n = x.numel() // partials
+    n = x.numel() // num_partials
     assert x.is_contiguous() and n <= half_size and staging.dtype == x.dtype
     pdl = use_pdl(x)
     _one_shot_collective[(counts.numel(),)](
         x, out, staging, staging_offsets, flag_ptrs, counts, n, half_size, rank, timeout_ns,
-        WORLD=staging_offsets.numel(), BLOCK=BLOCK, GATHER=gather, PARTIALS=partials,
+        WORLD=staging_offsets.numel(), BLOCK=BLOCK, GATHER=gather, NUM_PARTIALS=num_partials,
         TIMED=x.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8, launch_pdl=pdl)

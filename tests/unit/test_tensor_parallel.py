@@ -381,3 +381,48 @@ def test_stopping_the_workers_kills_them_before_their_pipes_close(tmp_path):
     assert [name for name, _ in events] == ["kill", "kill", "wait", "close", "wait", "close"]
     for process in processes:
         process.stdout.close()
+
+
+def sum_partials_on_rank(rank: int, store_path: str, results) -> None:
+    """One of two gloo ranks: a row-parallel product's split sums through TensorParallel.sum_partials, as the
+    fused forward hands them over, in every form it takes."""
+    import torch.distributed as dist
+
+    from diffulex_backend.tensor_parallel import TensorParallel
+
+    group = dist.ProcessGroupGloo(dist.FileStore(store_path, 2), rank, 2)
+    tp = TensorParallel(rank=rank, size=2, group=group)
+    generator = torch.Generator().manual_seed(rank)
+    # Small whole numbers: every order of the sums gives the same value, in bf16 too (exact up to 256), so the test
+    # sees which terms were summed.
+    splits = torch.randint(-64, 64, (3, 5, 8), generator=generator).float()
+    one = torch.randint(-64, 64, (1, 5, 8), generator=generator).to(torch.bfloat16)
+    strided = torch.randint(-64, 64, (3, 8, 5), generator=generator).float().transpose(1, 2)
+    results[rank] = {"splits": (splits.clone(), tp.sum_partials(splits)), "one": (one.clone(), tp.sum_partials(one)),
+                     "strided": (strided.clone(), tp.sum_partials(strided))}
+
+
+def test_a_row_parallel_product_s_split_sums_are_summed_over_the_splits_and_the_ranks():
+    """Over gloo (no peer memory): split-K partials in float32, cuBLAS's single product in bf16, and partials that
+    are not contiguous; each rank gets the sum of every split of every rank, of the shape of one split."""
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory() as tmp, context.Manager() as manager:
+        results = manager.dict()
+        ranks = [context.Process(target=sum_partials_on_rank, args=(rank, f"{tmp}/store", results)) for rank in (0, 1)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(120)
+        assert [process.exitcode for process in ranks] == [0, 0]
+        results = dict(results)
+    for form in ("splits", "one", "strided"):
+        inputs = [results[rank][form][0] for rank in (0, 1)]
+        want = sum(partials.double().sum(0) for partials in inputs)
+        for rank in (0, 1):
+            out = results[rank][form][1]
+            assert out.shape == inputs[rank].shape[1:] and out.dtype == inputs[rank].dtype
+            assert torch.equal(out.double(), want), (form, rank)
