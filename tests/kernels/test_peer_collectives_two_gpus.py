@@ -1,6 +1,6 @@
 """The one-shot collectives over peer memory (kernels/peer_collectives.py) on two GPUs: the ranks connect as an
 engine's do (workers.connect), and the kernels are held to NCCL's sums and gathers bit for bit, eagerly, replayed in
-a CUDA graph, and many back to back in one graph. `make gpu-check` runs it in its two-GPU section;
+a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's. `make gpu-check` runs it in its two-GPU section;
 tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
 from __future__ import annotations
 
@@ -49,6 +49,15 @@ def gpu_rank(rank, port, results):
         before = tp.peer.counts.clone()
         agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
         agree.append(torch.equal(tp.peer.counts, before + 1))
+    # A row-parallel product's float32 split sums at a block's rows and at two blocks': summed over the splits in
+    # order and over the ranks (sum_partials, one launch), against the in-order sum and NCCL's all-reduce.
+    for rows in (32, 64):
+        partials = torch.randn(4, rows, 4096, generator=generator, device=device)
+        summed = partials[0] + partials[1] + partials[2] + partials[3]
+        tp.group.allreduce([summed]).wait()
+        before = tp.peer.counts.clone()
+        agree.append(torch.equal(tp.sum_partials(partials.clone()), summed))
+        agree.append(torch.equal(tp.peer.counts, before + 1))
     # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
     # host work between them, so that a rank may run calls ahead of the other.
     shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
@@ -87,4 +96,4 @@ def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 40, 1: [True] * 40}
+    assert dict(results) == {0: [True] * 44, 1: [True] * 44}
