@@ -1,7 +1,7 @@
 """The one-shot collectives over peer memory (kernels/peer_collectives.py) on two GPUs: the ranks connect as an
 engine's do (workers.connect), and the kernels are held to NCCL's sums and gathers bit for bit, eagerly, replayed in
-a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's. `make gpu-check` runs it in its two-GPU section;
-tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
+a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's. `make gpu-check`
+runs it in its two-GPU section; tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
 from __future__ import annotations
 
 import datetime
