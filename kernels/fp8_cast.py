@@ -30,15 +30,15 @@ def _max_keeping_nan(a, b):
 
 
 @triton.jit
-def abs_max(x, axis):
-    """The largest magnitude of x along `axis`; NaN where a NaN is among them, as torch's amax."""
-    return tl.reduce(tl.abs(x), axis, _max_keeping_nan)
-
-
-@triton.jit
 def nan_max(x, axis):
     """The largest value of x along `axis`; NaN where a NaN is among them."""
     return tl.reduce(x, axis, _max_keeping_nan)
+
+
+@triton.jit
+def abs_max(x, axis):
+    """The largest magnitude of x along `axis`; NaN where a NaN is among them, as torch's amax."""
+    return nan_max(tl.abs(x), axis)
 
 
 @triton.jit

@@ -72,15 +72,14 @@ def _round_to_e4m3(x):
     the cast that follows is then exact wherever it runs (Triton's CPU interpreter rounds some values to the wrong
     binade). A negative value that rounds to zero, and -0, stay -0; a NaN stays NaN."""
     bits = x.to(tl.int32, bitcast=True)
+    sign = bits & -2147483648  # 0x80000000
     # Normal: keep 3 of float32's 23 mantissa bits; a carry into the exponent is the right answer.
-    bits = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # ~0xFFFFF
-    normal = bits.to(tl.float32, bitcast=True)
+    normal = ((bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576).to(tl.float32, bitcast=True)  # ~0xFFFFF
     # Subnormal (below 2^-6): multiples of 2^-9, on the magnitude, then x's sign bit set on it, so that a zero keeps
     # its sign too: x < 0 is false for -0, and Triton negates as 0 - r, which is +0 for r = 0.
     y = tl.abs(x) * 512.0
     r = tl.floor(y + 0.5)
     r = tl.where((r - y == 0.5) & (r - 2.0 * tl.floor(r * 0.5) == 1.0), r - 1.0, r) / 512.0
-    sign = x.to(tl.int32, bitcast=True) & -2147483648  # 0x80000000
     subnormal = (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
     # A NaN stays NaN: the GPU's NaN (all mantissa bits set) would carry through the exponent into the sign, -0.
     return tl.where(x != x, x, tl.where(tl.abs(x) < 0.015625, subnormal, normal))

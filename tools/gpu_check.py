@@ -151,8 +151,7 @@ def run_section(python: Path, section: Section, log_dir: Path, deadline: float, 
             log.write("\ncut off at the check's time limit\n")
             returncode = -1
     seconds = time.monotonic() - started
-    cut = returncode == -1
-    if cut:
+    if returncode == -1:
         return Outcome(section, *counts_from_log((log_dir / f"{slug}.log").read_text()), returncode, seconds, cut=True)
     tests = failed = skipped = 0
     if junit.exists():
