@@ -17,4 +17,4 @@ def dot_dtype(tensor: torch.Tensor) -> tl.dtype:
     bfloat16 as raw 16-bit integers and has no bfloat16 arithmetic, so bfloat16 operands go up to float32."""
     if tensor.dtype == torch.bfloat16 and tensor.device.type == "cpu":
         return tl.float32
-    return _TRITON_DTYPES[tensor.dtype]
+    return triton_dtype(tensor.dtype)

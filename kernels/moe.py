@@ -14,11 +14,18 @@ Three steps, none of which waits on the host, so the whole layer can live in a C
    programs past the last real tile return at once, before any load.
 2. `_gate_up_kernel`: one program per (tile, BLOCK_N columns of I). It gathers the tile's token rows of `hidden`,
    streams the expert's gate rows and the up rows that pair with them, and writes act(gate) * up into
-   `act` [tiles * BLOCK_M, I], rounded once to hidden's dtype.
+   `act` [tiles * BLOCK_M, I], rounded once to the activations' dtype.
 3. `_down_kernel`: one program per (tile, BLOCK_N columns of H), product with the expert's down rows, scaled by the
    pair's routing weight, written in float32 to `pair_out` [T*K, H] at the pair's own row; then `_combine_kernel`
    sums each token's K rows in a fixed order. Every element is written by exactly one program and summed in one
    order, so the result is the same bits run after run (atomics into [T, H] would add in arrival order).
+
+FP8 stacks (float8_e4m3fn with float32 scales, layers/fp8_linear.py) take fp8 tensor-core products (W8A8), as the
+dense fp8 projections do: the tokens are cast to fp8 with a scale per token (`quantize_rows`), and `_gate_up_kernel`
+casts the act rows it writes with a scale per row and per its BLOCK_N columns, which it holds whole, so the cast
+costs no launch and no pass of its own. `_down_kernel` scales each K tile's product by its rows' scales (its K tile
+lies inside one such group of columns). A weight-only way (W8A16: bf16 tokens, each fp8 weight tile widened in
+registers) stays for comparison: at a decode step's few rows the widening, not the weights' bytes, sets its time.
 
 As in `linear.py` the weight rows sit on the wide side of the tensor-core product (acc is [BLOCK_N, BLOCK_M]) and
 the tokens on the narrow side, which may be as small as 16.
@@ -38,7 +45,9 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from .dtypes import dot_dtype
+from .dtypes import dot_dtype, triton_dtype
+from .fp8 import FP8, FP8_PROMOTE_EVERY, quantize_rows, quantize_rows_reference
+from .fp8_cast import abs_max, cast_to_fp8_range, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
 
 # How the expert kernels scale their weights: not at all (float stacks), or fp8 stacks with one scale per row or
@@ -48,6 +57,7 @@ NO_SCALE, PER_CHANNEL, GROUPED = tl.constexpr(0), tl.constexpr(1), tl.constexpr(
 SILU, GELU_TANH = 0, 1
 _GELU_TANH = tl.constexpr(GELU_TANH)
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
+_FP8_PROMOTE_EVERY = tl.constexpr(FP8_PROMOTE_EVERY)
 
 
 @dataclass(frozen=True)
@@ -60,12 +70,14 @@ class MoeLaunch:
 
 
 def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> MoeLaunch:
-    """The launch `fused_moe` uses. The row tile follows the average number of pairs per expert: 16 at decode (see
-    the module's note); past that, a tile about as tall as the average run, with wide weight tiles, as a
-    compute-bound GEMM wants. On an H100 at LLaDA2-mini's and Qwen3-30B-A3B's expert shapes this picks the fastest
-    of the tiles benchmarks/moe.py times, or one within 3% of it (docs/kernels.md). The tiles are sized for 16-bit
-    weights; 32-bit ones take half the depth (block_k), so that the stages in flight hold the same bytes and fit
-    shared memory."""
+    """The launch `fused_moe` uses; element_size: the bytes of the products' operands (1 for W8A8).
+
+    The row tile follows the average number of pairs per expert: 16 at decode (see the module's note); past that, a
+    tile about as tall as the average run, with wide weight tiles, as a compute-bound GEMM wants. On an H100 at
+    LLaDA2-mini's and Qwen3-30B-A3B's expert shapes this picks the fastest of the tiles benchmarks/moe.py times, or
+    one within 3% of it (docs/kernels.md). The tiles are sized for 16-bit operands; 32-bit ones take half the depth
+    (block_k), so that the stages in flight hold the same bytes and fit shared memory. fp8 ones take 128 columns
+    by 128 weight rows everywhere: the bytes of a 16-bit stage, and groups of 128 act columns for the cast."""
     per_expert = num_pairs / num_experts
     if per_expert <= 8:
         # Weight-bound: 4 stages of a 64x128 weight tile pair keep enough bytes in flight (as in linear.py).
@@ -74,7 +86,9 @@ def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> 
         launch = MoeLaunch(32, block_n=64, block_k=128, num_warps=4, num_stages=4)
     else:
         launch = MoeLaunch(64 if per_expert <= 64 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    if element_size > 2:
+    if element_size == 1:
+        launch = replace(launch, block_n=128, block_k=128)
+    elif element_size > 2:
         launch = replace(launch, block_k=launch.block_k * 2 // element_size)
     return launch
 
@@ -209,14 +223,16 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, w_ptr, act_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
-    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, GROUPS, GROUP_K,
+    x_ptr, x_scale_ptr, w_ptr, act_ptr, act_scale_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
+    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, ACT_GROUPS, GROUPS, GROUP_K,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    W_SCALE: tl.constexpr, ACTIVATION: tl.constexpr,
+    W_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, FP8_ROWS: tl.constexpr, ACT_DTYPE: tl.constexpr,
 ):
     """W_SCALE: NO_SCALE, or fp8 weights with their [E, 2I, GROUPS] scales, PER_CHANNEL (GROUPS 1) or GROUPED
-    (GROUP_K columns per scale, a multiple of BLOCK_K). ACTIVATION: SILU or GELU_TANH, of the gate."""
+    (GROUP_K columns per scale, a multiple of BLOCK_K). ACTIVATION: SILU or GELU_TANH, of the gate. FP8_ROWS: x is
+    fp8 with a scale per token, the products are fp8 ones, and act is written in fp8 with a scale per row and per
+    this program's BLOCK_N columns (act_scale [rows, ACT_GROUPS]); each act value is rounded to ACT_DTYPE first."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
@@ -226,7 +242,8 @@ def _gate_up_kernel(
     pairs = tl.load(pair_ids_ptr + offs_m)
     m_valid = pairs < num_pairs
     tokens = pairs // TOP_K
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
     gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
@@ -244,17 +261,16 @@ def _gate_up_kernel(
             x = tl.load(x_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
             gate = tl.load(gate_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
             up = tl.load(up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        x = x.to(DOT_DTYPE)
         if W_SCALE == GROUPED:
             # [BLOCK_N] scales of this column group, gate rows then up rows.
             s_ptrs = scale_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n) * GROUPS + k // GROUP_K
             s_gate = tl.load(s_ptrs, mask=n_valid, other=0.0)
             s_up = tl.load(s_ptrs + INTER * GROUPS, mask=n_valid, other=0.0)
-            acc_gate += tl.dot(gate.to(DOT_DTYPE), x, input_precision=PRECISION) * s_gate[:, None]
-            acc_up += tl.dot(up.to(DOT_DTYPE), x, input_precision=PRECISION) * s_up[:, None]
+            acc_gate += _product(gate, x, None, DOT_DTYPE, PRECISION, FP8_ROWS) * s_gate[:, None]
+            acc_up += _product(up, x, None, DOT_DTYPE, PRECISION, FP8_ROWS) * s_up[:, None]
         else:
-            acc_gate = tl.dot(gate.to(DOT_DTYPE), x, acc_gate, input_precision=PRECISION)
-            acc_up = tl.dot(up.to(DOT_DTYPE), x, acc_up, input_precision=PRECISION)
+            acc_gate = _product(gate, x, acc_gate, DOT_DTYPE, PRECISION, FP8_ROWS)
+            acc_up = _product(up, x, acc_up, DOT_DTYPE, PRECISION, FP8_ROWS)
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
@@ -262,6 +278,10 @@ def _gate_up_kernel(
         s_ptrs = scale_ptr + expert.to(tl.int64) * 2 * INTER + offs_n
         acc_gate = acc_gate * tl.load(s_ptrs, mask=n_valid, other=0.0)[:, None]
         acc_up = acc_up * tl.load(s_ptrs + INTER, mask=n_valid, other=0.0)[:, None]
+    if FP8_ROWS:
+        x_scale = tl.load(x_scale_ptr + tokens, mask=m_valid, other=0.0)[None, :]
+        acc_gate = acc_gate * x_scale
+        acc_up = acc_up * x_scale
     if ACTIVATION == _GELU_TANH:
         # tanh(y) as 2 sigmoid(2y) - 1, which saturates to +-1 where exp overflows.
         y = _SQRT_2_OVER_PI * (acc_gate + 0.044715 * acc_gate * acc_gate * acc_gate)
@@ -269,17 +289,37 @@ def _gate_up_kernel(
     else:
         act = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     act_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_n[:, None]
-    tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
+    store_mask = n_valid[:, None] & m_valid[None, :]
+    if FP8_ROWS:
+        # Columns past I are 0 (their weights load as 0), so the group's largest magnitude is its real columns'.
+        act = act.to(ACT_DTYPE).to(tl.float32)
+        act_scale = row_scale(abs_max(act, 0))  # [BLOCK_M]
+        tl.store(act_ptrs, cast_to_fp8_range(act, act_scale[None, :]).to(act_ptr.dtype.element_ty), mask=store_mask)
+        tl.store(act_scale_ptr + offs_m.to(tl.int64) * ACT_GROUPS + pid_n, act_scale, mask=m_valid)
+    else:
+        tl.store(act_ptrs, act.to(act_ptr.dtype.element_ty), mask=store_mask)
+
+
+@triton.jit
+def _product(w, x, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FP8_ROWS: tl.constexpr):
+    """acc + w [N, K] @ x [K, M] in float32 (acc None: the product alone): an fp8 product promoted to float32 every
+    FP8_PROMOTE_EVERY terms (fp8.py), or both operands widened to DOT_DTYPE."""
+    if FP8_ROWS:
+        return tl.dot(w, x, acc, max_num_imprecise_acc=_FP8_PROMOTE_EVERY)
+    return tl.dot(w.to(DOT_DTYPE), x.to(DOT_DTYPE), acc, input_precision=PRECISION)
 
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    act_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
-    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op, GROUPS, GROUP_K,
+    act_ptr, act_scale_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
+    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op, ACT_GROUPS, ACT_GROUP_K,
+    GROUPS, GROUP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    W_SCALE: tl.constexpr,
+    W_SCALE: tl.constexpr, FP8_ROWS: tl.constexpr,
 ):
+    """FP8_ROWS: act is fp8 with a scale per row and group of ACT_GROUP_K columns (a multiple of BLOCK_K), which
+    scales each K tile's product."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
@@ -293,6 +333,7 @@ def _down_kernel(
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     a_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    a_scale_ptrs = act_scale_ptr + offs_m.to(tl.int64) * ACT_GROUPS
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     for k in range(0, INTER, BLOCK_K):
         if EVEN_K:
@@ -302,12 +343,17 @@ def _down_kernel(
             k_valid = offs_k + k < INTER
             a = tl.load(a_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-        if W_SCALE == GROUPED:
-            s = tl.load(scale_ptr + (expert.to(tl.int64) * H + offs_n) * GROUPS + k // GROUP_K, mask=n_valid,
-                        other=0.0)
-            acc += tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), input_precision=PRECISION) * s[:, None]
+        if W_SCALE == GROUPED or FP8_ROWS:
+            product = _product(w, a, None, DOT_DTYPE, PRECISION, FP8_ROWS)
+            if W_SCALE == GROUPED:
+                s = tl.load(scale_ptr + (expert.to(tl.int64) * H + offs_n) * GROUPS + k // GROUP_K, mask=n_valid,
+                            other=0.0)
+                product = product * s[:, None]
+            if FP8_ROWS:
+                product = product * tl.load(a_scale_ptrs + k // ACT_GROUP_K, mask=m_valid, other=0.0)[None, :]
+            acc += product
         else:
-            acc = tl.dot(w.to(DOT_DTYPE), a.to(DOT_DTYPE), acc, input_precision=PRECISION)
+            acc = _product(w, a, acc, DOT_DTYPE, PRECISION, FP8_ROWS)
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     if W_SCALE == PER_CHANNEL:
@@ -346,34 +392,40 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 
 def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, launch: MoeLaunch | None = None, w_gate_up_scale: torch.Tensor | None = None,
-              w_down_scale: torch.Tensor | None = None, activation: int = SILU) -> torch.Tensor:
+              w_down_scale: torch.Tensor | None = None, activation: int = SILU, weight_only: bool = False
+              ) -> torch.Tensor:
     """The routed experts' MLP, weighted and summed per token; the gate's activation SILU or GELU_TANH.
 
     hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
     in a row); topk_weights [T, K] float32 -> [T, H] in hidden's dtype. bf16, fp16 or fp32, accumulated in fp32.
 
-    FP8 stacks (float8_e4m3fn, with float32 scales [E, 2I, G] and [E, H, G], layers/fp8_linear.py) are read as one
-    byte a weight and widened to hidden's dtype in registers (weight-only: the tokens stay in hidden's dtype); each
-    product is scaled per row, after the sum over K with one scale a row, or per group of columns with G > 1."""
+    FP8 stacks (float8_e4m3fn, with float32 scales [E, 2I, G] and [E, H, G], layers/fp8_linear.py) take fp8
+    products (W8A8): the tokens cast with a scale per token, the act rows with a scale per row and group of
+    launch.block_n columns (`fused_moe_reference` with `act_group` is this math in torch). With `weight_only` the
+    tokens stay in hidden's dtype and each fp8 weight is widened to it in registers. The weights' scales apply per
+    row, after the sum over K with one scale a row, or per group of columns with G > 1."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
     if num_pairs == 0:
         return torch.empty_like(hidden)
-    launch = plan_moe_launch(num_pairs, num_experts, hidden.element_size()) if launch is None else launch
-    for scale, k in ((w_gate_up_scale, w_gate_up.shape[2]), (w_down_scale, w_down.shape[2])):
-        if scale is not None and scale.shape[-1] > 1 and (k // scale.shape[-1]) % launch.block_k:
-            launch = replace(launch, block_k=k // scale.shape[-1])  # a K tile inside one scale group
+    fp8_rows = w_gate_up_scale is not None and not weight_only
+    if launch is None:
+        launch = plan_moe_launch(num_pairs, num_experts, 1 if fp8_rows else hidden.element_size())
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
-    act = gate_up_act(hidden, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale, activation)
-    return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale)
-
+    x, x_scale = quantize_rows(hidden.contiguous()) if fp8_rows else (hidden, None)
+    act, act_scale = gate_up_act(x, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale, activation,
+                                 x_scale, hidden.dtype)
+    return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale, act_scale,
+                            hidden.dtype)
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
     """The kernels' weight-scale arguments: none for a float stack; an fp8 stack's scales and their grouping."""
     if scale is None:
+        if weight.dtype == FP8:
+            raise ValueError("fused_moe: an fp8 stack takes its scales")
         return dict(scale_ptr=weight, GROUPS=1, GROUP_K=weight.shape[-1], W_SCALE=NO_SCALE)
-    if weight.dtype != torch.float8_e4m3fn or scale.shape != (*weight.shape[:-1], scale.shape[-1]):
+    if weight.dtype != FP8 or scale.shape != (*weight.shape[:-1], scale.shape[-1]):
         raise ValueError(f"fused_moe: an fp8 stack {tuple(weight.shape)} {weight.dtype} takes scales "
                          f"[E, N, G], got {tuple(scale.shape)}")
     groups = scale.shape[-1]
@@ -381,47 +433,84 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
                 W_SCALE=PER_CHANNEL if groups == 1 else GROUPED)
 
 
-def _kernel_options(tensor: torch.Tensor, launch: MoeLaunch) -> dict:
-    dot = dot_dtype(tensor)
-    pdl = use_pdl(tensor)
+def _k_tile(launch: MoeLaunch, scale: torch.Tensor | None, k: int, act_group: int | None = None) -> MoeLaunch:
+    """The launch with its K tile inside one column group of a block-scaled stack's scales, and of fp8 act rows'
+    scales (act_group columns each)."""
+    block_k = launch.block_k
+    if scale is not None and scale.shape[-1] > 1:
+        group_k = k // scale.shape[-1]
+        if group_k < 32 or group_k & (group_k - 1):
+            # fp8 tensor-core products take K tiles of 32, and a tile may not straddle two scale groups.
+            raise ValueError(f"fused_moe: column groups of {group_k} are not a power of two of at least 32")
+        block_k = min(block_k, group_k)
+    if act_group is not None:
+        block_k = min(block_k, act_group)
+    return replace(launch, block_k=block_k)
+
+
+def _kernel_options(rows: torch.Tensor, launch: MoeLaunch) -> dict:
+    dot = dot_dtype(rows)
+    pdl = use_pdl(rows)
     # A float32 product in tf32 on the GPU would be less exact than the float32 it promises.
     return dict(BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, BLOCK_K=launch.block_k, DOT_DTYPE=dot,
-                PRECISION="ieee" if dot == tl.float32 else "tf32", USE_PDL=pdl, launch_pdl=pdl,
-                num_warps=launch.num_warps, num_stages=launch.num_stages)
+                PRECISION="ieee" if dot == tl.float32 else "tf32", FP8_ROWS=rows.dtype == FP8, USE_PDL=pdl,
+                launch_pdl=pdl, num_warps=launch.num_warps, num_stages=launch.num_stages)
 
 
 def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
-                launch: MoeLaunch, scale: torch.Tensor | None = None, activation: int = SILU) -> torch.Tensor:
-    """act(gate) * up of every routed row: [max_tiles * block_m, I] in hidden's dtype (padding rows unwritten)."""
+                launch: MoeLaunch, scale: torch.Tensor | None = None, activation: int = SILU,
+                hidden_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """act(gate) * up of every routed row: [max_tiles * block_m, I] (padding rows unwritten), and None; or, for fp8
+    rows (hidden fp8 with `hidden_scale` [T], fp8 stacks), the act rows rounded to act_dtype and cast to fp8 with
+    their scales [max_tiles * block_m, cdiv(I, block_n)], one per row and group of block_n columns."""
     if activation not in (SILU, GELU_TANH):
         raise ValueError(f"fused_moe: activation must be SILU ({SILU}) or GELU_TANH ({GELU_TANH}), got {activation!r}")
+    fp8_rows = hidden.dtype == FP8
+    if fp8_rows != (hidden_scale is not None) or (fp8_rows and scale is None):
+        raise ValueError("fused_moe: fp8 tokens take their scales and fp8 stacks")
     hidden, w_gate_up = hidden.contiguous(), w_gate_up.contiguous()
     num_experts, inter, hidden_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2, hidden.shape[1]
-    act = torch.empty(routed.max_tiles * launch.block_m, inter, dtype=hidden.dtype, device=hidden.device)
-    _gate_up_kernel[(routed.max_tiles, triton.cdiv(inter, launch.block_n))](
-        hidden, w_gate_up, act, routed.pair_ids, routed.tile_experts,
+    launch = _k_tile(launch, scale, hidden_size)
+    act_dtype = act_dtype or hidden.dtype
+    rows, groups = routed.max_tiles * launch.block_m, triton.cdiv(inter, launch.block_n)
+    act = torch.empty(rows, inter, dtype=act_dtype if not fp8_rows else FP8, device=hidden.device)
+    act_scale = torch.empty(rows, groups, dtype=torch.float32, device=hidden.device) if fp8_rows else None
+    _gate_up_kernel[(routed.max_tiles, groups)](
+        hidden, hidden_scale if fp8_rows else hidden, w_gate_up, act, act_scale if fp8_rows else act,
+        routed.pair_ids, routed.tile_experts,
         num_pairs=hidden.shape[0] * top_k, num_experts=num_experts, H=hidden_size, INTER=inter,
         stride_xt=hidden.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
-        stride_am=act.stride(0), TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0, ACTIVATION=activation,
+        stride_am=act.stride(0), ACT_GROUPS=groups, TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
+        ACTIVATION=activation, ACT_DTYPE=triton_dtype(act_dtype),
         **_scale_args(w_gate_up, scale), **_kernel_options(hidden, launch),
     )
-    return act
+    return act, act_scale
 
 
 def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routed: RoutedTiles,
-                     tokens: int, launch: MoeLaunch, scale: torch.Tensor | None = None) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)): [tokens, H] in act's dtype."""
+                     tokens: int, launch: MoeLaunch, scale: torch.Tensor | None = None,
+                     act_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)): [tokens, H] in out_dtype (act's by default).
+    fp8 act rows come with gate_up_act's scales, whose groups of launch.block_n columns each K tile stays in."""
     w_down, topk_weights = w_down.contiguous(), topk_weights.float().contiguous()
     num_experts, hidden_size, inter = w_down.shape
     top_k = topk_weights.shape[1]
+    fp8_rows = act.dtype == FP8
+    if fp8_rows != (act_scale is not None) or (fp8_rows and scale is None):
+        raise ValueError("fused_moe: fp8 act rows take their scales and fp8 stacks")
+    # fp8 act rows' scales cover the columns of one of gate_up's programs: launch.block_n.
+    act_group = launch.block_n if fp8_rows else None
+    launch = _k_tile(launch, scale, inter, act_group)
     pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=act.device)
     _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
-        act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
+        act, act_scale if fp8_rows else act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
         num_pairs=tokens * top_k, num_experts=num_experts, H=hidden_size, INTER=inter, stride_am=act.stride(0),
         stride_we=w_down.stride(0), stride_wn=w_down.stride(1), stride_op=pair_out.stride(0),
+        ACT_GROUPS=act_scale.shape[1] if fp8_rows else 1, ACT_GROUP_K=act_group or 1,
         EVEN_K=inter % launch.block_k == 0, **_scale_args(w_down, scale), **_kernel_options(act, launch),
     )
-    out = torch.empty(tokens, hidden_size, dtype=act.dtype, device=act.device)
+    out = torch.empty(tokens, hidden_size, dtype=out_dtype or act.dtype, device=act.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     pdl = use_pdl(act)
     _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
@@ -431,18 +520,42 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
 
 
 def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
-                        topk_weights: torch.Tensor, activation: int = SILU) -> torch.Tensor:
+                        topk_weights: torch.Tensor, activation: int = SILU, w_gate_up_scale: torch.Tensor | None = None,
+                        w_down_scale: torch.Tensor | None = None, act_group: int | None = None) -> torch.Tensor:
     """fused_moe in plain torch, one expert at a time, in float32; act(gate) * up is rounded to hidden's dtype,
-    where the kernel keeps it between its two products."""
+    where the kernel keeps it between its two products. FP8 stacks are dequantized; with `act_group` (fused_moe's
+    W8A8 way, its launch's block_n) the tokens go through quantize_rows' cast first, and the act rows through the
+    same cast per group of act_group columns."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     inter = w_down.shape[2]
     x = hidden.float()
+    if act_group is not None:
+        x = _dequantize(*quantize_rows_reference(x))
     pair_out = torch.zeros(*topk_ids.shape, hidden.shape[1], dtype=torch.float32, device=hidden.device)  # [T, K, H]
     for expert in topk_ids.unique().tolist():
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up = x[token] @ w_gate_up[expert].float().T
+        gate_up, down = w_gate_up[expert].float(), w_down[expert].float()
+        if w_gate_up_scale is not None:
+            gate_up, down = _dequantize(gate_up, w_gate_up_scale[expert]), _dequantize(down, w_down_scale[expert])
+        gate_up = x[token] @ gate_up.T
         gate = gate_up[:, :inter]
         gate = F.gelu(gate, approximate="tanh") if activation == GELU_TANH else F.silu(gate)
         act = (gate * gate_up[:, inter:]).to(hidden.dtype).float()
-        pair_out[token, choice] = (act @ w_down[expert].float().T) * topk_weights[token, choice, None].float()
+        if act_group is not None:
+            act = _cast_in_groups(act, act_group)
+        pair_out[token, choice] = (act @ down.T) * topk_weights[token, choice, None].float()
     return pair_out.sum(1).to(hidden.dtype)
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """q [..., N, K] times its scales [..., N, G], each over K / G columns, in float32 (a trailing [N] scale: G 1)."""
+    scale = scale.float().reshape(*q.shape[:-1], -1)
+    return (q.float().unflatten(-1, (scale.shape[-1], -1)) * scale[..., None]).flatten(-2)
+
+
+def _cast_in_groups(rows: torch.Tensor, group: int) -> torch.Tensor:
+    """rows [M, K] through quantize_rows' cast per group of `group` columns (the last one ragged), back in float32."""
+    m, k = rows.shape
+    groups = triton.cdiv(k, group)
+    padded = F.pad(rows, (0, groups * group - k)).reshape(m * groups, group)  # zeros move no group's maximum
+    return _dequantize(*quantize_rows_reference(padded)).reshape(m, groups * group)[:, :k]

@@ -13,6 +13,7 @@ import os
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight
 from diffulex_backend.layers.moe import experts_reference
@@ -21,7 +22,7 @@ from diffulex_kernels.fp8 import (
     fp8_rows_partials, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
-from diffulex_kernels.moe import fused_moe
+from diffulex_kernels.moe import SILU, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, norm_warps, rmsnorm, rmsnorm_fp8
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
@@ -239,24 +240,111 @@ def test_fp8_linear_is_within_activation_rounding_of_the_weight_only_reference(s
     assert relative_error(out, reference_product(x_q, x_scale, w_q, w_scale)) < 8e-3
 
 
-@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
-def test_fused_moe_with_fp8_stacks_equals_the_dequantized_reference(groups):
-    experts, hidden, inter = (128, 2048, 768) if FULL_SHAPES else (4, 64, 64)
+def fp8_experts(groups: int, gen: torch.Generator, group_gain: float = 1.0):
+    """(x, gate_up, gate_up_scale, down, down_scale, ids, weights) at Qwen3-30B-A3B's expert shape (six groups of
+    128 act columns), or a small one whose second group is ragged (160 columns). With `group_gain` each group of
+    128 act columns is that many times larger than the one before, so a scale taken from another group shows."""
+    experts, hidden, inter = (128, 2048, 768) if FULL_SHAPES else (4, 64, 160)
     tokens, top_k = (32, 8) if FULL_SHAPES else (7, 2)
-    gen = generator(5)
     x = randn(tokens, hidden, dtype=torch.float32, gen=gen)
-    gate_up, gate_up_scale = quantize_weight(randn(experts, 2 * inter, hidden, dtype=torch.float32, gen=gen)
-                                             * hidden**-0.5, groups)
+    gate_up = randn(experts, 2 * inter, hidden, dtype=torch.float32, gen=gen) * hidden**-0.5
+    gain = group_gain ** (torch.arange(inter, device=DEVICE) // 128).float()
+    gate_up[:, inter:] *= gain[:, None]  # the up rows of each act group
+    # groups 1: a scale per row; else block scales of 128 columns (32 in the small shape), as released.
+    group_k = 128 if FULL_SHAPES else 32
+    gate_up, gate_up_scale = quantize_weight(gate_up, 1 if groups == 1 else hidden // group_k)
     down, down_scale = quantize_weight(randn(experts, hidden, inter, dtype=torch.float32, gen=gen) * inter**-0.5,
-                                       groups)
-    scores = torch.randn(tokens, experts, generator=gen, device=DEVICE)
-    values, ids = scores.topk(top_k, dim=1)
-    weights = torch.softmax(values, dim=1)
-    out = fused_moe(x, gate_up, down, ids, weights, w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+                                       1 if groups == 1 else inter // group_k)
+    values, ids = torch.randn(tokens, experts, generator=gen, device=DEVICE).topk(top_k, dim=1)
+    return x, gate_up, gate_up_scale, down, down_scale, ids, torch.softmax(values, dim=1)
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_weight_only_fused_moe_equals_the_dequantized_reference(groups):
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(5))
+    out = fused_moe(x, gate_up, down, ids, weights, w_gate_up_scale=gate_up_scale, w_down_scale=down_scale,
+                    weight_only=True)
     want = experts_reference(x.double(), gate_up, down, ids, weights.double(), gate_up_scale, down_scale)
     # float32 on the GPU runs the products in tf32.
     assert relative_error(out, want) < (2e-3 if DEVICE.type == "cuda" else 1e-5)
     assert gate_up.dtype == FP8
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_fp8_experts_write_act_rows_cast_with_a_scale_per_row_and_group_of_columns(groups):
+    """gate_up's fp8 product over torch-cast tokens, and the act rows it writes: each group of 128 columns (a
+    column tile) scaled by its own largest magnitude, the groups 16 times apart in size."""
+    x, gate_up, gate_up_scale, *_, ids, _ = fp8_experts(groups, generator(6), group_gain=16.0)
+    x_q, x_scale = quantize_rows_reference(x)
+    launch = plan_moe_launch(ids.numel(), gate_up.shape[0], element_size=1)
+    routed = route_to_tiles(ids, gate_up.shape[0], launch.block_m)
+    act_q, act_scale = gate_up_act(x_q, gate_up, routed, ids.shape[1], launch, gate_up_scale, SILU, x_scale,
+                                   torch.float32)
+    inter = gate_up.shape[1] // 2
+    assert act_q.dtype == FP8 and act_scale.shape == (act_q.shape[0], -(-inter // launch.block_n))
+    pairs = routed.pair_ids.long()
+    rows = pairs < ids.numel()
+    pairs = pairs[rows]
+    products = x_q.double()[pairs // ids.shape[1]] * x_scale.double()[pairs // ids.shape[1], None]
+    products = torch.stack([p @ dequantize_weight(gate_up[e], gate_up_scale[e]).double().T
+                            for p, e in zip(products, ids.reshape(-1)[pairs].tolist())])
+    act = F.silu(products[:, :inter]) * products[:, inter:]  # [pairs, I], float64
+    groups_of_act = F.pad(act, (0, act_scale.shape[1] * launch.block_n - inter)).unflatten(1, (-1, launch.block_n))
+    want_scale = groups_of_act.abs().amax(-1) / 448
+    assert relative_error(act_scale[rows], want_scale) < FP8_SUM_TOLERANCE
+    exact = act / act_scale[rows].double().repeat_interleave(launch.block_n, 1)[:, :inter]
+    got = act_q[rows].double()
+    if DEVICE.type == "cuda":
+        # Each value is its exact quotient rounded to e4m3: within half a unit in its last place, 2^-4 relative
+        # (2^-10 among the subnormals), and a hair more where the float32 sums put it on the other side of a tie.
+        assert ((got - exact).abs() <= exact.abs() * (2**-4 + 1e-4) + 2**-10).all()
+    else:  # the interpreter's cast is wrong where rounding carries into the exponent (module note)
+        carry = torch.frexp(exact.float().clamp(-448, 448).to(FP8).double())[1] != torch.frexp(exact)[1]
+        assert carry.float().mean() < 0.05
+        assert ((got - exact).abs()[~carry] <= exact.abs()[~carry] * (2**-4 + 1e-4) + 2**-10).all()
+
+
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_fp8_experts_scale_each_k_tile_of_the_down_product_by_its_act_group(groups):
+    """The down product of fp8 act rows made by torch's cast, 128 columns a scale, groups 16 times apart."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(7))
+    num_experts, hidden, inter = down.shape
+    launch = plan_moe_launch(ids.numel(), num_experts, element_size=1)
+    routed = route_to_tiles(ids, num_experts, launch.block_m)
+    rows = routed.pair_ids.numel()
+    gain = 16.0 ** (torch.arange(inter, device=DEVICE) // launch.block_n).float()
+    act = randn(rows, inter, dtype=torch.float32, gen=generator(8)) * gain
+    padded = F.pad(act, (0, -inter % launch.block_n)).reshape(-1, launch.block_n)
+    act_q, act_scale = quantize_rows_reference(padded)
+    act_q = act_q.reshape(rows, -1)[:, :inter].contiguous()
+    act_scale = act_scale.reshape(rows, -1)
+    out = down_and_combine(act_q, down, weights, routed, x.shape[0], launch, down_scale, act_scale, torch.float32)
+    dequantized = act_q.double() * act_scale.double().repeat_interleave(launch.block_n, 1)[:, :inter]
+    want = torch.zeros(x.shape, dtype=torch.float64, device=DEVICE)
+    for row, pair in enumerate(routed.pair_ids.tolist()):
+        if pair < ids.numel():
+            token, expert = pair // ids.shape[1], int(ids.reshape(-1)[pair])
+            want[token] += float(weights.reshape(-1)[pair]) * (
+                dequantize_weight(down[expert], down_scale[expert]).double() @ dequantized[row])
+    assert relative_error(out, want) < FP8_SUM_TOLERANCE
+
+
+@gpu_only
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_fused_moe_with_fp8_stacks_is_its_w8a8_reference_and_near_the_weight_only_one(groups, dtype):
+    """The whole layer against fused_moe_reference's W8A8 way (torch's casts, float products): equal up to the
+    float32 sums, which now and then move an act value across an e4m3 rounding boundary. Against the weight-only
+    product it is within the tokens' and act's rounding to e4m3 (2^-4 with random signs, as the dense product)."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(9))
+    x = x.to(dtype)
+    scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+    out = fused_moe(x, gate_up, down, ids, weights, **scales)
+    group = plan_moe_launch(ids.numel(), gate_up.shape[0], element_size=1).block_n
+    assert relative_error(out, fused_moe_reference(x, gate_up, down, ids, weights, act_group=group, **scales)) < (
+        1e-2 if dtype == torch.bfloat16 else 2e-3)
+    weight_only = experts_reference(x.double(), gate_up, down, ids, weights.double(), gate_up_scale, down_scale)
+    assert relative_error(out, weight_only) < 2**-4
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)

@@ -1,5 +1,5 @@
-"""Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape, with bf16 and fp8 stacks (and checks the
-product there), so it cannot rot between GPU runs, and the floors a reader compares against are finite, below the
+"""Smoke run of the fused-MoE benchmark: it runs end to end on a tiny shape, with bf16 stacks and fp8 ones, W8A8 and
+weight-only (and checks the product there), so it cannot rot between GPU runs, and the floors a reader compares against are finite, below the
 measured time, and the ratios are what their names say."""
 import math
 
@@ -8,17 +8,18 @@ from benchmark_smoke import csv_rows, run_smoke
 
 
 def test_moe_benchmark_smoke_run_puts_the_layer_above_both_floors(tmp_path):
-    run_smoke("moe.py", tmp_path, "--weights", "bf16,fp8")
+    run_smoke("moe.py", tmp_path, "--weights", "bf16,fp8,fp8-weight-only")
     rows = csv_rows(tmp_path / "moe.csv")
-    assert [(row["weights"], row["tokens"]) for row in rows] == [("bf16", "4"), ("bf16", "16"), ("fp8", "4"),
-                                                                ("fp8", "16")]
+    assert [(row["weights"], row["tokens"]) for row in rows] == [
+        (weights, tokens) for weights in ("bf16", "fp8", "fp8-weight-only") for tokens in ("4", "16")]
     assert "| tiny | fp8 | 16 |" in (tmp_path / "moe.md").read_text()
     # fp8 stacks stream one byte a weight: their floor per touched expert is half the bf16 stacks'.
     def per_expert(row):
         return float(row["weight_floor_ms"]) / int(row["touched_experts"])
 
-    for bf16, fp8 in zip(rows[:2], rows[2:]):
-        assert per_expert(fp8) == pytest.approx(per_expert(bf16) / 2, rel=1e-3)
+    for bf16, w8a8, weight_only in zip(rows[:2], rows[2:4], rows[4:]):
+        assert per_expert(w8a8) == pytest.approx(per_expert(bf16) / 2, rel=1e-3)
+        assert per_expert(weight_only) == pytest.approx(per_expert(bf16) / 2, rel=1e-3)
     for row in rows:
         kernel_ms, weight_ms, compute_ms = (float(row[k]) for k in ("kernel_ms", "weight_floor_ms", "compute_floor_ms"))
         assert all(math.isfinite(v) and v > 0 for v in (kernel_ms, weight_ms, compute_ms))
