@@ -77,8 +77,13 @@ def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> 
     LLaDA2-mini's and Qwen3-30B-A3B's expert shapes this picks the fastest of the tiles benchmarks/moe.py times, or
     one within 3% of it (docs/kernels.md). The tiles are sized for 16-bit operands; 32-bit ones take half the depth
     (block_k), so that the stages in flight hold the same bytes and fit shared memory. fp8 ones take 128 columns
-    by 128 weight rows everywhere: the bytes of a 16-bit stage, and groups of 128 act columns for the cast."""
+    by 128 weight rows everywhere (a 16-bit stage's bytes, and groups of 128 act columns for the cast) in three
+    stages, and 16-row tiles up to 16 pairs an expert: on an H200 the fastest of the tiles benchmarks/moe.py times
+    at 32 and 256 tokens, at both shapes."""
     per_expert = num_pairs / num_experts
+    if element_size == 1:
+        block_m = 16 if per_expert <= 16 else 64 if per_expert <= 64 else 128
+        return MoeLaunch(block_m, block_n=128, block_k=128, num_warps=4 if block_m == 16 else 8, num_stages=3)
     if per_expert <= 8:
         # Weight-bound: 4 stages of a 64x128 weight tile pair keep enough bytes in flight (as in linear.py).
         launch = MoeLaunch(16, block_n=64, block_k=128, num_warps=4, num_stages=4)
@@ -86,9 +91,7 @@ def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> 
         launch = MoeLaunch(32, block_n=64, block_k=128, num_warps=4, num_stages=4)
     else:
         launch = MoeLaunch(64 if per_expert <= 64 else 128, block_n=128, block_k=64, num_warps=8, num_stages=3)
-    if element_size == 1:
-        launch = replace(launch, block_n=128, block_k=128)
-    elif element_size > 2:
+    if element_size > 2:
         launch = replace(launch, block_k=launch.block_k * 2 // element_size)
     return launch
 

@@ -211,12 +211,12 @@ def test_32_bit_weights_take_half_the_tile_depth_so_the_stages_fit_shared_memory
         assert full.block_k == half.block_k // 2 and (full.block_m, full.block_n) == (half.block_m, half.block_n)
 
 
-def test_fp8_products_take_128_columns_by_128_weight_rows_and_keep_the_row_tile():
+def test_fp8_products_take_128_columns_by_128_weight_rows_and_16_row_tiles_up_to_16_pairs_an_expert():
     """W8A8: a 16-bit stage's bytes, and act groups of 128 columns (block_n) that the down product's K tile
     (block_k) fits in."""
-    for pairs in (32 * 8, 256 * 8, 2048 * 8):
-        fp8, bf16 = plan_moe_launch(pairs, 128, 1), plan_moe_launch(pairs, 128, 2)
-        assert (fp8.block_n, fp8.block_k) == (128, 128) and fp8.block_m == bf16.block_m
+    for pairs, block_m in ((32 * 8, 16), (256 * 8, 16), (1024 * 8, 64), (2048 * 8, 128)):
+        launch = plan_moe_launch(pairs, 128, 1)
+        assert (launch.block_m, launch.block_n, launch.block_k) == (block_m, 128, 128)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
