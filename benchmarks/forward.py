@@ -859,7 +859,10 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                 mlp = layer.mlp
                 if isinstance(mlp, MoE):
                     x = x_for(mlp.w_gate_up)
-                    torch.nn.functional.linear(x.float(), mlp.gate.weight.float())  # the router, in float32
+                    if model.fused_kernels:  # the router, in float32
+                        fused_forward._router_logits(mlp, x)
+                    else:
+                        torch.nn.functional.linear(x.float(), mlp.gate.weight.float())
                     ids, weights = routes[moe_index]
                     moe_index += 1
                     scales = (mlp.w_gate_up_scale, mlp.w_down_scale)

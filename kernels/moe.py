@@ -367,9 +367,11 @@ def _down_kernel(
     tl.store(out_ptrs, acc, mask=n_valid[:, None] & m_valid[None, :])
 
 
-@triton.jit
-def _combine_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
-    """out[t] = sum over k, in order, of pair_out[t * TOP_K + k]."""
+# The shared partials' stride (T x H) changes with every batch.
+@triton.jit(do_not_specialize=["stride_ss"])
+def _combine_kernel(pair_out_ptr, shared_ptr, out_ptr, H, stride_ss, TOP_K: tl.constexpr, NUM_SHARED: tl.constexpr,
+                    BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """out[t] = sum over k, in order, of pair_out[t * TOP_K + k], then of NUM_SHARED partial sums shared[s, t]."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -377,6 +379,8 @@ def _combine_kernel(pair_out_ptr, out_ptr, H, TOP_K: tl.constexpr, BLOCK_H: tl.c
     acc = tl.zeros([BLOCK_H], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         acc += tl.load(pair_out_ptr + (token * TOP_K + k) * H + offs, mask=valid, other=0.0)
+    for s in tl.static_range(NUM_SHARED):
+        acc += tl.load(shared_ptr + s * stride_ss + token * H + offs, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + token * H + offs, acc.to(out_ptr.dtype.element_ty), mask=valid)
 
 
@@ -395,7 +399,8 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 
 def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, launch: MoeLaunch | None = None, w_gate_up_scale: torch.Tensor | None = None,
-              w_down_scale: torch.Tensor | None = None, activation: int = SILU, weight_only: bool = False
+              w_down_scale: torch.Tensor | None = None, activation: int = SILU, weight_only: bool = False,
+              rows: tuple[torch.Tensor, torch.Tensor] | None = None, shared: torch.Tensor | None = None
               ) -> torch.Tensor:
     """The routed experts' MLP, weighted and summed per token; the gate's activation SILU or GELU_TANH.
 
@@ -406,7 +411,10 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     products (W8A8): the tokens cast with a scale per token, the act rows with a scale per row and group of
     launch.block_n columns (`fused_moe_reference` with `act_group` is this math in torch). With `weight_only` the
     tokens stay in hidden's dtype and each fp8 weight is widened to it in registers. The weights' scales apply per
-    row, after the sum over K with one scale a row, or per group of columns with G > 1."""
+    row, after the sum over K with one scale a row, or per group of columns with G > 1.
+
+    rows: hidden already cast for W8A8 (quantize_rows' q and scale), when another product takes the same cast.
+    shared: partial sums [S, T, H] added to each token's sum before its one rounding (a shared expert's)."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
     if num_pairs == 0:
@@ -415,11 +423,14 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     if launch is None:
         launch = plan_moe_launch(num_pairs, num_experts, 1 if fp8_rows else hidden.element_size())
     routed = route_to_tiles(topk_ids, num_experts, launch.block_m)
-    x, x_scale = quantize_rows(hidden.contiguous()) if fp8_rows else (hidden, None)
+    if fp8_rows:
+        x, x_scale = rows if rows is not None else quantize_rows(hidden.contiguous())
+    else:
+        x, x_scale = hidden, None
     act, act_scale = gate_up_act(x, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale, activation,
                                  x_scale, hidden.dtype)
     return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale, act_scale,
-                            hidden.dtype)
+                            hidden.dtype, shared)
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
@@ -493,9 +504,11 @@ def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTil
 
 def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routed: RoutedTiles,
                      tokens: int, launch: MoeLaunch, scale: torch.Tensor | None = None,
-                     act_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)): [tokens, H] in out_dtype (act's by default).
-    fp8 act rows come with gate_up_act's scales, whose groups of launch.block_n columns each K tile stays in."""
+                     act_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
+                     shared: torch.Tensor | None = None) -> torch.Tensor:
+    """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)), plus sum_s shared[s, t] when given: [tokens, H]
+    in out_dtype (act's by default). fp8 act rows come with gate_up_act's scales, whose groups of launch.block_n
+    columns each K tile stays in."""
     w_down, topk_weights = w_down.contiguous(), topk_weights.float().contiguous()
     num_experts, hidden_size, inter = w_down.shape
     top_k = topk_weights.shape[1]
@@ -516,8 +529,16 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
     out = torch.empty(tokens, hidden_size, dtype=out_dtype or act.dtype, device=act.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
     pdl = use_pdl(act)
+    if shared is not None:
+        if shared.dim() != 3 or shared.shape[1:] != (tokens, hidden_size):
+            raise ValueError(f"fused_moe: shared partial sums must be [S, {tokens}, {hidden_size}], "
+                             f"got {tuple(shared.shape)}")
+        shared = shared.contiguous()
     _combine_kernel[(tokens, triton.cdiv(hidden_size, block_h))](
-        pair_out, out, hidden_size, TOP_K=top_k, BLOCK_H=block_h, USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+        pair_out, shared if shared is not None else pair_out, out, hidden_size,
+        shared.stride(0) if shared is not None else 0, TOP_K=top_k,
+        NUM_SHARED=shared.shape[0] if shared is not None else 0, BLOCK_H=block_h, USE_PDL=pdl, launch_pdl=pdl,
+        num_warps=4,
     )
     return out
 

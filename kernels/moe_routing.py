@@ -20,6 +20,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import use_pdl, wait_for_previous_kernel
+
 SOFTMAX, SIGMOID = 0, 1
 
 
@@ -31,19 +33,25 @@ def _pick_best(values, taken, index, BIG: tl.constexpr):
     return tl.min(tl.min(tl.where(candidates, index, BIG), 1), 0)
 
 
-@triton.jit
+# The number of tokens changes with every batch, and the partials' stride (T x E) with it.
+@triton.jit(do_not_specialize=["stride_s"])
 def _grouped_topk_kernel(
-    logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_t, num_experts, scaling,
+    logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_s, stride_t, num_experts, scaling,
     GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, G_POW2: tl.constexpr, GS_POW2: tl.constexpr,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, TOPK_GROUPS: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BIG: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BIG: tl.constexpr, NUM_PARTIALS: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    """The logits are the sum, in order and in float32, of NUM_PARTIALS partial sums stride_s apart."""
+    wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, G_POW2)[:, None]
     member = tl.arange(0, GS_POW2)[None, :]
     expert = group * GROUP_SIZE + member  # [G_POW2, GS_POW2]
     valid = (group < NUM_GROUPS) & (member < GROUP_SIZE)
-    logits = tl.load(logits_ptr + token * stride_t + expert, mask=valid, other=float("-inf")).to(tl.float32)
+    logits_ptrs = logits_ptr + token * stride_t + expert
+    logits = tl.load(logits_ptrs, mask=valid, other=float("-inf")).to(tl.float32)
+    for s in tl.static_range(1, NUM_PARTIALS):
+        logits += tl.load(logits_ptrs + s * stride_s, mask=valid, other=0.0).to(tl.float32)
     if SCORE == 0:
         shifted = tl.exp(logits - tl.max(tl.max(logits, 1), 0))  # padding: exp(-inf) = 0
         scores = shifted / tl.sum(tl.sum(shifted, 1), 0)
@@ -100,9 +108,13 @@ def _grouped_topk_kernel(
 
 def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int, num_groups: int,
                   topk_groups: int, score: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """router_logits [T, E] (any float dtype, scored in float32); expert_bias [E] or None; score SOFTMAX (0) or
-    SIGMOID (1); num_groups <= 1 for no groups -> topk_ids [T, K] int64 (best first, ties to the lower expert),
-    topk_weights [T, K] float32."""
+    """router_logits [T, E] (any float dtype, scored in float32), or a split product's partial sums [S, T, E],
+    added up in order in float32; expert_bias [E] or None; score SOFTMAX (0) or SIGMOID (1); num_groups <= 1 for
+    no groups -> topk_ids [T, K] int64 (best first, ties to the lower expert), topk_weights [T, K] float32."""
+    partials = router_logits if router_logits.dim() == 3 else router_logits[None]
+    if partials.stride(2) != 1:
+        partials = partials.contiguous()
+    router_logits = partials[0]
     tokens, num_experts = router_logits.shape
     groups = max(num_groups, 1)
     if num_experts % groups or not 1 <= top_k <= num_experts or (groups > 1 and not 1 <= topk_groups <= groups):
@@ -110,8 +122,6 @@ def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None,
                          f"top {top_k}")
     if expert_bias is not None and expert_bias.shape != (num_experts,):
         raise ValueError(f"route_experts: expert_bias must be [{num_experts}], got {tuple(expert_bias.shape)}")
-    if router_logits.stride(1) != 1:
-        router_logits = router_logits.contiguous()
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
     weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
     if tokens == 0:
@@ -119,13 +129,15 @@ def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None,
     group_size = num_experts // groups
     bias = expert_bias.contiguous() if expert_bias is not None else router_logits  # never read without a bias
     width = triton.next_power_of_2(num_experts)
+    pdl = use_pdl(router_logits)
     _grouped_topk_kernel[(tokens,)](
-        router_logits, bias, ids, weights, router_logits.stride(0), num_experts, float(scaling),
+        router_logits, bias, ids, weights, partials.stride(0), router_logits.stride(0), num_experts, float(scaling),
         GROUP_SIZE=group_size, NUM_GROUPS=groups, G_POW2=triton.next_power_of_2(groups),
         GS_POW2=triton.next_power_of_2(group_size), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
         TOPK_GROUPS=topk_groups if groups > 1 else 1,
         SCORE=score, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
         BIG=triton.next_power_of_2(groups) * group_size + triton.next_power_of_2(group_size),  # above every index
+        NUM_PARTIALS=partials.shape[0], USE_PDL=pdl, launch_pdl=pdl,
         num_warps=4 if width >= 256 else 2 if width >= 64 else 1,
     )
     return ids, weights

@@ -10,10 +10,11 @@ reference and the CPU path), in fewer launches.
   gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
 small kernels would otherwise cost more than the weights take to stream.
-- A MoE layer's MLP (LLaDA2, SDAR-MoE) is its module called with `fused=True`: the router's scores in torch, the
-  group-limited top-k in one kernel (`diffulex_kernels.route_experts`), the routed experts in the fused-MoE
-  kernel, the shared expert as the torch GatedMLP; its [T, hidden] output goes to the same residual-add RMSNorm.
-  Dense layers of a MoE model take the dense path above.
+- A MoE layer's MLP (LLaDA2, SDAR-MoE, `_moe`): the router as the streaming kernel's split product, whose float32
+  partial sums the group-limited top-k kernel (`diffulex_kernels.route_experts`) adds up as it routes; the shared
+  expert as a dense gated MLP (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in
+  its last step; with fp8 experts, the tokens cast once for the routed and the shared experts. Its [T, hidden]
+  output goes to the same residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
 - Per-head q/k norms (LLaDA2, SDAR, Qwen3-style models) run in place over q and k's columns of the qkv rows, every
   head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
   (the kernel takes any head stride), after those norms.
@@ -51,9 +52,10 @@ from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, quantize_rows
-from diffulex_kernels.linear import linear, linear_partials, linear_silu_and_mul
+from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
+from diffulex_kernels.moe import fused_moe
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
 
@@ -95,7 +97,7 @@ def fused_forward(
         fp8_mlp = isinstance(mlp, GatedMLP) and _takes_fp8_rows(mlp.gate_up_proj, mlp.gate_up_lora, lora)
         x, residual = _add_norm(attn_out, residual, layer.mlp_norm, fp8_mlp)
         if isinstance(mlp, MoE):
-            mlp_out = mlp(x, fused=True)  # [T, hidden], already summed over ranks
+            mlp_out = _moe(mlp, x)  # [T, hidden], already summed over ranks
         else:
             mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora, slots))
         x, residual = _add_norm(mlp_out, residual, next_norm, qkv_after[index])
@@ -191,6 +193,33 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
         h = silu_and_mul_lora(_project(mlp.gate_up_proj, x), shrink(x, stack.a, lora.table, lora.max_rows),
                               stack.b, slots)
     return _add_to_first_partial(_project_partials(mlp.down_proj, h), h, mlp.down_lora, lora)
+
+
+def _moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:  # [T, hidden], summed over ranks
+    """A MoE layer's MLP: the router, the routing kernel, the shared expert as a dense gated MLP and the routed
+    experts in the fused-MoE kernel, whose last step adds the shared expert's partial sums. With fp8 experts the
+    tokens are cast once, for both."""
+    topk_ids, topk_weights = moe.route(_router_logits(moe, x), fused=True)
+    rows = Fp8Rows(*quantize_rows(x), x.dtype) if moe.w_gate_up_scale is not None else None
+    shared = None
+    if moe.shared_experts is not None:
+        takes_rows = rows is not None and isinstance(moe.shared_experts.gate_up_proj, Fp8Linear)
+        shared = _gated_mlp(moe.shared_experts, rows if takes_rows else x, None, None)  # [S, T, hidden]
+    out = fused_moe(x, moe.w_gate_up, moe.w_down, topk_ids, topk_weights, w_gate_up_scale=moe.w_gate_up_scale,
+                    w_down_scale=moe.w_down_scale, rows=rows[:2] if rows is not None else None, shared=shared)
+    return moe.tp.all_reduce(out)
+
+
+def _router_logits(moe: MoE, x: torch.Tensor) -> torch.Tensor:  # [S, T, experts]
+    """The router's logits in float32, as the released routers compute them, and as partial sums that the routing
+    kernel adds up: up to MAX_TOKENS rows of a 16-bit model, the streaming kernel's split product, whose products of
+    16-bit values are exact in float32 and whose sums are float32, with no cast of the rows or the weight; else one
+    product in float32 (float64 in a float64 model)."""
+    weight = moe.gate.weight
+    if x.dtype in (torch.bfloat16, torch.float16) and x.shape[0] <= MAX_TOKENS:
+        return linear_partials(x, weight)
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    return torch.nn.functional.linear(x.to(dtype), weight.to(dtype))[None]
 
 
 def _self_attention(

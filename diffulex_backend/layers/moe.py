@@ -1,9 +1,10 @@
 """The mixture-of-experts MLP that LLaDA2 and SDAR-MoE share: a router, routed experts stored stacked, and an
 optional shared expert.
 
-With `forward(x, fused=True)` (from `fused_forward`, on CUDA) routing is one Triton kernel (`route_experts`) and
-the experts the fused-MoE kernel; otherwise routing is the torch `select_experts`, the kernel's reference, and the
-experts `experts_reference`. Both expert paths read the experts as two stacked parameters, the layout the kernel
+In the fused forward (`fused_forward._moe`, on CUDA) the router is a split-K product whose partial sums one Triton
+kernel adds up and routes (`route_experts`), and the experts run in the fused-MoE kernel, the shared expert's sum
+folded into its last step; `forward` is the torch path (the CPU's, and the reference): routing by the torch
+`select_experts`, the experts by `experts_reference`. Both expert paths read the experts as two stacked parameters, the layout the kernel
 wants and the loader packs the per-expert checkpoint tensors into:
 - `w_gate_up` [E, 2 * I, H]: rows gate then up;
 - `w_down` [E, H, I].
@@ -50,24 +51,25 @@ class MoE(nn.Module):
         shared = arch.num_shared_experts * inter
         self.shared_experts = GatedMLP(hidden, shared, tp, reduce=False) if shared else None
 
-    def forward(self, x: torch.Tensor, fused: bool = False) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, hidden] -> [T, hidden]
+        """The torch path: the CPU's, and the reference of the fused forward's MoE layer (fused_forward._moe)."""
         # The router runs in float32 (float64 in a float64 model), as the released routers do.
         router_dtype = torch.promote_types(x.dtype, torch.float32)
         logits = F.linear(x.to(router_dtype), self.gate.weight.to(router_dtype))  # [T, E]
-        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused)
-        if self.tp.expert_parallel:
-            topk_ids, topk_weights = self.held_choices(topk_ids, topk_weights)
-        if fused:
-            from diffulex_kernels.moe import fused_moe  # imports Triton: only when asked
-
-            out = fused_moe(x, self.w_gate_up, self.w_down, topk_ids, topk_weights,
-                            w_gate_up_scale=self.w_gate_up_scale, w_down_scale=self.w_down_scale)
-        else:
-            out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights,
-                                    self.w_gate_up_scale, self.w_down_scale)
+        topk_ids, topk_weights = self.route(logits)
+        out = experts_reference(x, self.w_gate_up, self.w_down, topk_ids, topk_weights,
+                                self.w_gate_up_scale, self.w_down_scale)
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
+
+    def route(self, logits: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """The choices of the experts this rank holds from the router's logits [T, E], or from a split product's
+        partial sums [S, T, E] (select_experts)."""
+        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused)
+        if self.tp.expert_parallel:
+            topk_ids, topk_weights = self.held_choices(topk_ids, topk_weights)
+        return topk_ids, topk_weights
 
     def held_choices(self, topk_ids: torch.Tensor, topk_weights: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -80,7 +82,7 @@ class MoE(nn.Module):
 
 
 def select_experts(
-    logits: torch.Tensor,  # [T, E], the router's output
+    logits: torch.Tensor,  # [T, E], the router's output, or its split product's partial sums [S, T, E]
     bias: torch.Tensor | None,  # [E]: added to the scores to pick the experts, never to weight them
     arch: ModelArch,
     fused: bool = False,  # one Triton kernel instead of the torch below (not in float64)
@@ -110,7 +112,7 @@ def select_experts(
             renormalize=arch.norm_topk_prob, scaling=arch.routed_scaling_factor,
         )
     dtype = torch.promote_types(logits.dtype, torch.float32)
-    logits = logits.to(dtype)
+    logits = logits.to(dtype) if logits.dim() == 2 else logits.to(dtype).sum(0)
     scores = logits.sigmoid() if arch.router_score is RouterScore.SIGMOID else logits.softmax(dim=-1)
     biased = scores if bias is None else scores + bias.to(dtype)
     if arch.num_expert_groups > 1:

@@ -331,6 +331,15 @@ def test_fp8_experts_scale_each_k_tile_of_the_down_product_by_its_act_group(grou
     assert relative_error(out, want) < FP8_SUM_TOLERANCE
 
 
+def test_fp8_experts_take_tokens_already_cast_as_they_cast_them():
+    """The fused forward casts a MoE layer's tokens once for the routed and the shared experts."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(1, generator(10))
+    x = x.to(torch.bfloat16)
+    scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+    assert torch.equal(fused_moe(x, gate_up, down, ids, weights, rows=quantize_rows(x), **scales),
+                       fused_moe(x, gate_up, down, ids, weights, **scales))
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])

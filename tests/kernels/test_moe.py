@@ -147,6 +147,26 @@ def test_same_bits_run_after_run():
     assert torch.equal(fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights), first)
 
 
+@pytest.mark.parametrize("partials", [1, 3])
+def test_shared_partial_sums_are_added_to_each_token_before_its_one_rounding(partials):
+    """A shared expert's split-K partial sums [S, T, H] go into the combine: the result is the routed sum plus
+    theirs in float32, rounded once to the activations' dtype."""
+    gen = generator(12)
+    x, w_gate_up, w_down = moe_inputs(7, EXPERT_SHAPES[0], torch.float32, gen)
+    topk_ids, topk_weights = route(7, EXPERT_SHAPES[0][0], 2, gen)
+    shared = randn(partials, 7, x.shape[1], dtype=torch.float32, gen=gen)
+    alone = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights)
+    out = fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared=shared)
+    torch.testing.assert_close(out, alone + shared.sum(0), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(out, alone)
+    bf16 = fused_moe(x.bfloat16(), w_gate_up.bfloat16(), w_down.bfloat16(), topk_ids, topk_weights, shared=shared)
+    want = fused_moe(x.bfloat16(), w_gate_up.bfloat16(), w_down.bfloat16(), topk_ids, topk_weights,
+                     shared=torch.zeros_like(shared)).float() + shared.sum(0)
+    assert bf16.dtype == torch.bfloat16 and relative_error(bf16, want) < 2**-8
+    with pytest.raises(ValueError, match=r"shared partial sums must be \[S, 7, 64\]"):
+        fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared=shared[:, :6])
+
+
 def test_no_tokens_give_an_empty_output():
     gen = generator(16)
     x, w_gate_up, w_down = moe_inputs(0, EXPERT_SHAPES[0], torch.bfloat16, gen)

@@ -158,3 +158,23 @@ def test_rows_of_nan_or_infinite_logits_still_pick_experts_that_exist(routing, s
     finite = [0, 4]
     assert torch.equal(ids[finite], kernel_routing(logits[finite], None, arch)[0])
     assert torch.equal(ids[finite], select_experts(logits[finite], None, arch)[0])
+
+
+@pytest.mark.parametrize("routing", [(8, 1, 1, 2), (64, 8, 4, 8)], ids=str)
+def test_a_split_product_s_partial_sums_route_as_their_sum(routing):
+    """The fused forward hands the router's split-K partial sums [S, T, E] over: the kernel and select_experts add
+    them up in order, and route as the summed logits. Multiples of 1/64 of a few units sum exactly in any order,
+    so the three must agree bit for bit."""
+    experts, groups, kept, top_k = routing
+    arch = router_arch(experts, groups, kept, top_k, RouterScore.SIGMOID, bias=True)
+    gen = generator(4)
+    partials = torch.randint(-256, 256, (4, 7, experts), generator=gen, device=DEVICE).float() / 64
+    bias = torch.randn(experts, generator=gen, device=DEVICE)
+    ids, weights = kernel_routing(partials, bias, arch)
+    summed_ids, summed_weights = kernel_routing(partials.sum(0), bias, arch)
+    assert torch.equal(ids, summed_ids) and torch.equal(weights, summed_weights)
+    torch_ids, torch_weights = select_experts(partials, bias, arch)
+    assert torch.equal(ids, torch_ids)
+    torch.testing.assert_close(weights, torch_weights, **WEIGHT_TOL)
+    # A strided view of the partials (every other token) routes as those tokens do.
+    assert torch.equal(kernel_routing(partials[:, ::2], bias, arch)[0], ids[::2])
