@@ -896,12 +896,18 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
             with torch.profiler.profile(activities=[activity]) as prof:
                 model.compute_logits(model(input_ids, positions, meta, engine.runner.kv_cache))
                 synchronize(device)
-        kinds = {}
+        kinds: dict[str, list] = {}  # kind -> [device ms, launches]
         for event in prof.key_averages():
             us = event.self_device_time_total if device.type == "cuda" else event.self_cpu_time_total
-            kinds[kernel_kind(event.key)] = kinds.get(kernel_kind(event.key), 0.0) + us / 1e3
-        kinds.pop("host", None)
-        breakdown = ", ".join(f"{kind} {ms:.2f}" for kind, ms in sorted(kinds.items(), key=lambda kv: -kv[1]))
+            kind = kernel_kind(event.key)
+            if kind != "host" and us > 0:
+                totals = kinds.setdefault(kind, [0.0, 0])
+                totals[0] += us / 1e3
+                totals[1] += event.count
+        # At a decode step's few rows each launch also costs its gap in the graph: the counts say how many there are.
+        breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
+                              for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
+        total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
         f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None,
                    plan.kv_cache_dtype)
         floor_ms = max(f["weight_floor_ms"], f["compute_floor_ms"])
@@ -911,8 +917,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                    engine_vs_compute_floor=forward_ms / f["compute_floor_ms"],
                    **expert_columns(model, batch * BLOCK, routes),
                    note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
-                        f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms by kernel kind: "
-                        f"{breakdown}; sum {sum(kinds.values()):.2f}")
+                        f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms (launches) by "
+                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches")
     del engine
     free_memory(device)
 

@@ -4,6 +4,7 @@ what their names say; and the MoE floors, which count only the experts a forward
 import importlib.util
 import math
 import pathlib
+import re
 import sys
 
 import pytest
@@ -218,6 +219,10 @@ def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path
     profiles = {r["model"]: r["note"] for r in rows if r["section"] == "profile"}
     assert sorted(profiles) == ["smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8"]
     assert all("matmuls alone" in note for note in profiles.values())
+    # Each kind's launches, and the forward's: a MoE layer launches more kernels than a dense one.
+    launches = {model: int(re.search(r" in (\d+) launches$", note).group(1)) for model, note in profiles.items()}
+    assert all(re.search(r"matmul [0-9.]+ \(\d+\)", note) for note in profiles.values())
+    assert 0 < launches["smoke"] < launches["smoke-moe"]
     checks = {(r["model"], r["case"]): r["note"] for r in rows if r["section"] == "check"}
     # The float32 reference copy is a float model's check only; the fp8 model gets its logits against the float's.
     assert sorted(checks) == [("smoke", "kernels+graphs vs torch path"), ("smoke-fp8", "fp8_vs_float_weights"),
