@@ -340,6 +340,25 @@ def test_fp8_experts_take_tokens_already_cast_as_they_cast_them():
                        fused_moe(x, gate_up, down, ids, weights, **scales))
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_a_token_of_nan_or_infinity_leaves_the_other_tokens_of_its_experts_alone(poison):
+    """A CUDA graph's padding rows hold whatever was in memory, and an overflowed hidden state holds infinities: such
+    a token shares expert tiles, and act groups' columns, with real tokens, whose outputs must not change. Every
+    token is routed to the same two experts, so the poisoned one sits in every tile."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(1, generator(11))
+    x = x.to(torch.bfloat16)
+    ids = torch.tensor([[0, 1]], device=DEVICE).expand(x.shape[0], 2).contiguous()
+    weights = weights[:, :2].contiguous()
+    scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+    clean = fused_moe(x, gate_up, down, ids, weights, **scales)
+    poisoned = x.clone()
+    poisoned[3, 5] = poison
+    out = fused_moe(poisoned, gate_up, down, ids, weights, **scales)
+    others = [t for t in range(x.shape[0]) if t != 3]
+    assert torch.equal(out[others], clean[others])
+    assert torch.isfinite(clean).all()
+
+
 @gpu_only
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
