@@ -447,18 +447,20 @@ def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
                 W_SCALE=PER_CHANNEL if groups == 1 else GROUPED)
 
 
-def _k_tile(launch: MoeLaunch, scale: torch.Tensor | None, k: int, act_group: int | None = None) -> MoeLaunch:
+def _k_tile(launch: MoeLaunch, scale: torch.Tensor | None, k: int, fp8_rows: bool, act_group: int | None = None
+            ) -> MoeLaunch:
     """The launch with its K tile inside one column group of a block-scaled stack's scales, and of fp8 act rows'
-    scales (act_group columns each)."""
+    scales (act_group columns each). A tile is a power of two of columns, of at least 32 in an fp8 product (the
+    tensor cores' K step); a 16-bit product of a weight-only stack takes narrower ones."""
     block_k = launch.block_k
     if scale is not None and scale.shape[-1] > 1:
-        group_k = k // scale.shape[-1]
-        if group_k < 32 or group_k & (group_k - 1):
-            # fp8 tensor-core products take K tiles of 32, and a tile may not straddle two scale groups.
-            raise ValueError(f"fused_moe: column groups of {group_k} are not a power of two of at least 32")
-        block_k = min(block_k, group_k)
+        block_k = min(block_k, k // scale.shape[-1])
     if act_group is not None:
         block_k = min(block_k, act_group)
+    if block_k & (block_k - 1) or (fp8_rows and block_k < 32):
+        raise ValueError(f"fused_moe: a K tile of {block_k} columns (launch block_k {launch.block_k}, scale groups of "
+                         f"{k // scale.shape[-1] if scale is not None else k} columns, act groups of "
+                         f"{act_group or k}) is not a power of two{' of at least 32' if fp8_rows else ''}")
     return replace(launch, block_k=block_k)
 
 
@@ -475,17 +477,21 @@ def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTil
                 launch: MoeLaunch, scale: torch.Tensor | None = None, activation: int = SILU,
                 hidden_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """act(gate) * up of every routed row: [max_tiles * block_m, I] (padding rows unwritten), and None; or, for fp8
-    rows (hidden fp8 with `hidden_scale` [T], fp8 stacks), the act rows rounded to act_dtype and cast to fp8 with
-    their scales [max_tiles * block_m, cdiv(I, block_n)], one per row and group of block_n columns."""
+    """act(gate) * up of every routed row: [max_tiles * block_m, I] (padding rows unwritten) in act_dtype (hidden's
+    by default), and None; or, for fp8 rows (hidden fp8 with `hidden_scale` [T], fp8 stacks, and act_dtype the
+    activations' dtype), the act rows rounded to act_dtype and cast to fp8 with their scales
+    [max_tiles * block_m, cdiv(I, block_n)], one per row and group of block_n columns."""
     if activation not in (SILU, GELU_TANH):
         raise ValueError(f"fused_moe: activation must be SILU ({SILU}) or GELU_TANH ({GELU_TANH}), got {activation!r}")
     fp8_rows = hidden.dtype == FP8
-    if fp8_rows != (hidden_scale is not None) or (fp8_rows and scale is None):
-        raise ValueError("fused_moe: fp8 tokens take their scales and fp8 stacks")
+    if fp8_rows != (hidden_scale is not None) or (fp8_rows and (scale is None or act_dtype is None)):
+        raise ValueError("fused_moe: fp8 tokens take their scales, fp8 stacks and the activations' dtype")
+    if fp8_rows and launch.block_n < 32:
+        raise ValueError(f"fused_moe: fp8 act rows are cast in groups of block_n columns, which the down product's fp8 "
+                         f"K tile must fill: at least 32, got {launch.block_n}")
     hidden, w_gate_up = hidden.contiguous(), w_gate_up.contiguous()
     num_experts, inter, hidden_size = w_gate_up.shape[0], w_gate_up.shape[1] // 2, hidden.shape[1]
-    launch = _k_tile(launch, scale, hidden_size)
+    launch = _k_tile(launch, scale, hidden_size, fp8_rows)
     act_dtype = act_dtype or hidden.dtype
     rows, groups = routed.max_tiles * launch.block_m, triton.cdiv(inter, launch.block_n)
     act = torch.empty(rows, inter, dtype=act_dtype if not fp8_rows else FP8, device=hidden.device)
@@ -507,17 +513,17 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
                      act_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
                      shared: torch.Tensor | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)), plus sum_s shared[s, t] when given: [tokens, H]
-    in out_dtype (act's by default). fp8 act rows come with gate_up_act's scales, whose groups of launch.block_n
-    columns each K tile stays in."""
+    in out_dtype (act's by default; fp8 act rows take it given). fp8 act rows come with gate_up_act's scales, whose
+    groups of launch.block_n columns each K tile stays in."""
     w_down, topk_weights = w_down.contiguous(), topk_weights.float().contiguous()
     num_experts, hidden_size, inter = w_down.shape
     top_k = topk_weights.shape[1]
     fp8_rows = act.dtype == FP8
-    if fp8_rows != (act_scale is not None) or (fp8_rows and scale is None):
-        raise ValueError("fused_moe: fp8 act rows take their scales and fp8 stacks")
+    if fp8_rows != (act_scale is not None) or (fp8_rows and (scale is None or out_dtype is None)):
+        raise ValueError("fused_moe: fp8 act rows take their scales, fp8 stacks and the output's dtype")
     # fp8 act rows' scales cover the columns of one of gate_up's programs: launch.block_n.
     act_group = launch.block_n if fp8_rows else None
-    launch = _k_tile(launch, scale, inter, act_group)
+    launch = _k_tile(launch, scale, inter, fp8_rows, act_group)
     pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=act.device)
     _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
         act, act_scale if fp8_rows else act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,

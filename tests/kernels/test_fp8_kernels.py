@@ -22,7 +22,9 @@ from diffulex_kernels.fp8 import (
     fp8_rows_partials, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
-from diffulex_kernels.moe import SILU, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles
+from diffulex_kernels.moe import (
+    SILU, MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles,
+)
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, norm_warps, rmsnorm, rmsnorm_fp8
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
@@ -270,13 +272,19 @@ def test_weight_only_fused_moe_equals_the_dequantized_reference(groups):
     assert gate_up.dtype == FP8
 
 
+# The engine's fp8 plan (act groups of 128 columns, K tiles of 128), and a narrower one whose act groups (64) are
+# narrower than its K tile (128), which the down product must then cut to stay in one group.
+FP8_LAUNCHES = {"plan": None, "n64-k128": MoeLaunch(16, 64, 128, 4, 4)}
+
+
+@pytest.mark.parametrize("launch_name", FP8_LAUNCHES)
 @pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
-def test_fp8_experts_write_act_rows_cast_with_a_scale_per_row_and_group_of_columns(groups):
-    """gate_up's fp8 product over torch-cast tokens, and the act rows it writes: each group of 128 columns (a
-    column tile) scaled by its own largest magnitude, the groups 16 times apart in size."""
+def test_fp8_experts_write_act_rows_cast_with_a_scale_per_row_and_group_of_columns(groups, launch_name):
+    """gate_up's fp8 product over torch-cast tokens, and the act rows it writes: each group of block_n columns (a
+    column tile) scaled by its own largest magnitude, 128-column blocks 16 times apart in size."""
     x, gate_up, gate_up_scale, *_, ids, _ = fp8_experts(groups, generator(6), group_gain=16.0)
     x_q, x_scale = quantize_rows_reference(x)
-    launch = plan_moe_launch(ids.numel(), gate_up.shape[0], element_size=1)
+    launch = FP8_LAUNCHES[launch_name] or plan_moe_launch(ids.numel(), gate_up.shape[0], element_size=1)
     routed = route_to_tiles(ids, gate_up.shape[0], launch.block_m)
     act_q, act_scale = gate_up_act(x_q, gate_up, routed, ids.shape[1], launch, gate_up_scale, SILU, x_scale,
                                    torch.float32)
@@ -306,12 +314,13 @@ def test_fp8_experts_write_act_rows_cast_with_a_scale_per_row_and_group_of_colum
         assert ((got - exact).abs() <= bound)[~carry].all()
 
 
+@pytest.mark.parametrize("launch_name", FP8_LAUNCHES)
 @pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
-def test_fp8_experts_scale_each_k_tile_of_the_down_product_by_its_act_group(groups):
-    """The down product of fp8 act rows made by torch's cast, 128 columns a scale, groups 16 times apart."""
+def test_fp8_experts_scale_each_k_tile_of_the_down_product_by_its_act_group(groups, launch_name):
+    """The down product of fp8 act rows made by torch's cast, block_n columns a scale, groups 16 times apart."""
     x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(7))
     num_experts, hidden, inter = down.shape
-    launch = plan_moe_launch(ids.numel(), num_experts, element_size=1)
+    launch = FP8_LAUNCHES[launch_name] or plan_moe_launch(ids.numel(), num_experts, element_size=1)
     routed = route_to_tiles(ids, num_experts, launch.block_m)
     rows = routed.pair_ids.numel()
     gain = 16.0 ** (torch.arange(inter, device=DEVICE) // launch.block_n).float()
@@ -331,13 +340,43 @@ def test_fp8_experts_scale_each_k_tile_of_the_down_product_by_its_act_group(grou
     assert relative_error(out, want) < FP8_SUM_TOLERANCE
 
 
-def test_fp8_experts_take_tokens_already_cast_as_they_cast_them():
-    """The fused forward casts a MoE layer's tokens once for the routed and the shared experts."""
+def test_fp8_experts_take_tokens_already_cast_in_place_of_their_own_cast():
+    """The fused forward casts a MoE layer's tokens once for the routed and the shared experts: the rows given are
+    the ones multiplied (other tokens' rows here), hidden gives only the shapes and the activations' dtype."""
     x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(1, generator(10))
-    x = x.to(torch.bfloat16)
+    x, other = x.to(torch.bfloat16), (x.flip(0) * 3).to(torch.bfloat16)
     scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
-    assert torch.equal(fused_moe(x, gate_up, down, ids, weights, rows=quantize_rows(x), **scales),
-                       fused_moe(x, gate_up, down, ids, weights, **scales))
+    given = fused_moe(x, gate_up, down, ids, weights, rows=quantize_rows(other), **scales)
+    assert torch.equal(given, fused_moe(other, gate_up, down, ids, weights, **scales))
+    assert not torch.equal(given, fused_moe(x, gate_up, down, ids, weights, **scales))
+
+
+def test_expert_launches_that_fp8_products_cannot_run_are_refused_and_weight_only_ones_narrow_their_k_tile():
+    """fp8 products take K tiles of at least 32 columns: act groups (block_n) or weight scale groups narrower than
+    that are refused by name. A weight-only product takes a 16-column scale group in 16-column K tiles."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(1, generator(13))
+    scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale)
+    with pytest.raises(ValueError, match="at least 32, got 16"):
+        fused_moe(x, gate_up, down, ids, weights, launch=MoeLaunch(16, 16, 128, 4, 4), **scales)
+    x_q, x_scale = quantize_rows(x)
+    launch = plan_moe_launch(ids.numel(), gate_up.shape[0], element_size=1)
+    routed = route_to_tiles(ids, gate_up.shape[0], launch.block_m)
+    with pytest.raises(ValueError, match="activations' dtype"):
+        gate_up_act(x_q, gate_up, routed, ids.shape[1], launch, gate_up_scale, SILU, x_scale)
+    act, act_scale = gate_up_act(x_q, gate_up, routed, ids.shape[1], launch, gate_up_scale, SILU, x_scale,
+                                 torch.float32)
+    with pytest.raises(ValueError, match="output's dtype"):
+        down_and_combine(act, down, weights, routed, x.shape[0], launch, down_scale, act_scale)
+    # Block scales over 16 columns.
+    hidden, inter = gate_up.shape[2], down.shape[2]
+    gate_up16, gate_up16_scale = quantize_weight(dequantize_weight(gate_up, gate_up_scale), hidden // 16)
+    down16, down16_scale = quantize_weight(dequantize_weight(down, down_scale), inter // 16)
+    scales16 = dict(w_gate_up_scale=gate_up16_scale, w_down_scale=down16_scale)
+    with pytest.raises(ValueError, match="K tile of 16 columns .* not a power of two of at least 32"):
+        fused_moe(x, gate_up16, down16, ids, weights, **scales16)
+    out = fused_moe(x, gate_up16, down16, ids, weights, weight_only=True, **scales16)
+    want = experts_reference(x.double(), gate_up16, down16, ids, weights.double(), gate_up16_scale, down16_scale)
+    assert relative_error(out, want) < (2e-3 if DEVICE.type == "cuda" else 1e-5)
 
 
 @pytest.mark.parametrize("poison", [float("nan"), float("inf")], ids=["nan", "inf"])

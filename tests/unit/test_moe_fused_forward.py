@@ -67,3 +67,25 @@ def test_fused_forward_of_a_moe_model_matches_the_torch_modules(model_name):
             got = fused(input_ids.to(DEVICE), positions.to(DEVICE), meta, caches[1])
             assert relative_error(got, want) < TOLERANCE
     assert relative_error(caches[1], caches[0]) < TOLERANCE
+
+
+@pytest.mark.parametrize("tokens", [8, 70], ids=["streamed", "past-MAX_TOKENS"])  # MAX_TOKENS is 64
+def test_the_router_of_a_16_bit_model_is_float32_as_the_torch_router(tokens):
+    """The fused forward's router takes a 16-bit model's rows and weight as they are: up to MAX_TOKENS rows the
+    streaming kernel's split product, whose products of bf16 values are exact in float32 and whose partial sums are
+    float32, past them one product in float32. Either way the logits are the torch router's (x and the weight
+    widened to float32, then multiplied) up to float32's sums, each expert in its own column."""
+    import torch.nn.functional as F
+
+    from diffulex_backend.layers import fused_forward
+    from diffulex_backend.layers.moe import MoE
+
+    shape = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=64)
+    model = random_model("llada2", **shape, dtype=torch.bfloat16, device=DEVICE, seed=12)
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    x = torch.randn(tokens, shape["hidden_size"], generator=torch.Generator().manual_seed(5)).to(DEVICE, torch.bfloat16)
+    with torch.inference_mode():
+        partials = fused_forward._router_logits(moe, x)
+    want = F.linear(x.float(), moe.gate.weight.float())
+    assert partials.dtype == torch.float32 and partials.shape[1:] == want.shape
+    assert relative_error(partials.sum(0), want) < 1e-6
