@@ -6,7 +6,8 @@
 - The torch reference (`fused_moe_reference`, one expert at a time, float32), eager.
 
 Routing is uniform: each token's K experts are the top K of random scores, so one block of 32 tokens x 8 choices
-touches about 160 of 256 experts. The kernel is timed replayed from a CUDA graph with the L2 cache cleared before
+touches about 160 of 256 experts; `--eligible N` routes among N of them only, as a forward whose tokens reach fewer
+experts does. The kernel is timed replayed from a CUDA graph with the L2 cache cleared before
 each call (so the touched weights come from HBM, as in a forward), and launched from Python; `route ms` is the
 sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
 per-token sum) alone. A few other tile shapes are timed beside the default plan.
@@ -82,12 +83,19 @@ def label(launch: MoeLaunch) -> str:
 WEIGHTS = ("bf16", "fp8", "fp8-weight-only")
 
 
-def moe_case(shape: MoeShape, tokens: int, device: torch.device, weights: str):
-    """(positional arguments of fused_moe, its keyword arguments): bf16 stacks, or fp8 ones with a scale per row."""
+def moe_case(shape: MoeShape, tokens: int, device: torch.device, weights: str, eligible: int | None = None):
+    """(positional arguments of fused_moe, its keyword arguments): bf16 stacks, or fp8 ones with a scale per row.
+    Each token's experts are the top K of random scores over all experts, or over `eligible` of them (a random
+    subset, the same for every token)."""
     hidden = torch.randn(tokens, shape.hidden, device=device).to(torch.bfloat16)
     w_gate_up = (torch.randn(shape.experts, 2 * shape.inter, shape.hidden, device=device) * 0.02).to(torch.bfloat16)
     w_down = (torch.randn(shape.experts, shape.hidden, shape.inter, device=device) * 0.02).to(torch.bfloat16)
-    scores, topk_ids = torch.randn(tokens, shape.experts, device=device).topk(shape.top_k, dim=1)
+    scores = torch.randn(tokens, shape.experts, device=device)
+    if eligible is not None:
+        barred = torch.ones(shape.experts, dtype=torch.bool, device=device)
+        barred[torch.randperm(shape.experts, device=device)[:max(eligible, shape.top_k)]] = False
+        scores[:, barred] = float("-inf")
+    scores, topk_ids = scores.topk(shape.top_k, dim=1)
     options = {}
     if weights != "bf16":
         (w_gate_up, gate_up_scale), (w_down, down_scale) = quantize_weight(w_gate_up), quantize_weight(w_down)
@@ -114,8 +122,8 @@ def fp8_matmul_rate(device: torch.device, smoke: bool) -> float | None:
 
 
 def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, fp8_rate: float | None, smoke: bool,
-               weights: str) -> list[dict]:
-    args, options = moe_case(shape, tokens, device, weights)
+               weights: str, eligible: int | None = None) -> list[dict]:
+    args, options = moe_case(shape, tokens, device, weights, eligible)
     w8a8 = weights == "fp8"
     touched = args[3].unique().numel()
     expert_bytes = 3 * shape.hidden * shape.inter * args[1].element_size()
@@ -192,6 +200,8 @@ def main() -> None:
     parser.add_argument("--out", type=pathlib.Path, help="folder for moe.md and moe.csv")
     parser.add_argument("--weights", default="bf16", help=f"comma-separated, of {', '.join(WEIGHTS)}")
     parser.add_argument("--tokens", help=f"comma-separated token counts (default {','.join(map(str, FULL_TOKENS))})")
+    parser.add_argument("--eligible", type=int, help="route among this many experts only (a random LLaDA2-mini "
+                                                      "block's tokens reach about 60 of 256 a layer), not all")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
@@ -206,7 +216,7 @@ def main() -> None:
     header = device_header(device, ceilings) + (f"; fp8 matmul {fp8_rate / 1e12:.0f} TFLOP/s" if fp8_rate else "")
     print(header, flush=True)
     rows = [row for kind in weights for shape in shapes for tokens in token_counts
-            for row in bench_case(shape, tokens, device, ceilings, fp8_rate, args.smoke, kind)]
+            for row in bench_case(shape, tokens, device, ceilings, fp8_rate, args.smoke, kind, args.eligible)]
     table = format_table(rows)
     print(table)
     if args.out:

@@ -28,3 +28,10 @@ def test_moe_benchmark_smoke_run_puts_the_layer_above_both_floors(tmp_path):
         assert weight_ms < kernel_ms and compute_ms < kernel_ms
         assert float(row["vs_weight_floor"]) == pytest.approx(kernel_ms / weight_ms, rel=0.01)
         assert float(row["vs_compute_floor"]) == pytest.approx(kernel_ms / compute_ms, rel=0.01)
+
+
+def test_moe_benchmark_routes_among_the_eligible_experts_only(tmp_path):
+    """`--eligible N`: a forward's tokens reach fewer experts than uniform routing does; the tiles are timed there."""
+    run_smoke("moe.py", tmp_path, "--weights", "fp8", "--tokens", "16", "--eligible", "3")
+    rows = csv_rows(tmp_path / "moe.csv")
+    assert [int(row["touched_experts"]) for row in rows] == [3]
