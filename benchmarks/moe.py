@@ -36,6 +36,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
 import triton  # noqa: E402
+from forward import fp8_matmul_rate  # noqa: E402  (benchmarks/forward.py)
 from kernels import device_header, measure_ceilings, time_eager_ms, time_graph_ms  # noqa: E402  (benchmarks/kernels.py)
 
 from diffulex_backend.layers.fp8_linear import quantize_weight  # noqa: E402
@@ -109,16 +110,12 @@ def significant(ms: float) -> float:
     return float(f"{ms:.4g}")
 
 
-def fp8_matmul_rate(device: torch.device, smoke: bool) -> float | None:
-    """flop/s of cuBLASLt's fp8 product of a square 8192 x 8192 pair (unit row-wise scales); None off a GPU."""
+def measure_fp8_rate(device: torch.device) -> float | None:
+    """cuBLASLt's fp8 matmul rate (forward.py's measure, 8192^3), for W8A8's compute floor; None off a GPU."""
     if device.type != "cuda":
         return None
-    m = 8192
-    a, b = (torch.randn(m, m, device=device).to(torch.float8_e4m3fn) for _ in range(2))
-    ones_rows, ones_columns = torch.ones(m, 1, device=device), torch.ones(1, m, device=device)
-    ms = time_eager_ms(lambda: torch._scaled_mm(a, b.t(), scale_a=ones_rows, scale_b=ones_columns,
-                                                out_dtype=torch.bfloat16))
-    return 2 * m**3 / (ms * 1e-3)
+    a, b = (torch.randn(8192, 8192, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return fp8_matmul_rate(a, b, device, reps=10)
 
 
 def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, fp8_rate: float | None, smoke: bool,
@@ -212,7 +209,7 @@ def main() -> None:
     if unknown := set(weights) - set(WEIGHTS):
         parser.error(f"--weights: {', '.join(sorted(unknown))} is none of {', '.join(WEIGHTS)}")
     ceilings = measure_ceilings(device, args.smoke)
-    fp8_rate = fp8_matmul_rate(device, args.smoke) if "fp8" in weights else None
+    fp8_rate = measure_fp8_rate(device) if "fp8" in weights else None
     header = device_header(device, ceilings) + (f"; fp8 matmul {fp8_rate / 1e12:.0f} TFLOP/s" if fp8_rate else "")
     print(header, flush=True)
     rows = [row for kind in weights for shape in shapes for tokens in token_counts

@@ -206,7 +206,7 @@ def _moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:  # [T, hidden], summed over
         takes_rows = rows is not None and isinstance(moe.shared_experts.gate_up_proj, Fp8Linear)
         shared = _gated_mlp(moe.shared_experts, rows if takes_rows else x, None, None)  # [S, T, hidden]
     out = fused_moe(x, moe.w_gate_up, moe.w_down, topk_ids, topk_weights, w_gate_up_scale=moe.w_gate_up_scale,
-                    w_down_scale=moe.w_down_scale, rows=rows[:2] if rows is not None else None, shared=shared)
+                    w_down_scale=moe.w_down_scale, rows=(rows.q, rows.scale) if rows is not None else None, shared=shared)
     return moe.tp.all_reduce(out)
 
 
