@@ -143,6 +143,12 @@ def choose_tiles(m: int, n: int, k: int, groups: int = 1, x_group: int | None = 
     return Tiles(BLOCK_N, block_k, split, 4, NUM_STAGES * min(2, BLOCK_K // block_k))
 
 
+def gated_tiles(k: int, groups: int = 1) -> Tiles:
+    """`fp8_silu_and_mul`'s cut: ACT_GROUP gate rows (and as many up rows) a program, the act group of the rows it
+    casts, and one slice of K."""
+    return choose_tiles(TRITON_MAX_ROWS, ACT_GROUP, k, groups)._replace(block_n=ACT_GROUP, split_k=1)
+
+
 # M changes with every batch, and the partials' stride (M x N) with it: specialized on them, each new token count
 # class would compile again.
 @triton.jit(do_not_specialize=["M", "stride_os"])
@@ -150,7 +156,7 @@ def _fp8_matmul_kernel(
     x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, out_scale_ptr,
     M, N, K, stride_xm, stride_wn, stride_os, stride_om, GROUPS, GROUP_K, X_GROUPS, X_GROUP_K, OUT_GROUPS,
     K_PER_SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB_K: tl.constexpr, EVEN_K: tl.constexpr,
     GROUPED: tl.constexpr, X_GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr,
     GATED: tl.constexpr, ACT_DTYPE: tl.constexpr, DOT_DTYPE: tl.constexpr, IMPRECISE_ACC: tl.constexpr,
     USE_PDL: tl.constexpr,
@@ -169,60 +175,59 @@ def _fp8_matmul_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = pid_k * K_PER_SPLIT
-    offs_k = k_start + tl.arange(0, BLOCK_K)
+    offs_k = k_start + tl.arange(0, SUB_K)
     n_valid = offs_n < N
     m_valid = offs_m < M
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = w_ptrs + N * stride_wn  # GATED only
-    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
+    x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [SUB_K, BLOCK_M]
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
-    for k in range(0, K_PER_SPLIT, BLOCK_K):
-        if EVEN_K:
-            w = tl.load(w_ptrs, mask=n_valid[:, None], other=0.0)
-            x = tl.load(x_ptrs, mask=m_valid[None, :], other=0.0)
-        else:
-            k_valid = offs_k + k < K
-            w = tl.load(w_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-            x = tl.load(x_ptrs, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
-        if not X_SCALED:
-            w = w.to(DOT_DTYPE)
-            x = x.to(DOT_DTYPE)
-        if GROUPED or X_GROUPED:
-            # The last slice of K may run whole tiles past K: their masked products are 0, and their scales, past
-            # the row's last group (past the tensor at the last row), are not read.
-            in_k = k_start + k < K
-            product = tl.dot(w, x, max_num_imprecise_acc=IMPRECISE_ACC)
+    for k_tile in range(0, K_PER_SPLIT, BLOCK_K):
+        # A K tile of several groups of x's columns is that many products, each scaled by its own group's scales.
+        for sub in tl.static_range(0, BLOCK_K, SUB_K):
+            k = k_tile + sub
+            if EVEN_K:
+                w = tl.load(w_ptrs + k, mask=n_valid[:, None], other=0.0)
+                x = tl.load(x_ptrs + k, mask=m_valid[None, :], other=0.0)
+            else:
+                k_valid = offs_k + k < K
+                w = tl.load(w_ptrs + k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+                x = tl.load(x_ptrs + k, mask=m_valid[None, :] & k_valid[:, None], other=0.0)
             if GATED:
-                up = tl.load(up_ptrs, mask=n_valid[:, None], other=0.0) if EVEN_K else tl.load(
-                    up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-                product_up = tl.dot(up, x, max_num_imprecise_acc=IMPRECISE_ACC)
-            if GROUPED:
-                group = (k_start + k) // GROUP_K
-                s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + group, mask=n_valid & in_k, other=0.0)
-                product = product * s[:, None]
+                up = tl.load(up_ptrs + k, mask=n_valid[:, None], other=0.0) if EVEN_K else tl.load(
+                    up_ptrs + k, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
+            if not X_SCALED:
+                w = w.to(DOT_DTYPE)
+                x = x.to(DOT_DTYPE)
+            if GROUPED or X_GROUPED:
+                # The last slice of K may run whole tiles past K: their masked products are 0, and their scales,
+                # past the row's last group (past the tensor at the last row), are not read.
+                in_k = k_start + k < K
+                product = tl.dot(w, x, max_num_imprecise_acc=IMPRECISE_ACC)
                 if GATED:
-                    s_up = tl.load(w_scale_ptr + (offs_n + N).to(tl.int64) * GROUPS + group, mask=n_valid & in_k,
-                                   other=0.0)
-                    product_up = product_up * s_up[:, None]
-            if X_GROUPED:
-                x_s = tl.load(x_scale_ptr + offs_m.to(tl.int64) * X_GROUPS + (k_start + k) // X_GROUP_K,
-                              mask=m_valid & in_k, other=0.0)
-                product = product * x_s[None, :]
+                    product_up = tl.dot(up, x, max_num_imprecise_acc=IMPRECISE_ACC)
+                if GROUPED:
+                    group = (k_start + k) // GROUP_K
+                    s = tl.load(w_scale_ptr + offs_n.to(tl.int64) * GROUPS + group, mask=n_valid & in_k, other=0.0)
+                    product = product * s[:, None]
+                    if GATED:
+                        s_up = tl.load(w_scale_ptr + (offs_n + N).to(tl.int64) * GROUPS + group,
+                                       mask=n_valid & in_k, other=0.0)
+                        product_up = product_up * s_up[:, None]
+                if X_GROUPED:
+                    x_s = tl.load(x_scale_ptr + offs_m.to(tl.int64) * X_GROUPS + (k_start + k) // X_GROUP_K,
+                                  mask=m_valid & in_k, other=0.0)
+                    product = product * x_s[None, :]
+                    if GATED:
+                        product_up = product_up * x_s[None, :]
+                acc += product
                 if GATED:
-                    product_up = product_up * x_s[None, :]
-            acc += product
-            if GATED:
-                acc_up += product_up
-        else:
-            acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
-            if GATED:
-                up = tl.load(up_ptrs, mask=n_valid[:, None], other=0.0) if EVEN_K else tl.load(
-                    up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
-                acc_up = tl.dot(up, x, acc_up, max_num_imprecise_acc=IMPRECISE_ACC)
-        w_ptrs += BLOCK_K
-        up_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
+                    acc_up += product_up
+            else:
+                acc = tl.dot(w, x, acc, max_num_imprecise_acc=IMPRECISE_ACC)
+                if GATED:
+                    acc_up = tl.dot(up, x, acc_up, max_num_imprecise_acc=IMPRECISE_ACC)
     if not GROUPED:
         acc = acc * tl.load(w_scale_ptr + offs_n, mask=n_valid, other=0.0)[:, None]
         if GATED:
@@ -285,19 +290,17 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_
                              f"group of a power of two of at least 32 of x's {k} columns")
         x_scale = x_scale.float().contiguous()
     group_k = k // groups
-    tiles = tiles or choose_tiles(m, n, k, groups, x_group)
+    tiles = tiles or (gated_tiles(k, groups) if gated else choose_tiles(m, n, k, groups, x_group))
     if not partials:
         tiles = tiles._replace(split_k=1)
-    if gated:
-        tiles = tiles._replace(block_n=ACT_GROUP)
+    if gated and tiles.block_n < 32:
+        raise ValueError(f"fp8_silu_and_mul: act groups of {tiles.block_n} columns are under the 32 of a K tile")
     if groups > 1 and (group_k % tiles.block_k or tiles.block_k < 32 or tiles.block_k & (tiles.block_k - 1)):
         # fp8 tensor-core products take K tiles of 32, and a tile may not straddle two scale groups.
         raise ValueError(f"fp8_matmul: column groups of {group_k} are not a power of two of at least 32")
-    if x_group is not None and x_group % tiles.block_k:
-        raise ValueError(f"fp8_matmul: a K tile of {tiles.block_k} columns straddles x's groups of {x_group}")
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k
-    out_groups = triton.cdiv(n, ACT_GROUP)
+    out_groups = triton.cdiv(n, tiles.block_n)
     if gated:
         out = torch.empty(1, m, n, dtype=FP8, device=x_q.device)
         out_scale = torch.empty(m, out_groups, dtype=torch.float32, device=x_q.device)
@@ -314,7 +317,8 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_
         out_scale if gated else w_scale,
         m, n, k, x_q.stride(0), w.stride(0), out.stride(0), out.stride(1), groups, group_k,
         1 if x_group is None else x_scale.shape[-1], x_group or k, out_groups, k_per_split,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % (split * tiles.block_k) == 0,
+        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, SUB_K=min(tiles.block_k, x_group or k),
+        EVEN_K=k % (split * tiles.block_k) == 0,
         GROUPED=groups > 1, X_GROUPED=x_group is not None, HAS_BIAS=bias is not None, X_SCALED=not weight_only,
         GATED=gated, ACT_DTYPE=triton_dtype(out_dtype), DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv,
         IMPRECISE_ACC=None if weight_only else FP8_PROMOTE_EVERY, USE_PDL=pdl, launch_pdl=pdl,
