@@ -77,7 +77,7 @@ from diffulex_backend.runner import kv_cache_layout  # noqa: E402
 from diffulex_backend.scheduler import SchedulerOutput  # noqa: E402
 from diffulex_backend.upload import upload  # noqa: E402
 from diffulex_kernels.kv_store import SCALE_BYTES, pack_fp8_rows  # noqa: E402
-from diffulex_kernels.fp8 import fp8_rows_silu_and_mul, quantize_rows  # noqa: E402
+from diffulex_kernels.fp8 import quantize_rows  # noqa: E402
 from diffulex_kernels.linear import linear  # noqa: E402
 from diffulex_kernels.moe import fused_moe  # noqa: E402
 from plain_pytorch import PlainDecoder  # noqa: E402
@@ -833,26 +833,21 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 
         cast = {}
 
-        def project(proj, way: str = "one", x=None):
+        def project(proj, way: str = "one"):
             """A projection's product as the forward takes it: with the kernels, `one` product, split-K `partials`
-            (o_proj, down_proj) or `gated` (gate_up, with SiLU-and-mul in its epilogue, which an fp8 one casts for
-            down_proj as it writes it); an fp8 projection's rows cast once beforehand, as the kernels that write
-            them cast them, or the rows given (down_proj's, as gate_up wrote them). Without the kernels, the torch
-            module."""
+            (o_proj, down_proj) or `gated` (gate_up, with SiLU-and-mul in a float product's epilogue and none in an
+            fp8 one's, whose rows the SiLU-and-mul casts after it); an fp8 projection's rows cast once beforehand,
+            as the kernels that write them cast them. Without the kernels, the torch module."""
+            x = x_for(proj.weight)
             if not model.fused_kernels:
-                return proj(x_for(proj.weight))
-            if x is None:
-                x = x_for(proj.weight)
-                if isinstance(proj, Fp8Linear):
-                    if x.shape[-1] not in cast:
-                        cast[x.shape[-1]] = fused_forward.Fp8Rows(*quantize_rows(x), x.dtype)
-                    x = cast[x.shape[-1]]
+                return proj(x)
+            if isinstance(proj, Fp8Linear):
+                if x.shape[-1] not in cast:
+                    cast[x.shape[-1]] = fused_forward.Fp8Rows(*quantize_rows(x), x.dtype)
+                x = cast[x.shape[-1]]
             if way == "partials":
                 return fused_forward._project_partials(proj, x)
-            if way == "gated" and isinstance(proj, Fp8Linear):
-                rows = fp8_rows_silu_and_mul(x.q, x.scale, proj.weight, proj.weight_scale, x.dtype)
-                return fused_forward.Fp8Rows(*rows, x.dtype)
-            if way == "gated":
+            if way == "gated" and not isinstance(proj, Fp8Linear):
                 return fused_forward._project_silu_and_mul(proj, x)
             return fused_forward._project(proj, x)
 
@@ -877,10 +872,11 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                     else:
                         experts_reference(x, mlp.w_gate_up, mlp.w_down, ids, weights, *scales)
                     if mlp.shared_experts is not None:
-                        shared = mlp.shared_experts
-                        project(shared.down_proj, "partials", project(shared.gate_up_proj, "gated"))
+                        project(mlp.shared_experts.gate_up_proj, "gated")
+                        project(mlp.shared_experts.down_proj, "partials")
                 else:
-                    project(mlp.down_proj, "partials", project(mlp.gate_up_proj, "gated"))
+                    project(mlp.gate_up_proj, "gated")
+                    project(mlp.down_proj, "partials")
             if isinstance(model.lm_head, Fp8Linear):  # fp8_lm_head
                 project(model.lm_head)
             elif model.fused_kernels:

@@ -10,12 +10,10 @@ Ways (each a layer's four products, over LAYERS layers whose weights are separat
 - triton: the Triton `tl.dot` fp8 kernel (`fp8_matmul`) on activations cast beforehand;
 - triton + fused cast: `quantize_rows` then the Triton kernel;
 - triton W8A16: the same kernel weight-only: bf16 activations, fp8 weights widened to bf16 in registers, no cast;
-- the engine's: the fused forward's own products (`_project`, `_project_partials`, `fp8_rows_silu_and_mul`). qkv
-  and gate_up take rows the norms cast as they write them, o_proj casts its input (the attention output) itself,
-  gate_up writes silu(gate) * up cast for down_proj (up to TRITON_MAX_ROWS rows in its epilogue; above, after
-  cuBLASLt's product, in two launches of SiLU-and-mul), and o_proj and down_proj give split-K partials (their sum is
-  the next norm's read). Each takes the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the casts in
-  the norms are the norm rows' part. This way alone includes the SiLU-and-mul.
+- the engine's: the fused forward's own products (`_project`, `_project_partials`). qkv and gate_up take rows the
+  norms cast as they write them, o_proj casts its input (the attention output) itself, down_proj takes rows the
+  SiLU-and-mul casts, and o_proj and down_proj give split-K partials (their sum is the next norm's read). Each takes
+  the Triton kernel up to TRITON_MAX_ROWS rows and cuBLASLt above; the casts in the norms are the norm rows' part.
 
 The inputs of qkv and gate_up are written by a layer's two residual-add RMSNorms. Three more rows time those two
 norms a layer: writing bf16 rows (what bf16 pays), then casting them with `quantize_rows`, or casting the rows as
@@ -31,10 +29,7 @@ The casts section times the kernels that write a layer's rows, one launch at a t
 residual-add RMSNorm over the split-K partials the engine hands it (as many as `choose_tiles` splits o_proj and
 down_proj into; one bf16 product where cuBLASLt takes the rows), writing bf16 rows or casting them, at 4, 8 and 16
 warps a row (the engine's marked); the SiLU-and-mul, writing bf16 rows or casting them; and `quantize_rows` of the
-attention output. Each against the floor of the bytes it moves. At 32 rows it also times a layer's gated MLP, the
-gate_up product to down's partials, both ways the Triton kernel can run it: the product, then SiLU-and-mul casting
-each row in two launches, then down; or SiLU-and-mul and the cast (a scale per row and group of 64 columns) in the
-product's epilogue, then down over those groups (the engine's), against the floor of the fp8 weights' bytes.
+attention output. Each against the floor of the bytes it moves.
 
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
@@ -59,8 +54,8 @@ if not torch.cuda.is_available():
 
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from diffulex_kernels.fp8 import (  # noqa: E402
-    FP8, TRITON_MAX_ROWS, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_partials,
-    fp8_rows_silu_and_mul, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
+    FP8, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_partials, pipeline_bytes, quantize_rows,
+    quantize_rows_reference, scaled_mm,
 )
 from diffulex_backend.layers.fp8_linear import Fp8Linear  # noqa: E402
 from diffulex_backend.layers.fused_forward import Fp8Rows, _project, _project_partials  # noqa: E402
@@ -71,7 +66,7 @@ from result_table import ResultTable  # noqa: E402
 
 # (name, out features N, in features K) of one LLaDA-8B layer.
 LLADA_8B = [("qkv", 12288, 4096), ("o", 4096, 4096), ("gate_up", 24576, 4096), ("down", 4096, 12288)]
-SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 256, 64), ("down", 64, 128)]
+SMOKE = [("qkv", 96, 64), ("o", 64, 64), ("gate_up", 128, 64), ("down", 64, 128)]
 LAYERS = 4  # 0.8 GB of fp8 weights, 1.6 GB of bf16: far past the L2 cache
 WAYS = ("bf16", "scaled_mm", "scaled_mm + torch cast", "scaled_mm + fused cast", "triton", "triton + fused cast",
         "triton W8A16", "the engine's")
@@ -111,16 +106,12 @@ def layer_fn(way: str, x: torch.Tensor, names: list[str], layers_bf16, layers_fp
     def run():
         outs = []
         for bf16, fp8, fp8_modules in zip(layers_bf16, layers_fp8, modules):
-            gated = None
             for (name, w, (wq, ws), module) in zip(names, bf16, fp8, fp8_modules):
                 k = w.shape[1]
                 xk = x[k]
                 if way == "the engine's":
-                    if name == "gate_up":
-                        gated = Fp8Rows(*fp8_rows_silu_and_mul(*pre_cast[k], wq, ws, torch.bfloat16), torch.bfloat16)
-                        outs.append(gated.q)
-                    elif name in PARTIALS:
-                        outs.append(_project_partials(module, xk if name == "o" else gated))
+                    if name in PARTIALS:
+                        outs.append(_project_partials(module, xk if name == "o" else rows[k]))
                     else:
                         outs.append(_project(module, rows[k]))
                     continue
@@ -296,21 +287,6 @@ def casts_section(shapes, layer_fp8, bandwidth: float, device, smoke: bool, out:
             floor_us = 1e6 * moved / bandwidth
             table.add(rows=rows, kernel=kernel, writes=writes, inputs="bf16", num_warps="", us=us, floor_us=floor_us,
                       vs_floor=us / floor_us, note="the engine's")
-        if rows <= TRITON_MAX_ROWS:
-            x_q, x_scale = quantize_rows(torch.randn(rows, hidden, device=device).to(torch.bfloat16))
-            (gate_up_q, gate_up_s), (down_q, down_s) = weights["gate_up"], weights["down"]
-            weight_bytes = gate_up_q.numel() + down_q.numel()
-            for writes, fn, note in (
-                    ("fp8 a row, in two launches after the product", lambda: fp8_rows_partials(*silu_and_mul_fp8(
-                        fp8_matmul(x_q, x_scale, gate_up_q, gate_up_s, None, torch.bfloat16)), down_q, down_s,
-                        torch.bfloat16), ""),
-                    ("fp8 a row and group of 64 columns, in the product's epilogue", lambda: fp8_rows_partials(
-                        *fp8_rows_silu_and_mul(x_q, x_scale, gate_up_q, gate_up_s, torch.bfloat16), down_q, down_s,
-                        torch.bfloat16), "the engine's")):
-                us = time_us(fn)
-                floor_us = 1e6 * weight_bytes / bandwidth
-                table.add(rows=rows, kernel="gated MLP: gate_up, SiLU-and-mul, down", writes=writes, inputs="fp8",
-                          num_warps="", us=us, floor_us=floor_us, vs_floor=us / floor_us, note=note)
     table.write(out, None)
 
 

@@ -19,12 +19,10 @@ small kernels would otherwise cost more than the weights take to stream.
   head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
   (the kernel takes any head stride), after those norms.
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
-  streaming kernel, o_proj and down_proj as split-K partial sums too, and gate_up with SiLU-and-mul in its epilogue.
-  The norms before qkv and gate_up cast their rows to fp8 with a scale per row as they write them (`Fp8Rows`), and
-  the gate_up product casts the rows it writes for down_proj with a scale per row and group of 64 columns, so those
-  inputs are written in one byte a value and need no cast launch of their own; o_proj's input (the attention
-  output) takes `quantize_rows`. Past the Triton kernel's rows (cuBLASLt's products) SiLU-and-mul is two launches of
-  its own, which cast a row with one scale. A projection with a LoRA delta in the
+  streaming kernel, o_proj and down_proj as split-K partial sums too; gate_up's SiLU-and-mul is a launch of its own.
+  The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
+  row as they write them (`Fp8Rows`), so those inputs are written in one byte a value and need no cast launch of
+  their own; o_proj's input (the attention output) takes `quantize_rows`. A projection with a LoRA delta in the
   forward gets the float rows, which the delta reads.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
@@ -35,8 +33,7 @@ small kernels would otherwise cost more than the weights take to stream.
   delta before the SiLU): its wide output is then read once, not written and read again. A forward without
   `lora` launches none of this.
 Roundings differ from the torch modules only where a kernel keeps float32 between two ops that the modules round
-in between, and where the fp8 gate_up product casts down_proj's rows per group of 64 columns, which the modules cast
-with one scale a row.
+in between.
 """
 from __future__ import annotations
 
@@ -53,8 +50,8 @@ from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
-from diffulex_kernels.activation import silu_and_mul
-from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, fp8_rows_silu_and_mul, quantize_rows
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
+from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, quantize_rows
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
@@ -108,10 +105,10 @@ def fused_forward(
 
 
 class Fp8Rows(NamedTuple):
-    """Rows already cast for an FP8 projection, by the kernel that wrote them."""
+    """Normalized rows already cast for an FP8 projection, by the norm that wrote them."""
 
-    q: torch.Tensor  # [T, K] float8_e4m3fn
-    scale: torch.Tensor  # [T] float32, or [T, groups] per group of columns (the gated product's rows)
+    q: torch.Tensor  # [T, hidden] float8_e4m3fn
+    scale: torch.Tensor  # [T] float32
     dtype: torch.dtype  # the activations' dtype, the projection's output dtype
 
     @property
@@ -188,10 +185,8 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
     stack = mlp.gate_up_lora
     if (lora is None or stack is None) and isinstance(mlp.gate_up_proj, Fp8Linear) and _takes_fp8_rows(
             mlp.down_proj, mlp.down_lora, lora):
-        # The gate_up product writes its SiLU-and-mul rows cast for the fp8 down projection.
-        rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_rows(x.contiguous()), x.dtype)
-        proj = mlp.gate_up_proj
-        h = Fp8Rows(*fp8_rows_silu_and_mul(rows.q, rows.scale, proj.weight, proj.weight_scale, rows.dtype), rows.dtype)
+        # SiLU-and-mul writes its rows cast for the fp8 down projection (x.dtype: the activations', either form).
+        h = Fp8Rows(*silu_and_mul_fp8(_project(mlp.gate_up_proj, x)), x.dtype)
     elif lora is None or stack is None:
         h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:

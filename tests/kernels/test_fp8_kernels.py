@@ -18,9 +18,8 @@ import torch.nn.functional as F
 from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight
 from diffulex_backend.layers.moe import experts_reference
 from diffulex_kernels.fp8 import (
-    ACT_GROUP, FP8, MIN_PROGRAMS, NUM_STAGES, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials,
-    fp8_rows_partials, fp8_rows_silu_and_mul, fp8_silu_and_mul, pipeline_bytes, quantize_rows,
-    quantize_rows_reference, scaled_mm,
+    FP8, MIN_PROGRAMS, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials,
+    fp8_rows_partials, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.moe import (
@@ -172,12 +171,8 @@ def test_choose_tiles_fills_the_gpu_and_fits_shared_memory():
         for weight_only in (False, True):  # the same cut serves both
             # What an H100 gives a program (227 KB), less room for the epilogue.
             assert pipeline_bytes(tiles, m, weight_only) <= 180 * 1024
-    # A block-scaled weight's K tile stays inside one group of columns, and so does a K tile of rows cast in
-    # groups; half the columns take twice the stages.
+    # A block-scaled weight's K tile stays inside one group of columns.
     assert choose_tiles(32, 4096, 4096, groups=64).block_k == 64
-    down = choose_tiles(32, 4096, 12288, x_group=ACT_GROUP)
-    assert (down.block_k, down.num_stages) == (ACT_GROUP, 2 * NUM_STAGES)
-    assert pipeline_bytes(down, 64) <= pipeline_bytes(choose_tiles(64, 4096, 12288), 64)
 
 
 def test_fp8_matmul_scales_each_column_group_by_its_own_block_scale():
@@ -505,108 +500,3 @@ def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
     assert rows[1].isnan().any() and not rows[0].isnan().any()
     assert_cast_like_torch(q, scale, rows)
     assert scale[1].isnan() and scale[0].isfinite() and scale[4].isfinite()
-
-
-# (rows, K, I, weight scale groups): LLaDA-8B's gate_up at a block's rows, or small ones whose I ends in a ragged
-# group of act columns (160 = 64 + 64 + 32).
-GATED_CASES = ([(32, 4096, 12288, 1), (32, 4096, 12288, 32), (64, 3584, 18944, 1)] if FULL_SHAPES
-               else [(5, 256, 128, 1), (7, 256, 160, 2), (16, 128, 64, 1)])
-
-
-def cast_in_groups(h: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_rows of every group of `group` columns of h's rows (the last group padded with zeros): (q, scale
-    [rows, groups]), the kernels' cast (the interpreter's on the CPU)."""
-    rows, width = h.shape
-    groups = -(-width // group)
-    padded = torch.zeros(rows, groups * group, dtype=h.dtype, device=h.device)
-    padded[:, :width] = h
-    q, scale = quantize_rows(padded.view(rows * groups, group))
-    return q.view(rows, groups * group)[:, :width], scale.view(rows, groups)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("case", GATED_CASES, ids=str)
-def test_fp8_silu_and_mul_gives_the_rows_of_its_separate_launches_bit_for_bit(case, dtype):
-    """The gate_up product with SiLU-and-mul and the cast in its epilogue equals the product, silu_and_mul and a
-    cast of each group of ACT_GROUP columns, one launch after the other: the same roundings to the activation
-    dtype, the same scale per row and group, the same fp8 values."""
-    m, k, inter, groups = case
-    gen = generator(15)
-    x_q, x_scale = quantize_rows(randn(m, k, dtype=dtype, gen=gen))
-    w_q, w_scale = quantize_weight(randn(2 * inter, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
-    q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, dtype)
-    assert q.shape == (m, inter) and q.dtype == FP8 and scale.shape == (m, -(-inter // ACT_GROUP))
-    want_q, want_scale = cast_in_groups(silu_and_mul(fp8_matmul(x_q, x_scale, w_q, w_scale, None, dtype)), ACT_GROUP)
-    assert torch.equal(scale, want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
-
-
-def test_a_row_and_group_holding_nan_casts_alone():
-    """A NaN reaching one row's product (its input row holds one) makes that row's scales and values NaN, as
-    quantize_rows gives them, and leaves every other row of the program's tile alone."""
-    m, k, inter = 6, 128, 128
-    gen = generator(16)
-    x = randn(m, k, dtype=torch.bfloat16, gen=gen)
-    x[2, 7] = float("nan")
-    x_q, x_scale = quantize_rows(x)
-    w_q, w_scale = quantize_weight(randn(2 * inter, k, dtype=torch.float32, gen=gen) * k**-0.5)
-    q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
-    assert scale[2].isnan().all() and scale[torch.arange(m) != 2].isfinite().all()
-    clean = torch.cat([x_q[:2], x_q[3:]]), torch.cat([x_scale[:2], x_scale[3:]])
-    q_clean, scale_clean = fp8_silu_and_mul(*clean, w_q, w_scale, torch.bfloat16)
-    assert torch.equal(torch.cat([scale[:2], scale[3:]]), scale_clean)
-    assert torch.equal(torch.cat([q[:2], q[3:]]).view(torch.uint8), q_clean.view(torch.uint8))
-
-
-@pytest.mark.parametrize("split", [1, 2], ids=["product", "split-k"])
-@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
-def test_rows_cast_in_groups_scale_each_k_tile_by_their_own_group_s_scale(groups, split):
-    """Down's input as the gated product writes it: act groups whose magnitudes differ by 2^8 from one to the next,
-    the last one ragged. A K tile scaled by another group's scale, or once per row, would be off by far more than
-    rounding; each split slice of K, and block-scaled weights, keep their groups."""
-    m, n = 5, 48
-    inter = 3 * ACT_GROUP + 32
-    gen = generator(17)
-    h = randn(m, inter, dtype=torch.float32, gen=gen)
-    h *= 256.0 ** (torch.arange(inter, device=DEVICE) // ACT_GROUP).float()
-    q, scale = cast_in_groups(h, ACT_GROUP)
-    assert scale.shape == (m, 4) and (scale[:, 1] > 100 * scale[:, 0]).all()
-    w_q, w_scale = quantize_weight(randn(n, inter, dtype=torch.float32, gen=gen) * inter**-0.5,
-                                   groups if groups == 1 else inter // 32)
-    dequantized = torch.zeros(m, 4 * ACT_GROUP, dtype=torch.float64, device=DEVICE)
-    dequantized[:, :inter] = q.double()
-    dequantized = (dequantized.view(m, 4, ACT_GROUP) * scale.double()[:, :, None]).view(m, -1)[:, :inter]
-    want = dequantized @ dequantize_weight(w_q, w_scale).double().T
-    tiles = Tiles(32, 32, split, 4, 2)
-    assert relative_error(fp8_matmul_partials(q, scale, w_q, w_scale, tiles).sum(0), want) < FP8_SUM_TOLERANCE
-    assert relative_error(fp8_matmul(q, scale, w_q, w_scale, None, torch.float32), want) < FP8_SUM_TOLERANCE
-
-
-def test_scales_that_fit_no_product_are_refused_by_name():
-    gen = generator(18)
-    x_q, x_scale = quantize_rows(randn(4, 256, dtype=torch.float32, gen=gen))
-    w_q, w_scale = quantize_weight(randn(64, 256, dtype=torch.float32, gen=gen))
-    with pytest.raises(ValueError, match="x_scale .* is not a scale per row"):
-        fp8_matmul(x_q, x_scale[:3], w_q, w_scale)  # a scale short
-    with pytest.raises(ValueError, match="x_scale .* is not a scale per row"):
-        fp8_matmul(x_q, torch.ones(4, 16, device=DEVICE), w_q, w_scale)  # groups of 16 columns
-    with pytest.raises(ValueError, match="x_scale .* is not a scale per row"):
-        fp8_matmul(x_q, torch.ones(4, 2, 2, device=DEVICE), w_q, w_scale)
-    with pytest.raises(ValueError, match="must be fp8 with their scales"):
-        fp8_silu_and_mul(x_q.float(), None, w_q, w_scale, torch.float32)
-    with pytest.raises(ValueError, match="do not fit"):
-        fp8_silu_and_mul(x_q, x_scale, w_q[:63], w_scale[:63], torch.float32)  # gate rows without their up rows
-
-
-@gpu_only
-def test_past_the_triton_kernel_s_rows_the_gated_rows_are_cublas_s_product_cast_a_row():
-    """At a prefill's rows cuBLASLt's product and silu_and_mul_fp8 give the rows, with one scale a row ([M, 1]),
-    which the down projection takes from cuBLASLt too."""
-    m, k, inter = 256, 1024, 512
-    gen = generator(19)
-    x_q, x_scale = quantize_rows(randn(m, k, dtype=torch.bfloat16, gen=gen))
-    w_q, w_scale = quantize_weight(randn(2 * inter, k, dtype=torch.float32, gen=gen) * k**-0.5)
-    q, scale = fp8_rows_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
-    want_q, want_scale = silu_and_mul_fp8(scaled_mm(x_q, x_scale, w_q, w_scale))
-    assert scale.shape == (m, 1) and torch.equal(scale[:, 0], want_scale)
-    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
