@@ -214,12 +214,14 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
     pdl = use_pdl(ids)
     _count_experts_kernel[(num_chunks,)](ids, chunk_counts, num_pairs, E_POW2=e_pow2, CHUNK=ROUTE_CHUNK,
                                          USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
+    # On an H200 at LLaDA2-mini's 256 experts and a block's 256 pairs these warps route in 6.7 µs, against 8.0
+    # with eight for the plan and four for the scatter, whose [CHUNK, CHUNK] and [TILES, E_POW2] tiles want more.
     _plan_runs_kernel[(1,)](chunk_counts, chunk_starts, runs, num_chunks, E_POW2=e_pow2, BLOCK_M=block_m,
-                            CHUNKS=PLAN_CHUNKS, USE_PDL=pdl, launch_pdl=pdl, num_warps=8)
+                            CHUNKS=PLAN_CHUNKS, USE_PDL=pdl, launch_pdl=pdl, num_warps=4)
     _scatter_pairs_kernel[(num_chunks + triton.cdiv(num_tiles, TILE_BLOCK),)](
         ids, chunk_starts, runs, pair_ids, tile_experts, num_pairs, num_experts, num_chunks, num_tiles,
         E_POW2=e_pow2, BLOCK_M=block_m, CHUNK=ROUTE_CHUNK, TILES=TILE_BLOCK, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=4,
+        num_warps=8,
     )
     return RoutedTiles(pair_ids, tile_experts, block_m)
 

@@ -138,6 +138,8 @@ def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None,
         SCORE=score, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
         BIG=triton.next_power_of_2(groups) * group_size + triton.next_power_of_2(group_size),  # above every index
         NUM_PARTIALS=partials.shape[0], USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=4 if width >= 256 else 2 if width >= 64 else 1,
+        # A token's picks are some thirty reductions in a row: within one warp they take no barrier. On an H200 one
+        # warp routed LLaDA2-mini's 256 experts at a block's 32 tokens in 3.9 µs, two and four warps in 5.4.
+        num_warps=1 if width <= 256 else 2,
     )
     return ids, weights
