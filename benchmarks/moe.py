@@ -10,7 +10,10 @@ touches about 160 of 256 experts; `--eligible N` routes among N of them only, as
 experts does. The kernel is timed replayed from a CUDA graph with the L2 cache cleared before
 each call (so the touched weights come from HBM, as in a forward), and launched from Python; `route ms` is the
 sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
-per-token sum) alone. A few other tile shapes are timed beside the default plan.
+per-token sum) alone. `topk ms`, also in a graph, is the step before the layer: the model's group-limited top-k
+(`route_experts`) over random router logits, handed as the router's streaming product hands them (float32 partial
+sums, as many as it splits K into, up to its MAX_TOKENS rows). A few other tile shapes are timed beside the default
+plan.
 
 With `--weights fp8` the stacks are float8_e4m3fn with a scale per row (what `quantization: fp8` writes) and the
 products are fp8 ones (W8A8: the tokens cast per token, the act rows per row and group of 128 columns, as the engine
@@ -44,6 +47,8 @@ from diffulex_kernels.moe import (  # noqa: E402
     SILU, MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles,
 )
 from diffulex_kernels.fp8 import quantize_rows  # noqa: E402
+from diffulex_kernels.linear import MAX_TOKENS, choose_split_k  # noqa: E402
+from diffulex_kernels.moe_routing import SIGMOID, SOFTMAX, route_experts  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -53,11 +58,17 @@ class MoeShape:
     hidden: int
     inter: int
     top_k: int
+    # The router's top-k: expert groups (1: none) and how many stay eligible, the score, a selection bias.
+    groups: int = 1
+    topk_groups: int = 1
+    score: int = SOFTMAX
+    biased: bool = False
 
 
-FULL_SHAPES = [MoeShape("LLaDA2-mini", 256, 2048, 512, 8), MoeShape("Qwen3-30B-A3B", 128, 2048, 768, 8)]
+FULL_SHAPES = [MoeShape("LLaDA2-mini", 256, 2048, 512, 8, groups=8, topk_groups=4, score=SIGMOID, biased=True),
+               MoeShape("Qwen3-30B-A3B", 128, 2048, 768, 8)]
 FULL_TOKENS = (32, 256, 1024, 2048)
-SMOKE_SHAPES = [MoeShape("tiny", 8, 64, 32, 2)]
+SMOKE_SHAPES = [MoeShape("tiny", 8, 64, 32, 2, groups=2, topk_groups=1, score=SIGMOID, biased=True)]
 SMOKE_TOKENS = (4, 16)
 # Tile shapes timed beside the default plan (the default is never timed twice).
 VARIANTS = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 128, 64, 4, 4),
@@ -105,6 +116,16 @@ def moe_case(shape: MoeShape, tokens: int, device: torch.device, weights: str, e
     return (hidden, w_gate_up, w_down, topk_ids, torch.softmax(scores, dim=1)), options
 
 
+def topk_stage(shape: MoeShape, tokens: int, device: torch.device):
+    """The router's top-k over random logits, as the fused forward hands them: the streaming product's float32
+    partial sums [S, T, E] up to MAX_TOKENS rows, else one product."""
+    splits = choose_split_k(shape.experts, shape.hidden) if tokens <= MAX_TOKENS else 1
+    partials = torch.randn(splits, tokens, shape.experts, device=device) / splits
+    bias = torch.randn(shape.experts, device=device) * 1e-2 if shape.biased else None
+    return lambda: route_experts(partials, bias, top_k=shape.top_k, num_groups=shape.groups,
+                                 topk_groups=shape.topk_groups, score=shape.score, renormalize=True, scaling=1.0)
+
+
 def significant(ms: float) -> float:
     """Four significant digits: a tiny shape's floor on a GPU is a few nanoseconds, which four decimals make 0."""
     return float(f"{ms:.4g}")
@@ -144,6 +165,7 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, fp8
     act, act_scale = gate_up_act(x, w_gate_up, routed, shape.top_k, default, gate_up_scale, SILU, x_scale,
                                  hidden.dtype)
     stages_ms = [time_graph_ms(stage) for stage in (
+        topk_stage(shape, tokens, device),
         lambda: route_to_tiles(topk_ids, shape.experts, default.block_m),
         lambda: gate_up_act(x, w_gate_up, routed, shape.top_k, default, gate_up_scale, SILU, x_scale, hidden.dtype),
         lambda: down_and_combine(act, w_down, topk_weights, routed, tokens, default, down_scale, act_scale,
@@ -165,7 +187,7 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, fp8
             touched_experts=touched, kernel_ms=significant(kernel_ms), eager_ms=significant(eager_ms),
             # The stages are timed for the default plan only.
             **{f"{name}_ms": significant(ms) if launch == default else math.nan
-               for name, ms in zip(("route", "gate_up", "down"), stages_ms)},
+               for name, ms in zip(("topk", "route", "gate_up", "down"), stages_ms)},
             weight_floor_ms=significant(weight_floor_ms),
             compute_floor_ms=significant(compute_floor_ms), vs_weight_floor=round(kernel_ms / weight_floor_ms, 2),
             vs_compute_floor=round(kernel_ms / compute_floor_ms, 2),
@@ -178,7 +200,7 @@ def bench_case(shape: MoeShape, tokens: int, device: torch.device, ceilings, fp8
 
 def format_table(rows: list[dict]) -> str:
     lines = ["| model | weights | T | touched experts | kernel ms | weight floor ms | x weight floor | "
-             "compute floor ms | x compute floor | x larger floor | route / gate_up / down ms | eager ms | "
+             "compute floor ms | x compute floor | x larger floor | topk / route / gate_up / down ms | eager ms | "
              "reference ms |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
@@ -186,7 +208,7 @@ def format_table(rows: list[dict]) -> str:
             lines.append(f"| {r['model']} | {r['weights']} | {r['tokens']} | {r['touched_experts']} | "
                          f"{r['kernel_ms']:.4f} | {r['weight_floor_ms']:.4f} | {r['vs_weight_floor']:.2f} | "
                          f"{r['compute_floor_ms']:.4f} | {r['vs_compute_floor']:.2f} | {r['vs_larger_floor']:.2f} | "
-                         f"{r['route_ms']:.3f} / {r['gate_up_ms']:.3f} / {r['down_ms']:.3f} | "
+                         f"{r['topk_ms']:.4f} / {r['route_ms']:.4f} / {r['gate_up_ms']:.3f} / {r['down_ms']:.3f} | "
                          f"{r['eager_ms']:.4f} | {r['reference_ms']:.3f} |")
     return "\n".join(lines)
 

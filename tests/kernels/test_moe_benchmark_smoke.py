@@ -24,6 +24,9 @@ def test_moe_benchmark_smoke_run_puts_the_layer_above_both_floors(tmp_path):
         kernel_ms, weight_ms, compute_ms = (float(row[k]) for k in ("kernel_ms", "weight_floor_ms", "compute_floor_ms"))
         assert all(math.isfinite(v) and v > 0 for v in (kernel_ms, weight_ms, compute_ms))
         assert 0 < int(row["touched_experts"]) <= 8
+        # Every stage of the default plan is timed, the router's top-k before the layer among them.
+        assert all(math.isfinite(float(row[f"{stage}_ms"])) and float(row[f"{stage}_ms"]) > 0
+                   for stage in ("topk", "route", "gate_up", "down"))
         # Floors are lower bounds from the same run's ceilings: the layer beats neither, on the CPU either.
         assert weight_ms < kernel_ms and compute_ms < kernel_ms
         assert float(row["vs_weight_floor"]) == pytest.approx(kernel_ms / weight_ms, rel=0.01)
