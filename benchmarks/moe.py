@@ -11,8 +11,8 @@ experts does. The kernel is timed replayed from a CUDA graph with the L2 cache c
 each call (so the touched weights come from HBM, as in a forward), and launched from Python; `route ms` is the
 sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
 per-token sum) alone. `topk ms`, also in a graph, is the step before the layer: the model's group-limited top-k
-(`route_experts`) over random router logits, handed as the router's streaming product hands them (float32 partial
-sums, as many as it splits K into, up to its MAX_TOKENS rows). A few other tile shapes are timed beside the default
+(`select_experts` as the engine calls it, with the model's own routing) over random router logits, handed as the
+router's streaming product hands them (float32 partial sums, as many as it splits K into, up to its MAX_TOKENS rows). A few other tile shapes are timed beside the default
 plan.
 
 With `--weights fp8` the stacks are float8_e4m3fn with a scale per row (what `quantization: fp8` writes) and the
@@ -48,7 +48,10 @@ from diffulex_kernels.moe import (  # noqa: E402
 )
 from diffulex_kernels.fp8 import quantize_rows  # noqa: E402
 from diffulex_kernels.linear import MAX_TOKENS, choose_split_k  # noqa: E402
-from diffulex_kernels.moe_routing import SIGMOID, SOFTMAX, route_experts  # noqa: E402
+from diffulex_backend.arch import ModelArch  # noqa: E402
+from diffulex_backend.layers.moe import select_experts  # noqa: E402
+from diffulex_backend.registry import AutoModelForDiffusionLM  # noqa: E402
+from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, random_config  # noqa: E402
 
 
 @dataclass(frozen=True)
@@ -58,17 +61,22 @@ class MoeShape:
     hidden: int
     inter: int
     top_k: int
-    # The router's top-k: expert groups (1: none) and how many stay eligible, the score, a selection bias.
-    groups: int = 1
-    topk_groups: int = 1
-    score: int = SOFTMAX
-    biased: bool = False
+    arch: ModelArch  # the model's own, as the engine parses its config: its routing
 
 
-FULL_SHAPES = [MoeShape("LLaDA2-mini", 256, 2048, 512, 8, groups=8, topk_groups=4, score=SIGMOID, biased=True),
-               MoeShape("Qwen3-30B-A3B", 128, 2048, 768, 8)]
+def moe_shape(name: str, model_name: str, **config) -> MoeShape:
+    """A model's MoE layer, from its config as the engine parses it."""
+    arch = AutoModelForDiffusionLM.get(model_name).parse_config(random_config(model_name, **config), name)
+    return MoeShape(name, arch.num_experts, arch.hidden_size, arch.moe_intermediate_size, arch.num_experts_per_tok,
+                    arch)
+
+
+# SDAR-30B-A3B's experts are Qwen3-30B-A3B's.
+FULL_SHAPES = [moe_shape("LLaDA2-mini", **RELEASED_SHAPES["llada2-mini"]),
+               moe_shape("Qwen3-30B-A3B", **RELEASED_SHAPES["sdar-30b-a3b"])]
 FULL_TOKENS = (32, 256, 1024, 2048)
-SMOKE_SHAPES = [MoeShape("tiny", 8, 64, 32, 2, groups=2, topk_groups=1, score=SIGMOID, biased=True)]
+SMOKE_SHAPES = [moe_shape("tiny", "llada2", hidden_size=64, num_experts=8, num_experts_per_tok=2,
+                          moe_intermediate_size=32, num_expert_groups=2, topk_groups=1)]
 SMOKE_TOKENS = (4, 16)
 # Tile shapes timed beside the default plan (the default is never timed twice).
 VARIANTS = [MoeLaunch(16, 64, 128, 4, 4), MoeLaunch(16, 32, 128, 4, 4), MoeLaunch(16, 128, 64, 4, 4),
@@ -121,9 +129,8 @@ def topk_stage(shape: MoeShape, tokens: int, device: torch.device):
     partial sums [S, T, E] up to MAX_TOKENS rows, else one product."""
     splits = choose_split_k(shape.experts, shape.hidden) if tokens <= MAX_TOKENS else 1
     partials = torch.randn(splits, tokens, shape.experts, device=device) / splits
-    bias = torch.randn(shape.experts, device=device) * 1e-2 if shape.biased else None
-    return lambda: route_experts(partials, bias, top_k=shape.top_k, num_groups=shape.groups,
-                                 topk_groups=shape.topk_groups, score=shape.score, renormalize=True, scaling=1.0)
+    bias = torch.randn(shape.experts, device=device) * 1e-2 if shape.arch.router_bias else None
+    return lambda: select_experts(partials, bias, shape.arch, fused=True)
 
 
 def significant(ms: float) -> float:
