@@ -45,13 +45,17 @@ SHARED_MEMORY_BYTES = 232448
 
 
 @triton.jit
-def _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION: tl.constexpr, ROW_SCALES: tl.constexpr):
+def _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale, PRECISION: tl.constexpr,
+                         ROW_SCALES: tl.constexpr):
     """Fold one key tile's scores qk [BLOCK_M, BLOCK_N] (in log2 units) into the running (acc, max, sum);
     v: [BLOCK_N, HEAD_DIM]; visible: [BLOCK_M, BLOCK_N].
 
     With ROW_SCALES, v holds FP8 rows' values (exact in v's dtype) and v_scale [BLOCK_N] each value row's scale, which
     multiplies its column of probabilities once: BLOCK_M products a row where scaling the rows themselves would take
-    HEAD_DIM, and a float32 round trip of every cached element besides."""
+    HEAD_DIM, and a float32 round trip of every cached element besides. acc is then in units of v_unit, the largest
+    value scale so far, so that a weight stays within 1 and in float16's range (a probability times a raw scale of
+    ~1e-4 would not); a larger scale rescales acc with alpha, as a larger score does, and the product accumulates in
+    place. The caller multiplies acc by v_unit after its last tile of FP8 rows."""
     qk = tl.where(visible, qk, float("-inf"))
     # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -59,15 +63,14 @@ def _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION: tl.c
     p = tl.exp2(qk - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     if ROW_SCALES:
-        # Relative to the tile's largest value scale, so that a weak key's weight stays in float16's normal range
-        # (a probability times a raw scale of ~1e-4 would not); the tile's scale multiplies the product instead.
-        # A tile of masked keys only has scales of 0: the floor keeps its weights 0, not 0 / 0.
-        v_max = tl.maximum(tl.max(v_scale, 0), 1e-30)
-        weights = p * (v_scale / v_max)[None, :]
-        acc = acc * alpha[:, None] + v_max * tl.dot(weights.to(v.dtype), v, input_precision=PRECISION)
+        v_unit_new = tl.maximum(v_unit, tl.max(v_scale, 0))
+        weights = p * (v_scale / v_unit_new)[None, :]
+        acc = acc * (alpha * (v_unit / v_unit_new))[:, None]
+        acc = tl.dot(weights.to(v.dtype), v, acc, input_precision=PRECISION)
+        v_unit = v_unit_new
     else:
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-    return acc, m_new, l_i
+    return acc, m_new, l_i, v_unit
 
 
 @triton.jit
@@ -113,16 +116,17 @@ def _paged_attention_kernel(
     head = kv_head * GROUP + rows % GROUP  # [BLOCK_M] query head
     row_valid = token < q_len
     dims = tl.arange(0, HEAD_DIM)
-    q_in = tl.load(
-        q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :],
-        mask=row_valid[:, None], other=0.0,
-    )  # [BLOCK_M, HEAD_DIM]
+    q_rows = q_ptr + (q_start + token)[:, None] * stride_qt + head[:, None] * stride_qh + dims[None, :]
+    q_in = tl.load(q_rows, mask=row_valid[:, None], other=0.0)  # [BLOCK_M, HEAD_DIM]
     q = q_in.to(DOT_DTYPE)
     q_block = tl.load(block_ids_ptr + q_start + token, mask=row_valid, other=0)
 
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    # Over FP8 rows acc is in units of v_unit until the context loop ends (_online_softmax_step); a tiny start
+    # leaves a context of zero rows (scales of 0) at weights of 0.
+    v_unit = 1.0e-30
     keys = tl.arange(0, BLOCK_N)
     # The first position any row may see: a key at or before q_block - window is outside the row's window.
     window_edge = q_block - window
@@ -178,12 +182,20 @@ def _paged_attention_kernel(
                     qk = qk * (q_unit[:, None] * (k_scale * scale_log2)[None, :])
                 else:
                     qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * (k_scale * scale_log2)[None, :]
-                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, v_scale, PRECISION, True)
+                acc, m_i, l_i, v_unit = _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale,
+                                                             PRECISION, True)
             else:
                 k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
                 v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(DOT_DTYPE)
                 qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-                acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, None, PRECISION, False)
+                acc, m_i, l_i, v_unit = _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, None,
+                                                             PRECISION, False)
+        if KV_FP8:
+            acc = acc * v_unit
+        if RESCALE_Q:
+            # Loaded again rather than held through the context loop beside its float16 copy: the registers the
+            # two copies take made the loop spill.
+            q = tl.load(q_rows, mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -203,7 +215,7 @@ def _paged_attention_kernel(
         if HAS_WINDOW:
             visible = visible & ((context_len + key_token)[None, :] > window_edge[:, None])
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
-        acc, m_i, l_i = _online_softmax_step(acc, m_i, l_i, qk, v, visible, None, PRECISION, False)
+        acc, m_i, l_i, v_unit = _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, None, PRECISION, False)
 
     if SPLIT:
         # Partials are [splits, tokens, heads(, head_dim)] in float32; the merge kernel reads them.
@@ -295,19 +307,25 @@ class TileLimits:
     block_n: int
     num_stages: int
     wide_warps: bool  # every launch runs 8 warps (head sizes past 128)
+    long_keys: bool  # unsplit launches of some row counts take key tiles twice as long (`launch`)
 
     @staticmethod
     def of(head_dim: int, element_size: int) -> "TileLimits":
         if element_size >= 4:
-            return TileLimits(max(16, 2048 // head_dim), 32 if head_dim <= 128 else 16, 2, wide_warps=head_dim > 128)
+            return TileLimits(max(16, 2048 // head_dim), 32 if head_dim <= 128 else 16, 2, wide_warps=head_dim > 128,
+                              long_keys=False)
         return TileLimits(min(128, 128 * 128 // head_dim), 64 if head_dim <= 128 else 32, 2,
-                          wide_warps=head_dim > 128)
+                          wide_warps=head_dim > 128, long_keys=head_dim <= 128)
 
     def launch(self, block_m: int, num_splits: int) -> AttentionLaunch:
         # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which
         # leaves room for more programs per multiprocessor.
         num_warps = 8 if self.wide_warps or (num_splits > 1 and block_m >= 128) else 4
-        return AttentionLaunch(block_m, self.block_n, num_splits, num_warps, self.num_stages)
+        # An unsplit program streams a whole context, and each key tile pays a fixed cost (the accumulator's rescale,
+        # the row reductions) that a tile of 32 rows barely covers: 128 keys halve it (docs/kernels.md).
+        long = self.long_keys and num_splits == 1 and block_m <= 32
+        return AttentionLaunch(block_m, 2 * self.block_n if long else self.block_n, num_splits, num_warps,
+                               self.num_stages)
 
 
 def takes_wide(head_dim: int, element_size: int) -> bool:

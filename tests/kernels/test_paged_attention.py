@@ -143,7 +143,7 @@ def test_fp8_rows_match_the_reference_over_the_same_rows(group, head_dim, dtype,
 def test_fp8_rows_match_the_reference_under_every_launch(launch):
     """Each launch reads FP8 rows its own way: tiles of up to 64 rows load the rows' scales a tile ahead, wider ones
     in the tile's iteration; tiles of up to 128 rows widen the values to float16 (with the query rescaled), the
-    256-row tile to the query's own dot dtype."""
+    256-row tile to the query's own dot dtype; unsplit tiles of up to 32 rows take 128 keys."""
     heads, kv_heads = HEAD_SHAPES[4]
     batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
                        pattern="blocks", seed=37)
@@ -188,6 +188,32 @@ def test_fp8_rows_of_small_values_behind_a_sink_keep_float16_s_precision(num_spl
                                 v_cache=kv_store.pack_fp8_rows(0.1 + batch.v_cache * 0.02),
                                 value=0.1 + batch.value * 0.02)
     assert_matches_reference(batch, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+def test_fp8_rows_whose_value_scales_rise_and_fall_along_the_context_match_the_reference(num_splits):
+    """Over FP8 rows the product with V accumulates in units of the largest value scale so far: each key tile whose
+    rows are larger rescales what came before, and rows far smaller than an earlier one still count. The value
+    rows' magnitudes here climb by 2^12 over the first half of each context and fall back over the second; one
+    sequence's cached values are all zero (scales of 0)."""
+    heads, kv_heads = HEAD_SHAPES[1]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=41, sequences=[*SEQUENCES, (4, 300)])
+    v_cache = batch.v_cache.float().clone()
+    page_size = v_cache.shape[1]
+    for seq, context in enumerate(batch.meta.context_lens_host):
+        for pos in range(context):
+            page, slot = int(batch.meta.page_tables[seq, pos // page_size]), pos % page_size
+            v_cache[page, slot] *= 2.0 ** (12 * (1 - abs(2 * pos / max(1, context - 1) - 1)) - 6)
+    contexts = batch.meta.context_lens_host
+    zeroed = min((seq for seq, context in enumerate(contexts) if context), key=lambda seq: contexts[seq])
+    for pos in range(contexts[zeroed]):
+        v_cache[int(batch.meta.page_tables[zeroed, pos // page_size]), pos % page_size] = 0
+    batch = dataclasses.replace(batch, k_cache=kv_store.pack_fp8_rows(batch.k_cache),
+                                v_cache=kv_store.pack_fp8_rows(v_cache))
+    for launch in (None, AttentionLaunch(32, 128, num_splits, 4, 2), AttentionLaunch(128, 64, num_splits, 8, 2)):
+        assert_matches_reference(dataclasses.replace(batch, k_cache=batch.k_cache.clone(),
+                                                     v_cache=batch.v_cache.clone()), num_splits, launch=launch)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
@@ -281,6 +307,29 @@ def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
     assert (split.block_m, split.num_splits, split.num_warps) == (128, 4, 8)
     # float32 multiplies on the FMA units, in small tiles (kernels/attention.py, TileLimits).
     assert plan_launch(query.float(), key.float(), meta).block_m == 16
+
+
+def test_unsplit_tiles_of_32_rows_take_128_keys():
+    """A key tile's fixed cost (the accumulator's rescale, the row reductions) takes 128 keys to cover where an
+    unsplit program has 32 rows (LLaDA's 32-token block of one head), in both cache dtypes. Split programs, short by
+    design, keep 64; so do wider tiles."""
+    def plan(heads: int, kv_heads: int, num_splits: int, head_dim: int = 128,
+             dtype: torch.dtype = torch.bfloat16) -> AttentionLaunch:
+        query = torch.empty(32, heads, head_dim, dtype=dtype)
+        meta = AttentionMetadata(
+            cu_seqlens_q=torch.tensor([0, 32], dtype=torch.int32), context_lens=torch.tensor([4096], dtype=torch.int32),
+            page_tables=torch.zeros(1, 130, dtype=torch.int32), slot_mapping=torch.zeros(32, dtype=torch.int64),
+            block_ids=torch.zeros(32, dtype=torch.int32), max_seqlen_q=32, max_context_len=4096)
+        return plan_launch(query, torch.empty(32, kv_heads, head_dim, dtype=dtype), meta, num_splits=num_splits)
+
+    shape = lambda launch: (launch.block_m, launch.block_n, launch.num_warps)  # noqa: E731
+    assert shape(plan(32, 32, 1)) == (32, 128, 4)
+    assert shape(plan(32, 32, 4)) == (32, 64, 4)
+    assert shape(plan(64, 32, 1)) == (64, 64, 4)
+    assert shape(plan(32, 32, 1, head_dim=256)) == (32, 32, 8)  # Gemma's wide heads: no longer tiles
+    assert shape(plan(28, 7, 1)) == (128, 64, 4)
+    assert shape(plan(28, 7, 4)) == (128, 64, 8)
+    assert shape(plan(32, 32, 1, dtype=torch.float32)) == (16, 32, 4)  # float32: the FMA units' small tiles
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
