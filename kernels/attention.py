@@ -11,8 +11,9 @@ A sliding window (DiffusionGemma's sliding layers) hides from a query of block i
 before b - window. Every row's block id is at least the sequence's context length, so the program starts its context
 loop at context_len - window + 1: pages wholly outside the window are never read.
 
-Head sizes up to 128 take tiles of up to 128 rows by 64 keys; 256 and 512 (Gemma's two) take narrower tiles, so
-that a program's accumulator stays in registers and its K/V buffers in shared memory.
+Head sizes up to 128 take tiles of up to 128 rows by 64 keys (128 keys for an unsplit tile of up to 32 rows); 256
+and 512 (Gemma's two) take narrower tiles, so that a program's accumulator stays in registers and its K/V buffers in
+shared memory.
 
 Split-KV: when (q tiles x sequences x kv heads) cannot fill the GPU and contexts are long, the cached context
 is cut into `num_splits` chunks, each program writes an unnormalised partial (acc, max, sum) per row, and a
