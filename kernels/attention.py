@@ -308,7 +308,7 @@ class TileLimits:
     block_n: int
     num_stages: int
     wide_warps: bool  # every launch runs 8 warps (head sizes past 128)
-    long_keys: bool  # unsplit launches of some row counts take key tiles twice as long (`launch`)
+    long_keys: bool  # unsplit launches of up to 32 rows take key tiles of twice block_n (`launch`)
 
     @staticmethod
     def of(head_dim: int, element_size: int) -> "TileLimits":
