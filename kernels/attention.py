@@ -284,9 +284,10 @@ WIDE = AttentionLaunch(block_m=256, block_n=64, num_splits=1, num_warps=8, num_s
 
 
 def shared_memory_bytes(launch: AttentionLaunch, head_dim: int, element_size: int) -> int:
-    """An upper bound on what a program's tiles take in shared memory: its Q tile and `num_stages` buffers of K and
-    V tiles. Within 512 bytes of the compiler's figure for the 256-row tile, looser for smaller ones (the compiled
-    figures: tools/attention_spills.py)."""
+    """An estimate of what a program's tiles take in shared memory: its Q tile and `num_stages` buffers of K and V
+    tiles. The compiler's figure can exceed it: by 256 to 512 bytes for half-type tiles of 64 rows or more, and by
+    up to 17 KB over FP8 rows (tools/attention_spills.py); tests/kernels/test_attention_spills_tool.py holds the
+    compiled FP8 and float32 launches to SHARED_MEMORY_BYTES themselves."""
     return element_size * head_dim * (launch.block_m + 2 * launch.block_n * launch.num_stages)
 
 
@@ -302,7 +303,7 @@ class TileLimits:
     registers a thread of four warps (128 rows at head size 128, 32 at 512), and past 128 the key tiles narrow to 32
     so that their buffers fit shared memory. float32 multiplies in float32 (`_precision`), which Hopper does on its
     FMA units with every operand in registers: the tiles are small enough that ptxas (sm_90a) spills under a
-    kilobyte a thread, where a 128 x 64 tile at head size 128 spills 150 KB (tools/attention_spills.py)."""
+    kilobyte a thread, where a 128 x 64 tile at head size 128 spills 136 KB (tools/attention_spills.py)."""
 
     max_block_m: int
     block_n: int

@@ -1,6 +1,8 @@
 """What the attention kernel's launches cost a Hopper multiprocessor, read from the compiler without a GPU: for each
 dtype and head size, every launch the runner compiles ahead (`launch_variants`), compiled for sm_90a, with its
-registers a thread, the bytes it spills to local memory (ptxas -v) and the shared memory it asks for.
+registers a thread, the bytes it spills to local memory (ptxas -v) and the shared memory it asks for. Arguments are
+specialized as the launch on a GPU specializes them for the engine's tensors (`DIVISIBLE_BY_16`): without that, the
+compiler cannot vectorize a load, and the same launch compiles to other registers and spills than on the GPU.
 
     python tools/attention_spills.py                                  # float32 and bfloat16, every head size
     python tools/attention_spills.py --dtypes float32 --head-dims 128 --extra 128,64,4,2   # and one more tile
@@ -32,6 +34,12 @@ POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
 FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr", "v_scale_ptr"}
 INT_POINTERS = {"cu_seqlens_q_ptr", "context_lens_ptr", "page_tables_ptr", "block_ids_ptr"}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+# What Triton's launch finds divisible by 16 on the engine's tensors, and specializes on: every pointer (allocations,
+# and an FP8 cache's scales after whole rows of values), and every stride that is a multiple of the head size. The
+# page table's stride, the scales' strides and the counts vary with the batch and the model, and are left general.
+DIVISIBLE_BY_16 = POINTERS | FLOAT_POINTERS | INT_POINTERS | {
+    "stride_qt", "stride_qh", "stride_kt", "stride_kh", "stride_vt", "stride_vh", "stride_ot", "stride_oh",
+    "stride_cache_page", "stride_cache_slot", "stride_cache_head"}
 
 
 def signature(dtype: torch.dtype, constants: dict) -> dict[str, str]:
@@ -59,8 +67,10 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
                      BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot, HAS_WINDOW=False,
                      **fp8_row_constants(dtype, dot, launch, kv_fp8),
                      PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
+    names = _paged_attention_kernel.arg_names
+    attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(fn=_paged_attention_kernel, signature=signature(dtype, constants),
-                                       constexprs=constants)
+                                       constexprs=constants, attrs=attrs)
     kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
                             options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
     ptx = work / "kernel.ptx"
