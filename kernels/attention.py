@@ -43,6 +43,10 @@ MAX_SPLITS = 64  # the merge holds every split of a row in registers
 HEAD_DIMS = (64, 128, 256, 512)  # the head sizes the kernel is built and tested for
 # Shared memory one program of an H100 may hold (227 KiB); a launch whose tiles need more fails before it runs.
 SHARED_MEMORY_BYTES = 232448
+# Over FP8 rows a weight is a probability times its value row's scale over the largest scale so far, times this:
+# at most 2^15, under float16's largest value (65504), and the weak keys' weights after a far larger row (a value
+# row 4000 times the others, say) stay in float16's normal range rather than rounding to 0.
+_FP8_WEIGHT_TOP = tl.constexpr(2.0**15)
 
 
 @triton.jit
@@ -53,10 +57,11 @@ def _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale, PRECISI
 
     With ROW_SCALES, v holds FP8 rows' values (exact in v's dtype) and v_scale [BLOCK_N] each value row's scale, which
     multiplies its column of probabilities once: BLOCK_M products a row where scaling the rows themselves would take
-    HEAD_DIM, and a float32 round trip of every cached element besides. acc is then in units of v_unit, the largest
-    value scale so far, so that a weight stays within 1 and in float16's range (a probability times a raw scale of
-    ~1e-4 would not); a larger scale rescales acc with alpha, as a larger score does, and the product accumulates in
-    place. The caller multiplies acc by v_unit after its last tile of FP8 rows."""
+    HEAD_DIM, and a float32 round trip of every cached element besides. acc is then in units of v_unit / 2^15, where
+    v_unit is the largest value scale so far, so that every weight is within 2^15 and float16 holds it (a
+    probability times a raw scale of ~1e-4 would fall below float16's normal range); a larger scale rescales acc with
+    alpha, as a larger score does, and the product accumulates in place. The caller multiplies acc by
+    v_unit / 2^15 after its last tile of FP8 rows."""
     qk = tl.where(visible, qk, float("-inf"))
     # m_i starts finite (-1e30), so a tile with no visible key leaves alpha = 1 and adds nothing.
     m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -65,7 +70,7 @@ def _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale, PRECISI
     l_i = l_i * alpha + tl.sum(p, 1)
     if ROW_SCALES:
         v_unit_new = tl.maximum(v_unit, tl.max(v_scale, 0))
-        weights = p * (v_scale / v_unit_new)[None, :]
+        weights = p * (v_scale * (_FP8_WEIGHT_TOP / v_unit_new))[None, :]
         acc = acc * (alpha * (v_unit / v_unit_new))[:, None]
         acc = tl.dot(weights.to(v.dtype), v, acc, input_precision=PRECISION)
         v_unit = v_unit_new
@@ -125,8 +130,9 @@ def _paged_attention_kernel(
     m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    # Over FP8 rows acc is in units of v_unit until the context loop ends (_online_softmax_step); a tiny start
-    # leaves a context of zero rows (scales of 0) at weights of 0.
+    # Over FP8 rows acc is in units of v_unit / 2^15 until the context loop ends (_online_softmax_step). The start
+    # is below any row's scale (an all-zero row's is 1e-12 / 448) and above float32's smallest normal, which keeps
+    # it a float32 scalar.
     v_unit = 1.0e-30
     keys = tl.arange(0, BLOCK_N)
     # The first position any row may see: a key at or before q_block - window is outside the row's window.
@@ -192,7 +198,7 @@ def _paged_attention_kernel(
                 acc, m_i, l_i, v_unit = _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, None,
                                                              PRECISION, False)
         if KV_FP8:
-            acc = acc * v_unit
+            acc = acc * (v_unit / _FP8_WEIGHT_TOP)
         if RESCALE_Q:
             # Loaded again rather than held through the context loop beside its float16 copy: the registers the
             # two copies take made the loop spill.

@@ -191,11 +191,36 @@ def test_fp8_rows_of_small_values_behind_a_sink_keep_float16_s_precision(num_spl
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+def test_fp8_rows_of_small_values_after_a_far_larger_ignored_row_keep_float16_s_precision(num_splits):
+    """The weights over FP8 rows are relative to the largest value scale so far in the context: a value row 4000
+    times the others, which no query attends to, raises it for every key after it. The weak keys behind a sink (a
+    tenth of the mass, about 5e-5 each) then weigh about 1e-8 relative to it, below float16's smallest step unless
+    the weights are scaled up to float16's top."""
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.float16,
+                       pattern="blocks", seed=43, sequences=[(4, 2048), (3, 700)])
+    query = batch.query.clone()
+    query[..., 0] += 3  # every query leans on dimension 0
+    k_cache, v_cache = batch.k_cache.clone(), 0.1 + batch.v_cache * 0.02
+    for seq, context in enumerate(batch.meta.context_lens_host):
+        sink = k_cache[int(batch.meta.page_tables[seq, 0]), 0]  # 10 nats above a typical key
+        sink.zero_()
+        sink[..., 0] = 27
+        page, slot = int(batch.meta.page_tables[seq, 0]), 1  # the next key: ignored, its value row far larger
+        k_cache[page, slot].zero_()
+        k_cache[page, slot, ..., 0] = -27
+        v_cache[page, slot] = 400.0
+    batch = dataclasses.replace(batch, query=query, k_cache=kv_store.pack_fp8_rows(k_cache),
+                                v_cache=kv_store.pack_fp8_rows(v_cache), value=0.1 + batch.value * 0.02)
+    assert_matches_reference(batch, num_splits)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
 def test_fp8_rows_whose_value_scales_rise_and_fall_along_the_context_match_the_reference(num_splits):
     """Over FP8 rows the product with V accumulates in units of the largest value scale so far: each key tile whose
     rows are larger rescales what came before, and rows far smaller than an earlier one still count. The value
     rows' magnitudes here climb by 2^12 over the first half of each context and fall back over the second; one
-    sequence's cached values are all zero (scales of 0)."""
+    sequence's cached values are all zero."""
     heads, kv_heads = HEAD_SHAPES[1]
     batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
                        pattern="blocks", seed=41, sequences=[*SEQUENCES, (4, 300)])
@@ -205,8 +230,9 @@ def test_fp8_rows_whose_value_scales_rise_and_fall_along_the_context_match_the_r
         for pos in range(context):
             page, slot = int(batch.meta.page_tables[seq, pos // page_size]), pos % page_size
             v_cache[page, slot] *= 2.0 ** (12 * (1 - abs(2 * pos / max(1, context - 1) - 1)) - 6)
-    contexts = batch.meta.context_lens_host
-    zeroed = min((seq for seq, context in enumerate(contexts) if context), key=lambda seq: contexts[seq])
+    contexts, cu = batch.meta.context_lens_host, batch.meta.cu_seqlens_q_host
+    zeroed = min((seq for seq, context in enumerate(contexts) if context and cu[seq + 1] > cu[seq]),
+                 key=lambda seq: contexts[seq])
     for pos in range(contexts[zeroed]):
         v_cache[int(batch.meta.page_tables[zeroed, pos // page_size]), pos % page_size] = 0
     batch = dataclasses.replace(batch, k_cache=kv_store.pack_fp8_rows(batch.k_cache),
