@@ -12,8 +12,8 @@ each call (so the touched weights come from HBM, as in a forward), and launched 
 sort-and-pad step alone, in a graph, and `gate_up ms`, `down ms` the two grouped GEMMs (the second with the
 per-token sum) alone. `topk ms`, also in a graph, is the step before the layer: the model's group-limited top-k
 (`select_experts` as the engine calls it, with the model's own routing) over random router logits, handed as the
-router's streaming product hands them (float32 partial sums, as many as it splits K into, up to its MAX_TOKENS rows). A few other tile shapes are timed beside the default
-plan.
+router's streaming product hands them (float32 partial sums, as many as it splits K into, up to its MAX_TOKENS
+rows). A few other tile shapes are timed beside the default plan.
 
 With `--weights fp8` the stacks are float8_e4m3fn with a scale per row (what `quantization: fp8` writes) and the
 products are fp8 ones (W8A8: the tokens cast per token, the act rows per row and group of 128 columns, as the engine
