@@ -168,26 +168,34 @@ def test_fp8_rows_under_bfloat16_queries_past_float16_s_range_match_the_referenc
     assert_matches_reference(batch, num_splits)
 
 
+def sink_batch(seed: int, ignored_value: float | None = None) -> Batch:
+    """FP8 rows of values near 0.1 (float16 queries that lean on dimension 0) behind a sink: each sequence's first
+    cached key, 10 nats above a typical key. With `ignored_value`, the next cached key points away from every query,
+    and its value row holds that value."""
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.float16,
+                       pattern="blocks", seed=seed, sequences=[(4, 2048), (3, 700)])
+    query = batch.query.clone()
+    query[..., 0] += 3  # every query leans on dimension 0
+    k_cache, v_cache = batch.k_cache.clone(), 0.1 + batch.v_cache * 0.02
+    for seq in range(len(batch.meta.context_lens_host)):
+        page = int(batch.meta.page_tables[seq, 0])
+        k_cache[page, 0].zero_()
+        k_cache[page, 0, ..., 0] = 27
+        if ignored_value is not None:
+            k_cache[page, 1].zero_()
+            k_cache[page, 1, ..., 0] = -27
+            v_cache[page, 1] = ignored_value
+    return dataclasses.replace(batch, query=query, k_cache=kv_store.pack_fp8_rows(k_cache),
+                               v_cache=kv_store.pack_fp8_rows(v_cache), value=0.1 + batch.value * 0.02)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
 def test_fp8_rows_of_small_values_behind_a_sink_keep_float16_s_precision(num_splits):
     """float16's narrow exponent: a value row's scale (max|v| / 448, about 4e-4 for values near 0.1) times the
     probability of a key 10 nats under the sink's (about 5e-5) is below float16's smallest step if the two are
     multiplied before the product with V, and the thousands of weak keys, a tenth of the mass, would be lost."""
-    heads, kv_heads = HEAD_SHAPES[4]
-    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.float16,
-                       pattern="blocks", seed=29, sequences=[(4, 2048), (3, 700)])
-    query = batch.query.clone()
-    query[..., 0] += 3  # every query leans on dimension 0
-    k_cache = batch.k_cache.clone()
-    for seq, context in enumerate(batch.meta.context_lens_host):
-        if context:  # the first cached key of the sequence, along dimension 0: 10 nats above a typical key
-            first = k_cache[int(batch.meta.page_tables[seq, 0]), 0]
-            first.zero_()
-            first[..., 0] = 27
-    batch = dataclasses.replace(batch, query=query, k_cache=kv_store.pack_fp8_rows(k_cache),
-                                v_cache=kv_store.pack_fp8_rows(0.1 + batch.v_cache * 0.02),
-                                value=0.1 + batch.value * 0.02)
-    assert_matches_reference(batch, num_splits)
+    assert_matches_reference(sink_batch(seed=29), num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
@@ -196,23 +204,7 @@ def test_fp8_rows_of_small_values_after_a_far_larger_ignored_row_keep_float16_s_
     times the others, which no query attends to, raises it for every key after it. The weak keys behind a sink (a
     tenth of the mass, about 5e-5 each) then weigh about 1e-8 relative to it, below float16's smallest step unless
     the weights are scaled up to float16's top."""
-    heads, kv_heads = HEAD_SHAPES[4]
-    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.float16,
-                       pattern="blocks", seed=43, sequences=[(4, 2048), (3, 700)])
-    query = batch.query.clone()
-    query[..., 0] += 3  # every query leans on dimension 0
-    k_cache, v_cache = batch.k_cache.clone(), 0.1 + batch.v_cache * 0.02
-    for seq, context in enumerate(batch.meta.context_lens_host):
-        sink = k_cache[int(batch.meta.page_tables[seq, 0]), 0]  # 10 nats above a typical key
-        sink.zero_()
-        sink[..., 0] = 27
-        page, slot = int(batch.meta.page_tables[seq, 0]), 1  # the next key: ignored, its value row far larger
-        k_cache[page, slot].zero_()
-        k_cache[page, slot, ..., 0] = -27
-        v_cache[page, slot] = 400.0
-    batch = dataclasses.replace(batch, query=query, k_cache=kv_store.pack_fp8_rows(k_cache),
-                                v_cache=kv_store.pack_fp8_rows(v_cache), value=0.1 + batch.value * 0.02)
-    assert_matches_reference(batch, num_splits)
+    assert_matches_reference(sink_batch(seed=43, ignored_value=400.0), num_splits)
 
 
 @pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
