@@ -80,6 +80,22 @@ def _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale, PRECISI
 
 
 @triton.jit
+def _widen_e4m3(x, IN_PTX: tl.constexpr):
+    """float8_e4m3fn values to float16, exactly. With IN_PTX (a GPU) the conversion is inline PTX that the compiler
+    treats as having effects, so it stays before the tile's change to the tensor cores' operand layout. A plain cast
+    may be moved after that change, and a value tile then crosses shared memory as bytes: the product with V takes it
+    as its transposed operand, whose layout wants four keys of one column a thread, four bytes a row apart, so each
+    is a load of its own. Widened first, the tile crosses as float16, which ldmatrix loads transposed. The key tile
+    is the scores' untransposed operand, which loads in words either way."""
+    if IN_PTX:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
+            "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
+    else:
+        return x.to(tl.float16)
+
+
+@triton.jit
 def _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head, stride_scale_page, stride_scale_slot,
                 stride_scale_head, PAGE_SIZE: tl.constexpr):
     """The key and value rows' scales at cached positions `pos` [BLOCK_N]; 0 at or past ctx_end."""
@@ -103,7 +119,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr, RESCALE_Q: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, PRECISION: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, WIDEN_IN_PTX: tl.constexpr, PRECISION: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -175,7 +191,11 @@ def _paged_attention_kernel(
                 visible = visible & (pos[None, :] > window_edge[:, None])
             if KV_FP8:  # e4m3 values are exact in FP8_DOT_DTYPE; each row's scale goes to its score or weight column
                 k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(FP8_DOT_DTYPE)
-                v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(FP8_DOT_DTYPE)
+                v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
+                if FP8_DOT_DTYPE == tl.float16:
+                    v = _widen_e4m3(v, WIDEN_IN_PTX)
+                else:
+                    v = v.to(FP8_DOT_DTYPE)
                 if SCALES_AHEAD:
                     k_scale, v_scale = k_scale_next, v_scale_next
                     k_scale_next, v_scale_next = _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos + BLOCK_N,
@@ -439,7 +459,8 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             splits *= 2
 
 
-def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: AttentionLaunch, kv_fp8: bool) -> dict:
+def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: AttentionLaunch, kv_fp8: bool,
+                      on_gpu: bool) -> dict:
     """How a launch reads FP8 rows (`dot`: the query's dot dtype):
       - FP8_DOT_DTYPE, what the rows widen to: float16 under a half-type query (Hopper widens e4m3 to float16 in
         one instruction per pair of values), else the query's dot dtype (a float32 engine keeps its products in
@@ -447,10 +468,15 @@ def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: Attention
         bfloat16 query made Dream-7B's 256-row tiles slower (docs/kernels.md);
       - RESCALE_Q: a query whose dot dtype is not that one goes to it over a power of two a row;
       - SCALES_AHEAD: tiles of up to 64 rows (LLaDA's 32-token blocks of one head) have the registers to load the
-        next tile's scales early; wider ones spill and lose more than the early load saves."""
+        next tile's scales early; wider ones spill and lose more than the early load saves;
+      - WIDEN_IN_PTX: on a GPU, tiles of up to 32 rows widen the value rows to float16 in inline PTX (`_widen_e4m3`):
+        the compiler moves a plain cast of theirs past shared memory and gathers the bytes, where for wider tiles it
+        widens before shared memory itself (`python tools/attention_spills.py --kv-fp8` counts the byte loads). The
+        interpreter, which runs no PTX, casts."""
     widen = tl.float16 if query_dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128 else dot
     return dict(KV_FP8=kv_fp8, FP8_DOT_DTYPE=widen, RESCALE_Q=kv_fp8 and widen != dot,
-                SCALES_AHEAD=kv_fp8 and launch.block_m <= 64)
+                SCALES_AHEAD=kv_fp8 and launch.block_m <= 64,
+                WIDEN_IN_PTX=on_gpu and launch.block_m <= 32)
 
 
 def _precision(query: torch.Tensor) -> str:
@@ -537,7 +563,7 @@ def paged_attention(
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
         HAS_WINDOW=window is not None,
-        **fp8_row_constants(query.dtype, dot_dtype(query), launch, kv_fp8),
+        **fp8_row_constants(query.dtype, dot_dtype(query), launch, kv_fp8, query.is_cuda),
         PRECISION=_precision(query), USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )

@@ -1,6 +1,7 @@
 """What the attention kernel's launches cost a Hopper multiprocessor, read from the compiler without a GPU: for each
 dtype and head size, every launch the runner compiles ahead (`launch_variants`), compiled for sm_90a, with its
-registers a thread, the bytes it spills to local memory (ptxas -v) and the shared memory it asks for. Arguments are
+registers a thread, the bytes it spills to local memory (ptxas -v), the shared memory it asks for, and how many of
+its loads from shared memory read a single byte (nvdisasm). Arguments are
 specialized as the launch on a GPU specializes them for the engine's tensors (`DIVISIBLE_BY_16`): without that, the
 compiler cannot vectorize a load, and the same launch compiles to other registers and spills than on the GPU.
 
@@ -34,6 +35,10 @@ POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
 FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr", "v_scale_ptr"}
 INT_POINTERS = {"cu_seqlens_q_ptr", "context_lens_ptr", "page_tables_ptr", "block_ids_ptr"}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+NVDISASM = PTXAS.parent / "nvdisasm"
+# A load of one byte from shared memory: what an FP8 tile costs when it reaches the tensor cores' operand layout
+# as bytes that are not consecutive in memory (attention._widen_e4m3).
+BYTE_LOAD = re.compile(r"\bLDS\.[US]8\b")
 # What Triton's launch finds divisible by 16 on the engine's tensors, and specializes on: every pointer (allocations,
 # and an FP8 cache's scales after whole rows of values), and every stride that is a multiple of the head size. The
 # page table's stride, the scales' strides and the counts vary with the batch and the model, and are left general.
@@ -65,7 +70,7 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
     dot = triton_dtype(dtype)
     constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=True, SPLIT=launch.num_splits > 1,
                      BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot, HAS_WINDOW=False,
-                     **fp8_row_constants(dtype, dot, launch, kv_fp8),
+                     **fp8_row_constants(dtype, dot, launch, kv_fp8, on_gpu=True),
                      PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
     names = _paged_attention_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
@@ -77,11 +82,13 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
     ptx.write_text(kernel.asm["ptx"])
     report = subprocess.run([str(PTXAS), "-v", "--gpu-name=sm_90a", "-o", str(work / "kernel.cubin"), str(ptx)],
                             capture_output=True, text=True).stderr
+    sass = subprocess.run([str(NVDISASM), "-c", str(work / "kernel.cubin")], capture_output=True, text=True).stdout
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
     return (f"| {dtype}{' over FP8 rows' if kv_fp8 else ''} | {head_dim} | {launch.block_m} x {launch.block_n}, {launch.num_warps} warps, "
             f"{launch.num_stages} stages, {launch.num_splits} split(s) | {registers.group(1) if registers else '?'} | "
-            f"{' / '.join(spills.groups()) if spills else '?'} | {kernel.metadata.shared} |")
+            f"{' / '.join(spills.groups()) if spills else '?'} | {kernel.metadata.shared} | "
+            f"{len(BYTE_LOAD.findall(sass)) if sass else '?'} |")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -92,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-fp8", action="store_true", help="the launches over a cache of FP8 rows")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="attention-spills-"))
-    print("| dtype | head size | launch | registers | spill stores / loads, bytes | shared bytes |")
-    print("|---|---|---|---|---|---|")
+    print("| dtype | head size | launch | registers | spill stores / loads, bytes | shared bytes | byte loads from "
+          "shared memory |")
+    print("|---|---|---|---|---|---|---|")
     with tempfile.TemporaryDirectory() as work:
         for name in args.dtypes.split(","):
             dtype = getattr(torch, name)
