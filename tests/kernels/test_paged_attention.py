@@ -329,19 +329,24 @@ def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
 
 def test_unsplit_tiles_of_32_rows_take_128_keys():
     """A key tile's fixed cost (the accumulator's rescale, the row reductions) takes 128 keys to cover where an
-    unsplit program has 32 rows (LLaDA's 32-token block of one head), in both cache dtypes. Split programs, short by
-    design, keep 64; so do wider tiles."""
+    unsplit program has up to 32 rows (LLaDA's 32-token block of one head, or a 16-token block), in both half types
+    and at head sizes 64 and 128. Split programs, short by design, keep 64; so do wider tiles."""
     def plan(heads: int, kv_heads: int, num_splits: int, head_dim: int = 128,
-             dtype: torch.dtype = torch.bfloat16) -> AttentionLaunch:
-        query = torch.empty(32, heads, head_dim, dtype=dtype)
+             dtype: torch.dtype = torch.bfloat16, tokens: int = 32) -> AttentionLaunch:
+        query = torch.empty(tokens, heads, head_dim, dtype=dtype)
         meta = AttentionMetadata(
-            cu_seqlens_q=torch.tensor([0, 32], dtype=torch.int32), context_lens=torch.tensor([4096], dtype=torch.int32),
-            page_tables=torch.zeros(1, 130, dtype=torch.int32), slot_mapping=torch.zeros(32, dtype=torch.int64),
-            block_ids=torch.zeros(32, dtype=torch.int32), max_seqlen_q=32, max_context_len=4096)
-        return plan_launch(query, torch.empty(32, kv_heads, head_dim, dtype=dtype), meta, num_splits=num_splits)
+            cu_seqlens_q=torch.tensor([0, tokens], dtype=torch.int32),
+            context_lens=torch.tensor([4096], dtype=torch.int32), page_tables=torch.zeros(1, 130, dtype=torch.int32),
+            slot_mapping=torch.zeros(tokens, dtype=torch.int64), block_ids=torch.zeros(tokens, dtype=torch.int32),
+            max_seqlen_q=tokens, max_context_len=4096)
+        return plan_launch(query, torch.empty(tokens, kv_heads, head_dim, dtype=dtype), meta, num_splits=num_splits)
 
     shape = lambda launch: (launch.block_m, launch.block_n, launch.num_warps)  # noqa: E731
     assert shape(plan(32, 32, 1)) == (32, 128, 4)
+    assert shape(plan(32, 32, 1, dtype=torch.float16)) == (32, 128, 4)
+    assert shape(plan(32, 32, 1, head_dim=64)) == (32, 128, 4)
+    assert shape(plan(32, 32, 1, tokens=16)) == (16, 128, 4)  # a 16-token block: 16-row tiles
+    assert shape(plan(32, 32, 4, tokens=16)) == (16, 64, 4)
     assert shape(plan(32, 32, 4)) == (32, 64, 4)
     assert shape(plan(64, 32, 1)) == (64, 64, 4)
     assert shape(plan(32, 32, 1, head_dim=256)) == (32, 32, 8)  # Gemma's wide heads: no longer tiles
