@@ -2,8 +2,15 @@
 
 `metric_family` is `triton_python_backend_utils.MetricFamily` inside the server: a class built as
 `MetricFamily(name=..., description=..., kind=MetricFamily.COUNTER)` whose `Metric(labels=..., buckets=...)`
-gives a metric with `increment`, `set` and `observe`. Every update comes from the response thread, never
-from the decoding thread, because each one is a round trip to the server process.
+gives a metric with `increment`, `set` and `observe`. Each update is a round trip to the server process, so the
+decoding thread makes none while it steps: the response thread makes most, Triton's thread counts the requests it
+ends at once (refused, or unavailable while the model cannot serve), and the decoding thread counts only when the
+response thread has stopped.
+
+Updates hold one lock a model instance (`_LockedMetric`): in Triton 2.51's Python backend, an update from one
+thread of the stub replaces the metric's message in shared memory while the server may still be reading the
+message of another thread's update, and the server process dies (SIGSEGV in `Metric::LoadFromSharedMemory`).
+Two threads counting one error cause at once crashed it (docs/reliability.md).
 
 Each model instance (a stub process with an engine of its own) labels its series with the model, its version, the
 instance's name and its engine's device, so that the instances of one model are separate series: sum them for
@@ -12,6 +19,7 @@ the model's totals.
 
 from __future__ import annotations
 
+import threading
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -28,6 +36,29 @@ TOKENS_PER_FORWARD_BUCKETS = [1.0, 1.5, 2.0, 3.0, 4.0, 6.0, 8.0, 12.0, 16.0, 24.
 ERROR_CAUSES = ("refused", "cancelled", "engine_failure", "thread_death", "unavailable", "internal")
 
 
+class _LockedMetric:
+    """A metric whose updates hold the lock that every metric of its ServingMetrics shares (the module docstring
+    says why); anything else is the metric's own."""
+
+    def __init__(self, metric, lock: threading.Lock):
+        self._metric, self._lock = metric, lock
+
+    def increment(self, value: float) -> None:
+        with self._lock:
+            self._metric.increment(value)
+
+    def set(self, value: float) -> None:
+        with self._lock:
+            self._metric.set(value)
+
+    def observe(self, value: float) -> None:
+        with self._lock:
+            self._metric.observe(value)
+
+    def __getattr__(self, name: str):
+        return getattr(self._metric, name)
+
+
 class ServingMetrics:
     def __init__(self, metric_family, labels: dict[str, str], refusal_fields: tuple[str, ...] = (),
                  settings: dict[str, str] | None = None):
@@ -38,8 +69,11 @@ class ServingMetrics:
         def metric(name, description, kind, buckets=None):
             family = metric_family(name=name, description=description, kind=kind)
             self._families.append(family)  # a family unregisters when it is garbage collected
-            return family.Metric(labels=labels) if buckets is None else family.Metric(labels=labels, buckets=buckets)
+            return locked(family.Metric(labels=labels) if buckets is None else
+                          family.Metric(labels=labels, buckets=buckets))
 
+        lock = threading.Lock()
+        locked = lambda series: _LockedMetric(series, lock)  # noqa: E731
         self._families = []
         self._gauge_values: dict[int, float] = {}  # id(gauge) -> the value last set
         counter, gauge, histogram = metric_family.COUNTER, metric_family.GAUGE, metric_family.HISTOGRAM
@@ -75,12 +109,12 @@ class ServingMetrics:
         info = metric_family(name="diffulex_engine_setting_info",
                              description="The engine's settings as resolved at load, one series per setting", kind=gauge)
         self._families += [errors, refusals, info]
-        self._settings = [info.Metric(labels={**labels, "setting": name, "value": value})
+        self._settings = [locked(info.Metric(labels={**labels, "setting": name, "value": value}))
                           for name, value in (settings or {}).items()]
         for series in self._settings:
             series.set(1)
-        self._errors = {cause: errors.Metric(labels={**labels, "cause": cause}) for cause in ERROR_CAUSES}
-        self._refusals = {field: refusals.Metric(labels={**labels, "field": field})
+        self._errors = {cause: locked(errors.Metric(labels={**labels, "cause": cause})) for cause in ERROR_CAUSES}
+        self._refusals = {field: locked(refusals.Metric(labels={**labels, "field": field}))
                           for field in (*refusal_fields, "other")}
 
     def count_errors(self, cause: str, count: int = 1) -> None:
