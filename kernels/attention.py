@@ -476,7 +476,7 @@ def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: Attention
     widen = tl.float16 if query_dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128 else dot
     return dict(KV_FP8=kv_fp8, FP8_DOT_DTYPE=widen, RESCALE_Q=kv_fp8 and widen != dot,
                 SCALES_AHEAD=kv_fp8 and launch.block_m <= 64,
-                WIDEN_IN_PTX=on_gpu and launch.block_m <= 32)
+                WIDEN_IN_PTX=kv_fp8 and on_gpu and launch.block_m <= 32)
 
 
 def _precision(query: torch.Tensor) -> str:

@@ -4,8 +4,8 @@
 `MetricFamily(name=..., description=..., kind=MetricFamily.COUNTER)` whose `Metric(labels=..., buckets=...)`
 gives a metric with `increment`, `set` and `observe`. Each update is a round trip to the server process, so the
 decoding thread makes none while it steps: the response thread makes most, Triton's thread counts the requests it
-ends at once (refused, or unavailable while the model cannot serve), and the decoding thread counts only when the
-response thread has stopped.
+ends at once (refused, unavailable while the model cannot serve, or failed inside `execute`), and the decoding
+thread counts only when the response thread has stopped.
 
 Updates hold one lock a model instance (`_LockedMetric`): in Triton 2.51's Python backend, an update from one
 thread of the stub replaces the metric's message in shared memory while the server may still be reading the

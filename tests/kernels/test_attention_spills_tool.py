@@ -30,11 +30,11 @@ def test_the_launches_over_fp8_rows_compile_for_hopper_fit_shared_memory_and_loa
     gathers a value tile from shared memory a byte a load (attention._widen_e4m3), which the interpreter cannot show
     and which made LLaDA-8B's 32-row launches over FP8 rows about a fifth slower (docs/kernels.md)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    done = subprocess.run([sys.executable, str(REPO / "tools" / "attention_spills.py"), "--dtypes", "bfloat16",
-                           "--head-dims", "128", "--kv-fp8"], capture_output=True, text=True, env=env, timeout=600)
+    done = subprocess.run([sys.executable, str(REPO / "tools" / "attention_spills.py"), "--dtypes", "bfloat16,float16",
+                           "--head-dims", "64,128", "--kv-fp8"], capture_output=True, text=True, env=env, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [line.split(" | ") for line in done.stdout.splitlines() if line.startswith("| torch.bfloat16 over FP8 rows")]
-    assert len(rows) == 9  # 16 to 128 rows, unsplit and split, and the 256-row tile
+    rows = [line.split(" | ") for line in done.stdout.splitlines() if " over FP8 rows | " in line]
+    assert len(rows) == 2 * 2 * 9  # two dtypes, two head sizes: 16 to 128 rows, unsplit and split, the 256-row tile
     for row in rows:
         assert int(row[5]) <= SHARED_MEMORY_BYTES, row
         assert int(row[6].rstrip(" |")) == 0, row
