@@ -80,19 +80,19 @@ def _online_softmax_step(acc, m_i, l_i, v_unit, qk, v, visible, v_scale, PRECISI
 
 
 @triton.jit
-def _widen_e4m3(x, IN_PTX: tl.constexpr):
-    """float8_e4m3fn values to float16, exactly. With IN_PTX (a GPU) the conversion is inline PTX that the compiler
-    treats as having effects, so it stays before the tile's change to the tensor cores' operand layout. A plain cast
-    may be moved after that change, and a value tile then crosses shared memory as bytes: the product with V takes it
-    as its transposed operand, whose layout wants four keys of one column a thread, four bytes a row apart, so each
-    is a load of its own. Widened first, the tile crosses as float16, which ldmatrix loads transposed. The key tile
-    is the scores' untransposed operand, which loads in words either way."""
+def _widen_e4m3(x, dtype: tl.constexpr, IN_PTX: tl.constexpr):
+    """float8_e4m3fn values in `dtype`, exactly. With IN_PTX (a GPU, `dtype` float16) the conversion is inline PTX
+    that the compiler treats as having effects, so it stays before the tile's change to the tensor cores' operand
+    layout. A plain cast may be moved after that change, and a value tile then crosses shared memory as bytes: the
+    product with V takes it as its transposed operand, whose layout wants four keys of one column a thread, four
+    bytes a row apart, so each is a load of its own. Widened first, the tile crosses as float16, which ldmatrix loads
+    transposed. The key tile is the scores' untransposed operand, which loads in words either way."""
     if IN_PTX:
         return tl.inline_asm_elementwise(
             "{ .reg .b16 lo, hi; mov.b32 {lo, hi}, $2; cvt.rn.f16x2.e4m3x2 $0, lo; cvt.rn.f16x2.e4m3x2 $1, hi; }",
             "=r,=r,r", [x], dtype=tl.float16, is_pure=False, pack=4)
     else:
-        return x.to(tl.float16)
+        return x.to(dtype)
 
 
 @triton.jit
@@ -191,11 +191,8 @@ def _paged_attention_kernel(
                 visible = visible & (pos[None, :] > window_edge[:, None])
             if KV_FP8:  # e4m3 values are exact in FP8_DOT_DTYPE; each row's scale goes to its score or weight column
                 k = tl.load(k_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0).to(FP8_DOT_DTYPE)
-                v = tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0)
-                if FP8_DOT_DTYPE == tl.float16:
-                    v = _widen_e4m3(v, WIDEN_IN_PTX)
-                else:
-                    v = v.to(FP8_DOT_DTYPE)
+                v = _widen_e4m3(tl.load(v_cache_ptr + cache_offset, mask=key_valid[:, None], other=0.0), FP8_DOT_DTYPE,
+                                WIDEN_IN_PTX)
                 if SCALES_AHEAD:
                     k_scale, v_scale = k_scale_next, v_scale_next
                     k_scale_next, v_scale_next = _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos + BLOCK_N,
@@ -469,14 +466,14 @@ def fp8_row_constants(query_dtype: torch.dtype, dot: tl.dtype, launch: Attention
       - RESCALE_Q: a query whose dot dtype is not that one goes to it over a power of two a row;
       - SCALES_AHEAD: tiles of up to 64 rows (LLaDA's 32-token blocks of one head) have the registers to load the
         next tile's scales early; wider ones spill and lose more than the early load saves;
-      - WIDEN_IN_PTX: on a GPU, tiles of up to 32 rows widen the value rows to float16 in inline PTX (`_widen_e4m3`):
-        the compiler moves a plain cast of theirs past shared memory and gathers the bytes, where for wider tiles it
-        widens before shared memory itself (`python tools/attention_spills.py --kv-fp8` counts the byte loads). The
-        interpreter, which runs no PTX, casts."""
+      - WIDEN_IN_PTX: on a GPU, tiles of up to 32 rows that widen to float16 widen the value rows in inline PTX
+        (`_widen_e4m3`): the compiler moves a plain cast of theirs past shared memory and gathers the bytes, where
+        for wider tiles it widens before shared memory itself (`python tools/attention_spills.py --kv-fp8` counts
+        the byte loads). The interpreter, which runs no PTX, casts."""
     widen = tl.float16 if query_dtype in (torch.bfloat16, torch.float16) and launch.block_m <= 128 else dot
     return dict(KV_FP8=kv_fp8, FP8_DOT_DTYPE=widen, RESCALE_Q=kv_fp8 and widen != dot,
                 SCALES_AHEAD=kv_fp8 and launch.block_m <= 64,
-                WIDEN_IN_PTX=kv_fp8 and on_gpu and launch.block_m <= 32)
+                WIDEN_IN_PTX=kv_fp8 and on_gpu and launch.block_m <= 32 and widen == tl.float16)
 
 
 def _precision(query: torch.Tensor) -> str:

@@ -66,14 +66,15 @@ class ServingMetrics:
         cannot grow the label set. `settings`: the engine's resolved settings, published as an info metric (one
         series of value 1 per setting, labelled with its name and value), since Triton's model configuration
         endpoint can only show config.pbtxt as written."""
+        lock = threading.Lock()
+        locked = lambda series: _LockedMetric(series, lock)  # noqa: E731
+
         def metric(name, description, kind, buckets=None):
             family = metric_family(name=name, description=description, kind=kind)
             self._families.append(family)  # a family unregisters when it is garbage collected
             return locked(family.Metric(labels=labels) if buckets is None else
                           family.Metric(labels=labels, buckets=buckets))
 
-        lock = threading.Lock()
-        locked = lambda series: _LockedMetric(series, lock)  # noqa: E731
         self._families = []
         self._gauge_values: dict[int, float] = {}  # id(gauge) -> the value last set
         counter, gauge, histogram = metric_family.COUNTER, metric_family.GAUGE, metric_family.HISTOGRAM
