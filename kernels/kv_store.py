@@ -86,6 +86,20 @@ def _round_to_e4m3(x):
 
 
 @triton.jit
+def kv_row_scale(amax):
+    """A cached row's scale from its largest magnitude (float32): max|x| times 1/448, never below MIN_AMAX, as
+    `quantize_rows` makes it; NaN where the row holds one."""
+    return tl.maximum(amax, _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX
+
+
+@triton.jit
+def to_e4m3(x, scale):
+    """x [rows, n] (float32) over its rows' scales [rows], in float8e4nv. Divided as IEEE (and torch) round it, not by
+    the GPU's fast approximation, and rounded in float32 before the cast: the reference's e4m3 value everywhere."""
+    return _round_to_e4m3(tl.math.div_rn(x, scale[:, None])).to(tl.float8e4nv)
+
+
+@triton.jit
 def _store_kv_kernel(
     key_ptr, value_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh,
@@ -112,13 +126,11 @@ def _store_kv_kernel(
         scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-        # The row divided by its scale as IEEE (and torch) round it, not by the GPU's fast approximation: the same
-        # quotient, the same e4m3 value as the reference.
         # A NaN in a head's row makes its scale NaN, as the reference's amax does (kernels/fp8_cast.py).
-        k_scale = tl.maximum(abs_max(k, 1), _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX  # [BLOCK_H]
-        v_scale = tl.maximum(abs_max(v, 1), _MIN_AMAX, propagate_nan=tl.PropagateNan.ALL) * _INV_FP8_MAX
-        tl.store(k_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(k, k_scale[:, None])).to(tl.float8e4nv), mask=mask)
-        tl.store(v_cache_ptr + dst, _round_to_e4m3(tl.math.div_rn(v, v_scale[:, None])).to(tl.float8e4nv), mask=mask)
+        k_scale = kv_row_scale(abs_max(k, 1))  # [BLOCK_H]
+        v_scale = kv_row_scale(abs_max(v, 1))
+        tl.store(k_cache_ptr + dst, to_e4m3(k, k_scale), mask=mask)
+        tl.store(v_cache_ptr + dst, to_e4m3(v, v_scale), mask=mask)
         tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)
         tl.store(v_scale_ptr + scale_dst, v_scale, mask=head_valid)
     else:

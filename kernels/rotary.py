@@ -3,7 +3,8 @@
 One program rotates every head of one token, so a decoder layer rotates q and k together in one launch when
 they sit side by side in the fused qkv projection's output (a [T, heads + kv_heads, head_dim] view of it).
 The rotation runs in float32 from the float32 cos/sin of `rotary_angles`, as the reference does.
-`rotate_and_store_kv` also writes the rotated K and the V of tokens with a cache slot, in the same launch.
+`rotate_and_store_kv` also writes the rotated K and the V of tokens with a cache slot, in the same launch, into a
+cache of the model's dtype or of FP8 rows (each row cast with its own scale, as `kv_store.store_kv` casts it).
 """
 from __future__ import annotations
 
@@ -11,15 +12,17 @@ import torch
 import triton
 import triton.language as tl
 
+from .fp8_cast import abs_max
+from .kv_store import fp8_rows, kv_row_scale, to_e4m3
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
 @triton.jit
 def _rotary_kernel(
-    x_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr,
+    x_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
     stride_xt, stride_xh, stride_cos, stride_sin, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
-    num_heads, num_q_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, KV_HEADS: tl.constexpr,
+    stride_scale_slot, stride_scale_head, num_heads, num_q_heads,
+    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr, KV_HEADS: tl.constexpr,
     BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -41,18 +44,35 @@ def _rotary_kernel(
         if slot >= 0:
             # The k heads follow the q heads: write their rotated values, as stored in x, to the token's slot.
             cache_slot = slot.to(tl.int64) * stride_cache_slot
+            scale_slot = slot.to(tl.int64) * stride_scale_slot
             kv_head = heads - num_q_heads
-            is_k = mask & (kv_head >= 0)[:, None]
+            is_k_head = (heads < num_heads) & (kv_head >= 0)
+            is_k = is_k_head[:, None]
             k_dst = k_cache_ptr + cache_slot + kv_head[:, None] * stride_cache_head + dims[None, :]
-            tl.store(k_dst, rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-            tl.store(k_dst + HALF, rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+            if FP8:
+                # The row's scale covers both halves; a NaN in either makes it NaN, as the reference's amax does.
+                k1, k2 = rotated1.to(tl.float32), rotated2.to(tl.float32)
+                k_scale = kv_row_scale(tl.maximum(abs_max(k1, 1), abs_max(k2, 1), propagate_nan=tl.PropagateNan.ALL))
+                tl.store(k_dst, to_e4m3(k1, k_scale), mask=is_k)
+                tl.store(k_dst + HALF, to_e4m3(k2, k_scale), mask=is_k)
+                tl.store(k_scale_ptr + scale_slot + kv_head * stride_scale_head, k_scale, mask=is_k_head)
+            else:
+                tl.store(k_dst, rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+                tl.store(k_dst + HALF, rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
             if tl.program_id(1) == 0:
                 kv_heads = tl.arange(0, BLOCK_KV)
                 head_dims = tl.arange(0, 2 * HALF)
-                v_mask = (kv_heads < KV_HEADS)[:, None]
+                is_v_head = kv_heads < KV_HEADS
+                v_mask = is_v_head[:, None]
                 v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask)
                 v_dst = v_cache_ptr + cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
-                tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+                if FP8:
+                    v = v.to(tl.float32)
+                    v_scale = kv_row_scale(abs_max(v, 1))
+                    tl.store(v_dst, to_e4m3(v, v_scale), mask=v_mask)
+                    tl.store(v_scale_ptr + scale_slot + kv_heads * stride_scale_head, v_scale, mask=is_v_head)
+                else:
+                    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> None:
@@ -70,18 +90,24 @@ def _launch(x, cos, sin, store: tuple | None) -> None:
     if num_tokens == 0:
         return
     block_h = min(64, triton.next_power_of_2(num_heads))
+    fp8 = store is not None and store[1].dtype == torch.uint8
     if store is None:
-        value = k_cache = v_cache = slot_mapping = x  # never read: STORE_KV=False
-        v_strides, cache_strides, kv_heads = (0, 0), (0, 0), 1
+        value = k_cache = v_cache = k_scales = v_scales = slot_mapping = x  # never read: STORE_KV=False
+        v_strides, cache_strides, scale_strides, kv_heads = (0, 0), (0, 0), (0, 0), 1
     else:
         value, k_cache, v_cache, slot_mapping = store
+        k_scales = v_scales = slot_mapping  # never read unless FP8
+        scale_strides = (0, 0)
+        if fp8:
+            (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
+            scale_strides = (k_scales.stride(1), k_scales.stride(2))
         v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
         kv_heads = value.shape[1]
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, cos, sin, value, k_cache, v_cache, slot_mapping,
-        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), *v_strides, *cache_strides,
+        x, cos, sin, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
+        x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), *v_strides, *cache_strides, *scale_strides,
         num_heads, num_heads - kv_heads,
-        HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=store is not None, KV_HEADS=kv_heads,
+        HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=store is not None, FP8=fp8, KV_HEADS=kv_heads,
         BLOCK_KV=triton.next_power_of_2(kv_heads), USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
     )
 
@@ -102,12 +128,13 @@ def rotate_and_store_kv(
     value: torch.Tensor,  # [T, kv_heads, head_dim]
     cos: torch.Tensor,  # [T, head_dim // 2] float32
     sin: torch.Tensor,
-    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], contiguous
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], contiguous, or FP8 rows (kv_store.py)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
 ) -> None:
     """`rotate_in_place(qk)`, then `store_kv` of the rotated k heads and `value`, in one launch: a decoder layer
-    stores its committed blocks' K/V without a launch of its own."""
+    stores its committed blocks' K/V without a launch of its own. Into FP8 rows the values and scales are
+    `store_kv`'s, bit for bit."""
     _check(qk, cos, sin, "rotate_and_store_kv")
     if value.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rotate_and_store_kv: value needs a contiguous head_dim and the caches must be contiguous")

@@ -242,8 +242,7 @@ def _self_attention(
     rotary_dim = 2 * cos.shape[-1]
     # The store-fused launch rotates whole heads; a partial-rotary model takes the view path below.
     fuse_store = attn.q_norm is None and rotary_dim == head_dim
-    # A cache of FP8 rows is written by the attention's own store, which gives each row its scale.
-    kv_stored = fuse_store and k_cache is not None and k_cache.dtype != torch.uint8
+    kv_stored = fuse_store and k_cache is not None
     if fuse_store:
         # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both, and the
         # same launch stores the rotated k and v of the tokens that have a cache slot.

@@ -27,7 +27,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
-from diffulex_kernels import activation, fp8, kv_store, norm
+from diffulex_kernels import activation, fp8, kv_store, norm, rotary
 
 
 def ttir(fn, signature, constexprs):
@@ -72,6 +72,14 @@ KERNELS = {
              stride_vh="i32", stride_cache_slot="i32", stride_cache_head="i32", stride_scale_slot="i32",
              stride_scale_head="i32"),
         dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, FP8=True, USE_PDL=False)),
+    "rotate_and_store_kv into fp8 rows": (
+        rotary._rotary_kernel,
+        dict(x_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", v_ptr="*bf16", k_cache_ptr="*fp8e4nv",
+             v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr="*i64",
+             stride_xt="i32", stride_xh="i32", stride_cos="i32", stride_sin="i32", stride_vt="i32", stride_vh="i32",
+             stride_cache_slot="i32", stride_cache_head="i32", stride_scale_slot="i32", stride_scale_head="i32",
+             num_heads="i32", num_q_heads="i32"),
+        dict(HALF=64, BLOCK_H=64, STORE_KV=True, FP8=True, KV_HEADS=32, BLOCK_KV=32, USE_PDL=False)),
 }
 print(json.dumps({name: sorted(set(re.findall(r"arith\.((?:max|min)\w*)", ttir(*args))))
                   for name, args in KERNELS.items()}))
@@ -88,7 +96,7 @@ def ops_by_kernel() -> dict[str, list[str]]:
 
 
 def test_every_fp8_row_writer_takes_nan_keeping_maxima_and_minima(ops_by_kernel):
-    assert len(ops_by_kernel) == 5
+    assert len(ops_by_kernel) == 6
     for kernel, ops in ops_by_kernel.items():
         assert "maximumf" in ops, kernel  # the row's largest magnitude is taken here
         assert not {"maxnumf", "minnumf"} & set(ops), f"{kernel} drops NaN: {ops}"

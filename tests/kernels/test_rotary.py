@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from diffulex_backend.layers.rotary import apply_rotary, rotary_angles
-from diffulex_kernels.kv_store import store_kv
+from diffulex_kernels.kv_store import fp8_row_bytes, fp8_rows, pack_fp8_rows, store_kv
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
@@ -59,8 +59,11 @@ def test_bfloat16_rotation_rounds_like_the_reference():
     assert ((x.float() - expected.float()).abs() <= one_ulp).all()
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-rows"])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_rotate_and_store_kv_equals_rotate_then_store(shape):
+def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8):
+    """The fused launch leaves qkv and both caches as `rotate_in_place` then `store_kv` leave them, byte for byte:
+    into FP8 rows too, each row's e4m3 values and its scale."""
     tokens, heads, kv_heads, head_dim = shape
     gen = generator(tokens * heads + 1)
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, gen=gen)
@@ -68,6 +71,8 @@ def test_rotate_and_store_kv_equals_rotate_then_store(shape):
     page_size = 16
     num_pages = tokens // page_size + 2  # room for every token's slot, and slots no token writes
     caches = [randn(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    if fp8:
+        caches = [pack_fp8_rows(cache) for cache in caches]
     slots = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
     slots[::2] = -1  # every other token keeps no K/V (a block still in flight)
     slot_mapping = slots.to(DEVICE)
@@ -86,3 +91,29 @@ def test_rotate_and_store_kv_equals_rotate_then_store(shape):
     assert torch.equal(qkv, expected_qkv)
     assert torch.equal(caches[0], expected_k_cache)  # stored slots hold the rotated k, the others are untouched
     assert torch.equal(caches[1], expected_v_cache)
+
+
+def test_a_row_holding_nan_stored_as_fp8_gets_a_nan_scale_and_the_rows_beside_it_are_untouched():
+    """As `store_kv` stores it: a NaN in one k head's row, in either half the rotation splits it into, and an
+    infinity in one v head's row, give those rows a NaN and an infinite scale; the token's other heads are cast as
+    ever."""
+    tokens, heads, kv_heads, head_dim = 2, 4, 2, 64
+    gen = generator(11)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, gen=gen)
+    k_first = heads * head_dim
+    qkv[0, k_first + head_dim + 40] = float("nan")  # token 0, k head 1, the second half
+    qkv[1, k_first + 3] = float("nan")  # token 1, k head 0, the first half
+    qkv[1, (heads + kv_heads) * head_dim + head_dim + 9] = float("inf")  # token 1, v head 1
+    cos, sin = rotary_angles(torch.tensor([3, 9], device=DEVICE), head_dim, 10000.0)
+    k_cache, v_cache = (torch.zeros(1, 16, kv_heads, fp8_row_bytes(head_dim), dtype=torch.uint8, device=DEVICE)
+                        for _ in range(2))
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    rotate_and_store_kv(qk, v, cos, sin, k_cache, v_cache, torch.tensor([4, 7], device=DEVICE))
+    k_scales, v_scales = fp8_rows(k_cache)[1].view(16, kv_heads), fp8_rows(v_cache)[1].view(16, kv_heads)
+    assert k_scales[4, 1].isnan() and k_scales[4, 0].isfinite()
+    assert k_scales[7, 0].isnan() and k_scales[7, 1].isfinite()
+    assert v_scales[7, 1].isinf() and v_scales[7, 0].isfinite() and v_scales[4].isfinite().all()
+    untouched = torch.ones(16, dtype=torch.bool)
+    untouched[[4, 7]] = False
+    assert (k_scales[untouched] == 0).all() and (v_scales[untouched] == 0).all()
