@@ -10,6 +10,11 @@ Backends, each timed alike (the median of calls launched from Python with the L2
     (torch picks its flash, cuDNN or memory-efficient kernel): the reference a Hopper-tuned kernel should reach;
   - flash_attn_4: FlashAttention's CuTe-DSL kernels (`flash_attn.cute`, the flash-attn-4 package), varlen, over the
     paged cache for blocks, where the package is installed; otherwise its rows say so;
+  - flashinfer: FlashInfer's batch prefill wrappers (the flashinfer-python package), non-causal: ragged over the
+    prompts' q/k/v, and over the paged cache for blocks (NHD pages, the block's K/V among them); plan() (host-side,
+    with the kernels' JIT on first use) outside the timing, run() timed; --flashinfer-backend picks its kernels
+    ("auto": FA3 on Hopper) and the note names those that ran; where the package is installed, otherwise its rows
+    say so;
   - triton_fp8_kv (blocks only): the engine's kernel over the same cache held as FP8 rows (kv_cache_dtype fp8),
     whose memory floor counts the cached context at head_dim + 4 bytes a row instead of 2 x head_dim.
 Every row gives ms, the compute floor (4 x query-key pairs x heads x head_dim flops / the bf16 matmul rate), the
@@ -39,7 +44,10 @@ from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["phase", "model", "batch", "tokens", "context", "backend", "ms", "compute_floor_ms", "memory_floor_ms",
           "vs_floor", "rel_err_vs_sdpa", "note"]
-BACKENDS = ("triton", "torch_sdpa", "flash_attn_4", "triton_fp8_kv")
+BACKENDS = ("triton", "torch_sdpa", "flash_attn_4", "flashinfer", "triton_fp8_kv")
+# FlashInfer's float workspace (its split-KV partial outputs): its wrappers recommend 128 MB; twice that, for 64
+# sequences of 28-32 heads.
+FLASHINFER_WORKSPACE_BYTES = 256 << 20
 
 
 def flash_attn_4(device: torch.device):
@@ -51,6 +59,21 @@ def flash_attn_4(device: torch.device):
     except ImportError:
         return None, "not installed"
     return flash_attn_varlen_func, None
+
+
+def flashinfer(device: torch.device):
+    """(the flashinfer package, None), or (None, why it cannot run here)."""
+    if device.type != "cuda":
+        return None, "needs a CUDA device"
+    try:
+        import flashinfer as package
+    except ImportError as error:
+        if error.name == "flashinfer":
+            return None, "not installed"
+        return None, f"import failed: {type(error).__name__}: {str(error)[:120]}"
+    except Exception as error:  # a library it loads on import refuses this machine: the rows say which
+        return None, f"import failed: {type(error).__name__}: {str(error)[:120]}"
+    return package, None
 
 
 def prefill_case(model: ModelShape, batch: int, tokens: int, device: torch.device):
@@ -87,8 +110,49 @@ def sdpa_inputs(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int)
     return q.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
-def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int, phase: str, flash_attn):
-    """Per backend: (ms, output in [tokens, heads, head_dim], note). `flash_attn`: flash_attn_4()'s pair."""
+def flashinfer_result(model: ModelShape, t: dict, meta: AttentionMetadata, phase: str, flashinfer_pair, scale: float,
+                      backend: str = "auto"):
+    """FlashInfer's (ms, output in [tokens, heads, head_dim], note). `flashinfer_pair`: flashinfer()'s pair; `backend`:
+    its wrappers' ("auto", "fa2" or "fa3"). For blocks, call it after the triton call, which stores the block's K/V
+    into the cache."""
+    package, missing = flashinfer_pair
+    if package is None:
+        return float("nan"), None, missing
+    query = t["query"]
+    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
+    # Host tensors: plan() reads the lengths on the host, and copies what run() needs to the device.
+    cu = torch.tensor(meta.cu_seqlens_q_host, dtype=torch.int32)
+    shape = dict(num_qo_heads=model.heads, num_kv_heads=model.kv_heads, head_dim_qk=model.head_dim, causal=False,
+                 sm_scale=scale, q_data_type=query.dtype, kv_data_type=t["key"].dtype)
+    try:
+        if phase == "prefill":
+            wrapper = package.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+            wrapper.plan(cu, cu, **shape)
+            call = lambda: wrapper.run(query, t["key"], t["value"])  # noqa: E731
+        else:
+            # The block's K/V are in the cache (the triton call stored them): each sequence attends to its context
+            # and its BLOCK_LEN block tokens, all visible, over the first pages of its page table. The cache's
+            # [num_pages, PAGE_SIZE, kv_heads, head_dim] is FlashInfer's NHD layout as it is.
+            seen = [context + BLOCK_LEN for context in meta.context_lens_host]
+            pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seen]
+            page_tables = meta.page_tables.cpu()
+            kv_indices = torch.cat([page_tables[i, :n] for i, n in enumerate(pages)])
+            kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+            last_page_len = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(seen, pages)], dtype=torch.int32)
+            wrapper = package.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
+            wrapper.plan(cu, kv_indptr, kv_indices, last_page_len, page_size=PAGE_SIZE, **shape)
+            cache = (t["k_cache"], t["v_cache"])
+            call = lambda: wrapper.run(query, cache)  # noqa: E731
+        out = call()  # the first run compiles what plan() did not (FA3's page-offset kernel)
+        return time_eager_ms(call), out, f"flashinfer {package.__version__}, {getattr(wrapper, '_backend', backend)}"
+    except Exception as error:  # a shape, layout or build the package refuses: the row says which
+        return float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}"
+
+
+def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int, phase: str, flash_attn,
+                 flashinfer_pair, flashinfer_backend: str = "auto"):
+    """Per backend: (ms, output in [tokens, heads, head_dim], note). `flash_attn`: flash_attn_4()'s pair;
+    `flashinfer_pair`: flashinfer()'s, run with FlashInfer's `flashinfer_backend`."""
     fa4, missing = flash_attn
     scale = model.head_dim ** -0.5
     results = {}
@@ -107,6 +171,7 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
         fp8_args = (*args[:3], *fp8_caches, *args[5:])
         results["triton_fp8_kv"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*fp8_args)),
                                     diffulex_kernels.paged_attention(*fp8_args), "")
+    results["flashinfer"] = flashinfer_result(model, t, meta, phase, flashinfer_pair, scale, flashinfer_backend)
     if fa4 is None:
         results["flash_attn_4"] = (float("nan"), None, missing)
         return results
@@ -147,6 +212,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-batches", default="1,8")
     parser.add_argument("--contexts", default="512,2048,8192,32768", help="cached tokens under a block")
     parser.add_argument("--block-batches", default="1,8,64")
+    parser.add_argument("--flashinfer-backend", default="auto", choices=("auto", "fa2", "fa3"),
+                        help="FlashInfer's kernels: auto picks fa3 on Hopper")
     args = parser.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     models = SMOKE_MODELS if args.smoke else FULL_MODELS
@@ -155,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts, block_batches = ([0, 40], [1, 2]) if args.smoke else (ints(args.contexts), ints(args.block_batches))
     ceilings = measure_ceilings(device, args.smoke)
     print(device_header(device, ceilings), flush=True)
-    fa4 = flash_attn_4(device)
+    fa4, fi = flash_attn_4(device), flashinfer(device)
     args.out.mkdir(parents=True, exist_ok=True)
     table = ResultTable("attention", FIELDS)
     cases = [("prefill", m, b, n) for m, n, b in itertools.product(models, prompts, prefill_batches)]
@@ -167,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             t, meta, bytes_moved, flops = attention_inputs(model, batch, size, device)
             tokens, context = BLOCK_LEN, size
-        results = run_backends(model, t, meta, batch, phase, fa4)
+        results = run_backends(model, t, meta, batch, phase, fa4, fi, args.flashinfer_backend)
         compute_ms = 1e3 * flops / ceilings.matmul_rate
         memory_ms = 1e3 * bytes_moved / ceilings.bandwidth
         reference = results["torch_sdpa"][1]

@@ -38,12 +38,13 @@ def test_attention_benchmark_smoke_run_gives_every_backend_a_row_per_case_and_th
     rows = csv_rows(tmp_path / "attention.csv")
     cases = {(row["phase"], row["batch"], row["tokens"], row["context"]) for row in rows}
     # Two prompt lengths and two contexts, batch 1 and 2; blocks over a cache also over its FP8 rows.
-    assert len(cases) == 8 and len(rows) == 3 * 4 + 4 * 4
-    assert {row["backend"] for row in rows if row["phase"] == "prefill"} == {"triton", "torch_sdpa", "flash_attn_4"}
+    assert len(cases) == 8 and len(rows) == 4 * 4 + 5 * 4
+    prefill_backends = {row["backend"] for row in rows if row["phase"] == "prefill"}
+    assert prefill_backends == {"triton", "torch_sdpa", "flash_attn_4", "flashinfer"}
     for row in rows:
         floor = max(float(row["compute_floor_ms"]), float(row["memory_floor_ms"]))
-        # Under the interpreter flash-attn-4 cannot run, installed or not; its rows say why.
-        if row["backend"] == "flash_attn_4":
+        # Under the interpreter flash-attn-4 and FlashInfer cannot run, installed or not; their rows say why.
+        if row["backend"] in ("flash_attn_4", "flashinfer"):
             assert math.isnan(float(row["ms"])) and row["note"] == "needs a CUDA device"
             continue
         assert float(row["vs_floor"]) == pytest.approx(float(row["ms"]) / floor, rel=0.01)
