@@ -110,6 +110,18 @@ def sdpa_inputs(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int)
     return q.contiguous(), k.transpose(1, 2).contiguous(), v.transpose(1, 2).contiguous()
 
 
+def flashinfer_pages(meta: AttentionMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """FlashInfer's page table of a block case, on the host: (kv_indptr, kv_indices, last_page_len). Each sequence
+    sees its context and its BLOCK_LEN block tokens, all of them, over the first pages of its page table."""
+    seen = [context + BLOCK_LEN for context in meta.context_lens_host]
+    pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seen]
+    page_tables = meta.page_tables.cpu()
+    kv_indices = torch.cat([page_tables[i, :n] for i, n in enumerate(pages)])
+    kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
+    last_page_len = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(seen, pages)], dtype=torch.int32)
+    return kv_indptr, kv_indices, last_page_len
+
+
 def flashinfer_result(model: ModelShape, t: dict, meta: AttentionMetadata, phase: str, flashinfer_pair, scale: float,
                       backend: str = "auto"):
     """FlashInfer's (ms, output in [tokens, heads, head_dim], note). `flashinfer_pair`: flashinfer()'s pair; `backend`:
@@ -119,28 +131,21 @@ def flashinfer_result(model: ModelShape, t: dict, meta: AttentionMetadata, phase
     if package is None:
         return float("nan"), None, missing
     query = t["query"]
-    workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
     # Host tensors: plan() reads the lengths on the host, and copies what run() needs to the device.
     cu = torch.tensor(meta.cu_seqlens_q_host, dtype=torch.int32)
     shape = dict(num_qo_heads=model.heads, num_kv_heads=model.kv_heads, head_dim_qk=model.head_dim, causal=False,
                  sm_scale=scale, q_data_type=query.dtype, kv_data_type=t["key"].dtype)
-    try:
+    try:  # a failure of any kind, running out of memory for the workspace included, ends this row alone
+        workspace = torch.empty(FLASHINFER_WORKSPACE_BYTES, dtype=torch.uint8, device=query.device)
         if phase == "prefill":
             wrapper = package.BatchPrefillWithRaggedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
             wrapper.plan(cu, cu, **shape)
             call = lambda: wrapper.run(query, t["key"], t["value"])  # noqa: E731
         else:
-            # The block's K/V are in the cache (the triton call stored them): each sequence attends to its context
-            # and its BLOCK_LEN block tokens, all visible, over the first pages of its page table. The cache's
-            # [num_pages, PAGE_SIZE, kv_heads, head_dim] is FlashInfer's NHD layout as it is.
-            seen = [context + BLOCK_LEN for context in meta.context_lens_host]
-            pages = [(n + PAGE_SIZE - 1) // PAGE_SIZE for n in seen]
-            page_tables = meta.page_tables.cpu()
-            kv_indices = torch.cat([page_tables[i, :n] for i, n in enumerate(pages)])
-            kv_indptr = torch.tensor([0, *itertools.accumulate(pages)], dtype=torch.int32)
-            last_page_len = torch.tensor([n - (p - 1) * PAGE_SIZE for n, p in zip(seen, pages)], dtype=torch.int32)
+            # The block's K/V are in the cache (the triton call stored them). The cache's [num_pages, PAGE_SIZE,
+            # kv_heads, head_dim] is FlashInfer's NHD layout as it is.
             wrapper = package.BatchPrefillWithPagedKVCacheWrapper(workspace, kv_layout="NHD", backend=backend)
-            wrapper.plan(cu, kv_indptr, kv_indices, last_page_len, page_size=PAGE_SIZE, **shape)
+            wrapper.plan(cu, *flashinfer_pages(meta), page_size=PAGE_SIZE, **shape)
             cache = (t["k_cache"], t["v_cache"])
             call = lambda: wrapper.run(query, cache)  # noqa: E731
         out = call()  # the first run compiles what plan() did not (FA3's page-offset kernel)

@@ -70,3 +70,34 @@ def test_fused_forward_matches_the_torch_modules(model_name, kv_cache_dtype):
     stored = [torch.stack([cache_rows(cache[i, layer], slots) for i in range(2) for layer in range(cache.shape[1])])
               for cache in caches]
     assert relative_error(stored[1], stored[0]) < (TOLERANCE if kv_cache_dtype == "auto" else 1e-2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+@pytest.mark.parametrize("model_name, separate_stores", [("llada", 0), ("dream", 0), ("sdar", 2)])
+def test_the_rope_launch_stores_the_forward_s_k_and_v_unless_q_and_k_are_normed(model_name, separate_stores,
+                                                                               kv_cache_dtype, monkeypatch):
+    """LLaDA's and Dream's forwards write K/V in their RoPE launch, over FP8 rows as over the model's dtype, so the
+    attention launches no store of its own; SDAR norms q and k first and keeps one store a layer (two layers)."""
+    from diffulex_kernels import attention as attention_kernel
+
+    shape = dict(hidden_size=256, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=384, head_dim=64)
+    fused = random_model(model_name, **shape, device=DEVICE, seed=5, attention_fn=diffulex_kernels.paged_attention)
+    fused.fused_kernels = True
+    layout, cache_dtype = kv_cache_layout(fused, 4, PAGE_SIZE, torch.float32, kv_cache_dtype)
+    cache = torch.zeros(layout, dtype=cache_dtype, device=DEVICE)
+    stores = []
+    store_kv = attention_kernel.store_kv
+
+    def counted_store(*args, **kwargs):
+        stores.append(1)
+        return store_kv(*args, **kwargs)
+
+    monkeypatch.setattr(attention_kernel, "store_kv", counted_store)
+    meta = metadata([5], [0], list(range(5)), list(range(5)), [[0, 1, 2, 3]])
+    with torch.inference_mode():
+        fused(torch.arange(5, device=DEVICE), torch.arange(5, device=DEVICE), meta, cache)
+    assert len(stores) == separate_stores
+    # Every token's K and V reached its slot in every layer, stored by one launch or the other.
+    for kind in range(2):
+        for layer in range(2):
+            assert cache_rows(cache[kind, layer], torch.arange(5, device=DEVICE)).abs().sum(-1).gt(0).all()

@@ -59,18 +59,19 @@ def test_bfloat16_rotation_rounds_like_the_reference():
     assert ((x.float() - expected.float()).abs() <= one_ulp).all()
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16-cache", "fp8-rows"])
-@pytest.mark.parametrize("shape", SHAPES, ids=str)
-def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
+@pytest.mark.parametrize("shape", [*SHAPES, (3, 8, 72, 64)], ids=str)  # and more kv heads than a head tile holds
+def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype):
     """The fused launch leaves qkv and both caches as `rotate_in_place` then `store_kv` leave them, byte for byte:
     into FP8 rows too, each row's e4m3 values and its scale."""
     tokens, heads, kv_heads, head_dim = shape
     gen = generator(tokens * heads + 1)
-    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, gen=gen)
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen)
     cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), head_dim, 10000.0)
     page_size = 16
     num_pages = tokens // page_size + 2  # room for every token's slot, and slots no token writes
-    caches = [randn(num_pages, page_size, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    caches = [randn(num_pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2)]
     if fp8:
         caches = [pack_fp8_rows(cache) for cache in caches]
     slots = torch.randperm(num_pages * page_size, generator=torch.Generator().manual_seed(tokens))[:tokens]
