@@ -118,7 +118,9 @@ class TritonAdapter:
         self._passes_at_ready = self._engine.num_forward_passes
         server_args = parent_server_args(os.getppid())
         endpoint = http_endpoint(server_args)
-        self._watchdog = self._start_watchdog(endpoint) if endpoint and explicit_model_control(server_args) else None
+        # The watchdog reloads the model through the repository API, which explicit model control alone offers.
+        self._reloads = endpoint is not None and explicit_model_control(server_args)
+        self._watchdog = self._start_watchdog(endpoint if self._reloads else None)
         watch = ServerWatch(lambda: pb_utils.is_model_ready(self._model_name),
                             HttpLeaveProbe(*endpoint) if endpoint else None)
         try:
@@ -189,16 +191,17 @@ class TritonAdapter:
             return lambda: prompt
         return lambda: self._engine.tokenizer.decode(prompt)
 
-    def _start_watchdog(self, endpoint: tuple[str, int]) -> subprocess.Popen | None:
-        """The child that reloads this model if its stub dies (stub_watchdog.py). Its own session, so that a
-        signal to the server's process group reaches the server alone."""
+    def _start_watchdog(self, endpoint: tuple[str, int] | None) -> subprocess.Popen | None:
+        """The child that watches this stub (stub_watchdog.py): it reloads the model if the stub dies, given the
+        server's endpoint, and ends the stub if the server dies under it. Its own session, so that a signal to the
+        server's process group reaches the server alone."""
         python = sys.executable if Path(sys.executable).name.startswith("python") else "python3"
+        reload_args = [] if endpoint is None else ["--host", endpoint[0], "--port", str(endpoint[1])]
         try:
             return subprocess.Popen(
                 # The file, not the module: importing the package would load torch into the watchdog.
                 [python, str(Path(__file__).with_name("stub_watchdog.py")), "--stub-pid", str(os.getpid()),
-                 "--server-pid", str(os.getppid()), "--model", self._model_name, "--host", endpoint[0],
-                 "--port", str(endpoint[1])],
+                 "--server-pid", str(os.getppid()), "--model", self._model_name, *reload_args],
                 stdin=subprocess.PIPE, start_new_session=True, close_fds=True)
         except OSError as err:
             self._pb_utils.Logger.log_warn(f"{self._model_name}: no stub watchdog: {err}")
@@ -217,14 +220,15 @@ class TritonAdapter:
         """After an engine failure or the end of one of the loop's threads, which no request caused (each request is
         checked before it joins a step): open requests have ended with INTERNAL, and new ones get UNAVAILABLE. The
         watchdog reloads the model, which gives it a fresh process and engine, unless it keeps failing before its
-        first step (stub_watchdog.py); without a watchdog (a server not under explicit model control) the model
-        keeps refusing until it is reloaded by hand. Triton 2.51 never asks `is_ready`, so the unload is what turns
+        first step (stub_watchdog.py); where nothing can reload it (a server not under explicit model control) the
+        model keeps refusing until it is loaded again. Triton 2.51 never asks `is_ready`, so the unload is what turns
         the model not ready."""
         pb_utils = self._pb_utils
         pb_utils.Logger.log_error(f"{self._model_name}: {cause.value}: {message}")
-        if self._watchdog is None:
-            pb_utils.Logger.log_error(f"{self._model_name}: no watchdog to reload the model (the server is not "
-                                      "under --model-control-mode=explicit): it refuses requests until reloaded")
+        if not self._reloads or self._watchdog is None:
+            why = "the server is not under --model-control-mode=explicit" if not self._reloads else "no watchdog"
+            pb_utils.Logger.log_error(f"{self._model_name}: nothing can reload the model ({why}): it refuses "
+                                      "requests until it is loaded again")
         served_a_step = self._engine.num_forward_passes > self._passes_at_ready
         self._tell_watchdog(RELOAD if served_a_step else RELOAD_AT_START)
 
