@@ -16,7 +16,9 @@ REPO = Path(__file__).resolve().parents[2]
 
 @pytest.fixture(scope="module")
 def bench():
-    """benchmarks/attention.py as a module (it is a script, beside the modules it imports)."""
+    """benchmarks/attention.py as a module (it is a script, beside the modules it imports). Its `kernels` is
+    benchmarks/kernels.py, where the suite may have imported the project's kernel package under that name."""
+    held = sys.modules.pop("kernels", None)
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         spec = importlib.util.spec_from_file_location("attention_benchmark", REPO / "benchmarks" / "attention.py")
@@ -24,6 +26,9 @@ def bench():
         spec.loader.exec_module(module)
     finally:
         sys.path.remove(str(REPO / "benchmarks"))
+        sys.modules.pop("kernels", None)
+        if held is not None:
+            sys.modules["kernels"] = held
     return module
 
 
