@@ -70,22 +70,20 @@ def recent_reloads_at_start(path: Path, now: float) -> list[float]:
     return [t for t in times if isinstance(t, (int, float)) and now - t < RELOAD_WINDOW_S]
 
 
-def process_is_gone(pid: int) -> bool:
-    """Gone or a zombie: a dead stub stays a zombie until tritonserver reaps it, and kill(pid, 0) still works."""
+def running_stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (state, parent pid, ..., start time the 20th) while the
+    process runs; None once it is gone or a zombie (a dead stub stays one until tritonserver reaps it, and
+    kill(pid, 0) still answers for it)."""
     try:
         with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+            fields = stat.read().rsplit(")", 1)[1].split()
     except OSError:
-        return True
+        return None
+    return fields if fields[0] not in ("Z", "X") else None
 
 
-def wait_until_gone(pid: int, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while not process_is_gone(pid):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def process_is_gone(pid: int) -> bool:
+    return running_stat(pid) is None
 
 
 class Stub:
@@ -94,21 +92,12 @@ class Stub:
 
     def __init__(self, pid: int):
         self.pid = pid
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                self._start = stat.read().rsplit(")", 1)[1].split()[19]
-        except OSError:
-            self._start = None  # gone already: never alive
+        fields = running_stat(pid)
+        self._start = None if fields is None else fields[19]  # None: gone already, never alive
 
     def _fields(self) -> list[str] | None:
-        """/proc/PID/stat's fields after the command name (state, parent pid, ..., start time the 20th), while the
-        stub runs; None once it is gone, a zombie, or its pid is another process's."""
-        try:
-            with open(f"/proc/{self.pid}/stat") as stat:
-                fields = stat.read().rsplit(")", 1)[1].split()
-        except OSError:
-            return None
-        return fields if fields[19] == self._start and fields[0] not in ("Z", "X") else None
+        fields = running_stat(self.pid)
+        return fields if fields is not None and fields[19] == self._start else None
 
     def alive(self) -> bool:
         return self._fields() is not None
@@ -117,6 +106,14 @@ class Stub:
         """Running, and no longer the server's child: the server has died."""
         fields = self._fields()
         return fields is not None and int(fields[1]) != server_pid
+
+    def wait_gone(self, timeout_s: float) -> bool:
+        deadline = time.monotonic() + timeout_s
+        while self.alive():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
 
     def shm_region(self) -> str | None:
         try:
@@ -129,11 +126,8 @@ class Stub:
 
 def end_orphaned_stub(stub: Stub, model: str, server_pid: int) -> None:
     """The server is gone: give the stub its grace to exit, then kill it and remove its shared-memory region."""
-    deadline = time.monotonic() + SERVER_GONE_GRACE_S
-    while time.monotonic() < deadline:
-        if not stub.alive():
-            return
-        time.sleep(0.05)
+    if stub.wait_gone(SERVER_GONE_GRACE_S):
+        return
     region = stub.shm_region()
     try:
         os.kill(stub.pid, signal.SIGKILL)
@@ -142,7 +136,7 @@ def end_orphaned_stub(stub: Stub, model: str, server_pid: int) -> None:
     logger.error("tritonserver (pid %d) is gone and the stub of model '%s' (pid %d) outlived it by %.1f s: killed "
                  "it, so that it frees its memory", server_pid, model, stub.pid, SERVER_GONE_GRACE_S)
     if region is not None:
-        wait_until_gone(stub.pid, timeout_s=5.0)
+        stub.wait_gone(timeout_s=5.0)
         try:
             os.unlink(f"/dev/shm/{region}")
         except OSError:
@@ -204,7 +198,7 @@ def act_on(word: bytes, stub: Stub, model: str, server_pid: int, endpoint: tuple
     if word == CLEAN:
         return
     if word not in (RELOAD, RELOAD_AT_START):  # the pipe closed without a word: the stub died, or is dying
-        if not wait_until_gone(stub.pid, timeout_s=5.0):
+        if not stub.wait_gone(timeout_s=5.0):
             return  # it lives: it closed the pipe on its way out of a normal finalize
         if process_is_gone(server_pid):
             return  # the server went first: nothing is left to reload the model into
