@@ -33,7 +33,7 @@ import triton.language as tl
 
 from .device import multiprocessor_count
 from .dtypes import dot_dtype
-from .kv_store import fp8_row_bytes, fp8_rows, store_kv
+from .kv_store import fp8_row_bytes, store_kv, typed_caches
 from .pdl import use_pdl, wait_for_previous_kernel
 
 LOG2_E = 1.4426950408889634
@@ -525,9 +525,7 @@ def paged_attention(
     if has_cache:
         if not kv_stored:
             store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
-        if kv_fp8:
-            (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
-            scale_strides = (k_scales.stride(0), k_scales.stride(1), k_scales.stride(2))
+        k_cache, v_cache, k_scales, v_scales, scale_strides = typed_caches(k_cache, v_cache, key)
         page_size = k_cache.shape[1]
         cache_strides = (k_cache.stride(0), k_cache.stride(1), k_cache.stride(2))
         max_context_len = meta.max_context_len

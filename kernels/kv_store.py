@@ -45,6 +45,16 @@ def fp8_rows(cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return flat[:values].view(torch.float8_e4m3fn).view(*shape, head_dim), flat[values:].view(torch.float32).view(shape)
 
 
+def typed_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, placeholder: torch.Tensor):
+    """(k values, v values, k scales, v scales, the scales' strides) of a K/V cache pair, as a kernel takes them:
+    an FP8-row pair's typed views (`fp8_rows`), or the caches themselves with `placeholder` for the scales and
+    strides of 0, which a kernel never reads unless the rows are FP8."""
+    if k_cache.dtype != torch.uint8:
+        return k_cache, v_cache, placeholder, placeholder, (0, 0, 0)
+    (k_values, k_scales), (v_values, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
+    return k_values, v_values, k_scales, v_scales, k_scales.stride()
+
+
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float8_e4m3fn, scales float32) of rows [..., head_dim], a scale per row: the reference of the
     kernel's store."""
@@ -154,9 +164,7 @@ def store_kv(
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kv: key and value need a contiguous head_dim")
     fp8 = k_cache.dtype == torch.uint8
-    k_scales = v_scales = slot_mapping  # never touched unless FP8
-    if fp8:
-        (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
+    k_cache, v_cache, k_scales, v_scales, scale_strides = typed_caches(k_cache, v_cache, slot_mapping)
     # A slot is flat over pages; a cache may be a column view of wider rows (DiffusionGemma's per-layer caches).
     if not all(cache.stride() == k_cache.stride() and cache.stride(-1) == 1 and cache.shape[-1] == head_dim
                and cache.stride(0) == cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
@@ -166,7 +174,7 @@ def store_kv(
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        k_scales.stride(1) if fp8 else 0, k_scales.stride(2) if fp8 else 0,
+        *scale_strides[1:],
         KV_HEADS=kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(kv_heads), FP8=fp8,
         USE_PDL=use_pdl(key), num_warps=4, launch_pdl=use_pdl(key),
     )

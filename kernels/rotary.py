@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import abs_max
-from .kv_store import fp8_rows, kv_row_scale, to_e4m3
+from .kv_store import kv_row_scale, to_e4m3, typed_caches
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
@@ -96,11 +96,7 @@ def _launch(x, cos, sin, store: tuple | None) -> None:
         v_strides, cache_strides, scale_strides, kv_heads = (0, 0), (0, 0), (0, 0), 1
     else:
         value, k_cache, v_cache, slot_mapping = store
-        k_scales = v_scales = slot_mapping  # never read unless FP8
-        scale_strides = (0, 0)
-        if fp8:
-            (k_cache, k_scales), (v_cache, v_scales) = fp8_rows(k_cache), fp8_rows(v_cache)
-            scale_strides = (k_scales.stride(1), k_scales.stride(2))
+        k_cache, v_cache, k_scales, v_scales, (_, *scale_strides) = typed_caches(k_cache, v_cache, slot_mapping)
         v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
         kv_heads = value.shape[1]
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
