@@ -42,8 +42,9 @@ def test_flashinfer_s_page_table_reads_every_sequence_s_context_then_its_block(b
     assert kv_indptr.dtype == last_page_len.dtype == torch.int32 and kv_indptr[0] == 0
     for i in range(batch):
         pages = kv_indices[kv_indptr[i]:kv_indptr[i + 1]].long()
-        assert 1 <= last_page_len[i] <= page
         rows = (len(pages) - 1) * page + int(last_page_len[i])
+        assert rows == context + bench.BLOCK_LEN  # the whole sequence, and no row past its block
+        assert len(pages) == -(-rows // page)  # the fewest pages that hold it: FlashInfer reads no page more
         for cache, want in ((t["k_cache"], want_k), (t["v_cache"], want_v)):
             got = cache[pages].flatten(0, 1)[:rows].transpose(0, 1)
             assert torch.equal(got, want[i])
