@@ -45,6 +45,18 @@ def _rmsnorm_kernel(
         x = x.to(tl.float32)
         for part in tl.static_range(1, NUM_PARTIALS):
             x += tl.load(x_ptr + part * stride_partial + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    add_rmsnorm_row(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+                    stride_residual, stride_out, stride_residual_out, hidden_size, eps, ADD_RESIDUAL, FP8_OUT,
+                    ACT_DTYPE, HAS_WEIGHT)
+
+
+@triton.jit
+def add_rmsnorm_row(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr,
+                    stride_residual, stride_out, stride_residual_out, hidden_size, eps, ADD_RESIDUAL: tl.constexpr,
+                    FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr):
+    """One row's norm, x (a [BLOCK] block of the row, its product's sum) added to the residual first with
+    ADD_RESIDUAL; writes the row (cast with its scale with FP8_OUT) and the new residual. The norm kernel and the
+    collective that sums a product over the ranks before its norm (peer_collectives.py) share it."""
     if ADD_RESIDUAL:
         # The product is rounded to the activation dtype, as an unfused matmul's output is; the sum is rounded
         # again, as the unfused `x + residual` would be, and the norm is taken of that rounded residual.

@@ -32,7 +32,11 @@ import torch
 import triton
 import triton.language as tl
 
+from .dtypes import triton_dtype
+from .norm import add_rmsnorm_row
 from .pdl import use_pdl, wait_for_previous_kernel
+
+FP8 = torch.float8_e4m3fn
 
 BLOCK = 2048  # elements a program moves per chunk
 
@@ -43,6 +47,32 @@ def _staging(staging_ptr, staging_offsets, rank, half):
     here, keeps the compiler's knowledge that the buffer is 16-byte aligned, so a thread moves 16 bytes a load."""
     dtype = staging_ptr.dtype.element_ty
     return staging_ptr + tl.load(staging_offsets + rank) * (16 // (dtype.primitive_bitwidth // 8)) + half
+
+
+@triton.jit
+def _arrive_and_wait(counts_ptr, flag_ptrs, program, rank, count, timeout_ns, WORLD: tl.constexpr,
+                     TIMED: tl.constexpr):
+    """Step 2: this program's call `count` staged here, raised in every rank's flags, and waited for from every
+    rank's same program."""
+    # Every thread's copy is done before the flag says so; the release makes the copies visible with it. Every
+    # thread has read the count, too, before it is written: a warp that read it after the write would take the
+    # other half, and wait for a call the other ranks have not made.
+    tl.debug_barrier()
+    tl.store(counts_ptr + program, count)
+    slot = program * WORLD
+    for peer in tl.static_range(WORLD):
+        flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))
+        tl.atomic_xchg(flags + slot + rank, count, sem="release", scope="sys")
+    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
+    if TIMED:
+        deadline = tl.extra.cuda.globaltimer() + timeout_ns
+    for peer in tl.static_range(WORLD):
+        # A rank may be a call ahead (its flag then already says count + 1), never behind once it has arrived.
+        while tl.atomic_add(own_flags + slot + peer, 0, sem="acquire", scope="sys") < count:
+            if TIMED:
+                tl.device_assert(tl.extra.cuda.globaltimer() < deadline,
+                                 "one-shot collective: a rank did not arrive in time")
+    tl.debug_barrier()
 
 
 @triton.jit(debug=True)  # keeps the device assertion of the timeout
@@ -72,25 +102,7 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
             tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
-    # Every thread's copy is done before the flag says so; the release makes the copies visible with it. Every
-    # thread has read the count, too, before it is written: a warp that read it after the write would take the
-    # other half, and wait for a call the other ranks have not made.
-    tl.debug_barrier()
-    tl.store(counts_ptr + program, count)
-    slot = program * WORLD
-    for peer in tl.static_range(WORLD):
-        flags = tl.load(flag_ptrs + peer).to(tl.pointer_type(tl.int64))
-        tl.atomic_xchg(flags + slot + rank, count, sem="release", scope="sys")
-    own_flags = tl.load(flag_ptrs + rank).to(tl.pointer_type(tl.int64))
-    if TIMED:
-        deadline = tl.extra.cuda.globaltimer() + timeout_ns
-    for peer in tl.static_range(WORLD):
-        # A rank may be a call ahead (its flag then already says count + 1), never behind once it has arrived.
-        while tl.atomic_add(own_flags + slot + peer, 0, sem="acquire", scope="sys") < count:
-            if TIMED:
-                tl.device_assert(tl.extra.cuda.globaltimer() < deadline,
-                                 "one-shot collective: a rank did not arrive in time")
-    tl.debug_barrier()
+    _arrive_and_wait(counts_ptr, flag_ptrs, program, rank, count, timeout_ns, WORLD, TIMED)
     for chunk in range(program, chunks, programs):
         index = chunk * BLOCK + offsets
         mask = index < n
@@ -104,6 +116,66 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
                 staging = _staging(staging_ptr, staging_offsets, peer, half)
                 total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(debug=True)  # keeps the device assertion of the timeout
+def _one_shot_add_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, staging_ptr,
+                          staging_offsets, flag_ptrs, counts_ptr, num_rows, hidden_size, half_size, rank, timeout_ns,
+                          eps, WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_PARTIALS: tl.constexpr,
+                          FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr, TIMED: tl.constexpr,
+                          USE_PDL: tl.constexpr):
+    """The collective's three steps by whole rows, each program its own rows, the third ending in the residual-add
+    norm (norm.py's add_rmsnorm_row) instead of a write of the sum: x [NUM_PARTIALS, num_rows, hidden_size] is this
+    rank's split sums; residual, out and residual_out are [num_rows, hidden_size], contiguous."""
+    wait_for_previous_kernel(USE_PDL)
+    program = tl.program_id(0)
+    programs = tl.num_programs(0)
+    count = tl.load(counts_ptr + program) + 1
+    half = (count % 2) * half_size
+    cols = tl.arange(0, BLOCK)
+    mask = cols < hidden_size
+    n = num_rows * hidden_size
+    for row in range(program, num_rows, programs):
+        index = row * hidden_size + cols
+        share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+        for part in tl.static_range(1, NUM_PARTIALS):  # in order, in float32, as one_shot_sum_partials adds them
+            share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
+        tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
+    _arrive_and_wait(counts_ptr, flag_ptrs, program, rank, count, timeout_ns, WORLD, TIMED)
+    for row in range(program, num_rows, programs):
+        index = row * hidden_size + cols
+        total = tl.zeros([BLOCK], dtype=tl.float32)
+        for peer in tl.static_range(WORLD):
+            staging = _staging(staging_ptr, staging_offsets, peer, half)
+            total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+        # Rounded to x's dtype, as the all-reduce writes its sum for the norm after it.
+        add_rmsnorm_row(total.to(x_ptr.dtype.element_ty), row, cols, mask, residual_ptr, weight_ptr,
+                        out_ptr, residual_out_ptr, scale_ptr, hidden_size, hidden_size, hidden_size, hidden_size,
+                        eps, True, FP8_OUT, ACT_DTYPE, True)
+
+
+def one_shot_sum_add_rmsnorm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                             staging: torch.Tensor, staging_offsets: torch.Tensor, flag_ptrs: torch.Tensor,
+                             counts: torch.Tensor, rank: int, timeout_ns: int = 0, fp8: bool = False):
+    """partials [S, T, hidden] (contiguous) summed over S and over the ranks, added to residual [T, hidden] and
+    normalized, in one launch: (out, residual_out) as fused_add_rmsnorm(the sum, residual, weight, eps) gives them,
+    or with `fp8` ((q, scale), residual_out) as fused_add_rmsnorm_fp8's. The buffers as one_shot_all_reduce takes
+    them, and a call counts as one of its calls."""
+    num_partials, num_rows, hidden_size = partials.shape
+    half_size = staging.numel() // 2
+    assert partials.is_contiguous() and residual.is_contiguous() and num_rows * hidden_size <= half_size
+    assert staging.dtype == partials.dtype and residual.shape == (num_rows, hidden_size)
+    out = torch.empty(residual.shape, dtype=FP8 if fp8 else residual.dtype, device=residual.device)
+    scale = torch.empty(num_rows, dtype=torch.float32, device=residual.device) if fp8 else out
+    residual_out = torch.empty_like(residual)
+    pdl = use_pdl(partials)
+    _one_shot_add_rmsnorm[(counts.numel(),)](
+        partials, residual, weight, out, residual_out, scale, staging, staging_offsets, flag_ptrs, counts, num_rows,
+        hidden_size, half_size, rank, timeout_ns, eps, WORLD=staging_offsets.numel(),
+        BLOCK=triton.next_power_of_2(hidden_size), NUM_PARTIALS=num_partials, FP8_OUT=fp8,
+        ACT_DTYPE=triton_dtype(residual.dtype), TIMED=partials.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8,
+        launch_pdl=pdl)
+    return ((out, scale) if fp8 else out), residual_out
 
 
 def one_shot_all_reduce(x: torch.Tensor, staging: torch.Tensor, staging_offsets: torch.Tensor,

@@ -113,3 +113,102 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype, monkey
             partial = inputs[rank][count - 1]
             halves = staging[rank].view(partial.dtype).view(2, -1)  # as the call viewed it: the same bytes halved
             assert torch.equal(halves[count % 2][:partial.numel()], partial)
+
+
+# (split sums, their dtype, the residual's dtype, fp8 rows out) per call of the norm's collective, among all-reduces:
+# the split-K partials in float32 before a bf16 residual, cuBLAS's one bf16 product, a float32 model.
+NORM_CALLS = [(3, torch.float32, torch.bfloat16, False), None, (1, torch.bfloat16, torch.bfloat16, True),
+              (2, torch.float32, torch.float32, True), (2, torch.float32, torch.bfloat16, True)]
+ROWS, HIDDEN = 5, 96  # more rows than programs, a hidden size under its block
+
+
+def norm_inputs(world: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(17)
+    calls = []
+    for case in NORM_CALLS:
+        if case is None:
+            calls.append({"x": [(torch.randn(HIDDEN, generator=generator) * 8).share_memory_() for _ in range(world)]})
+            continue
+        splits, dtype, residual_dtype, _ = case
+        calls.append({
+            "partials": [torch.randn(splits, ROWS, HIDDEN, generator=generator).to(dtype).share_memory_()
+                         for _ in range(world)],
+            "residual": torch.randn(ROWS, HIDDEN, generator=generator).to(residual_dtype).share_memory_(),
+            "weight": (1 + torch.randn(HIDDEN, generator=generator) / 4).to(residual_dtype).share_memory_(),
+            "out": [torch.zeros(ROWS, HIDDEN, dtype=torch.uint8 if case[3] else residual_dtype).share_memory_()
+                    for _ in range(world)],
+            "scale": [torch.zeros(ROWS).share_memory_() for _ in range(world)],
+            "residual_out": [torch.zeros(ROWS, HIDDEN, dtype=residual_dtype).share_memory_() for _ in range(world)],
+        })
+    return calls
+
+
+def norm_rank(rank, world, staging, flags, calls):
+    from diffulex_kernels.peer_collectives import one_shot_all_reduce, one_shot_sum_add_rmsnorm
+
+    from diffulex_backend.peer_memory import staging_offset
+
+    staging_offsets = torch.tensor([staging_offset(s, staging[rank]) for s in staging], dtype=torch.int64)
+    flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    counts = torch.zeros(PROGRAMS, dtype=torch.int64)
+    for case, call in zip(NORM_CALLS, calls):
+        if case is None:
+            one_shot_all_reduce(call["x"][rank], staging[rank].view(torch.float32), staging_offsets, flag_ptrs, counts,
+                                rank)
+            continue
+        partials = call["partials"][rank]
+        out, residual_out = one_shot_sum_add_rmsnorm(
+            partials, call["residual"], call["weight"], 1e-6, staging[rank].view(partials.dtype), staging_offsets,
+            flag_ptrs, counts, rank, fp8=case[3])
+        if case[3]:
+            (q, scale) = out
+            call["out"][rank].copy_(q.view(torch.uint8))
+            call["scale"][rank].copy_(scale)
+        else:
+            call["out"][rank].copy_(out)
+        call["residual_out"][rank].copy_(residual_out)
+    assert counts.tolist() == [len(NORM_CALLS)] * PROGRAMS
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(world, monkeypatch):
+    """A row-parallel product's split sums, summed over the splits and the ranks and then added to the residual and
+    normalized in the same launch, give every rank what the all-reduce followed by fused_add_rmsnorm (or
+    fused_add_rmsnorm_fp8) gives, bit for bit; and the calls count as the all-reduces beside them do."""
+    from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    staging = [torch.zeros(2 * HALF_SIZE, dtype=torch.float32).share_memory_() for _ in range(world)]
+    flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
+    calls = norm_inputs(world)
+    context = mp.get_context("spawn")
+    ranks = [context.Process(target=norm_rank, args=(rank, world, staging, flags, calls)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(300)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    assert [process.exitcode for process in ranks] == [0] * world
+    for case, call in zip(NORM_CALLS, calls):
+        if case is None:
+            continue
+        splits, dtype, _, fp8 = case
+        # The all-reduce's sum: each rank's splits in order in float32, rounded to their dtype, then the ranks'.
+        shares = [rank_share(partials.view(splits, -1)).view(ROWS, HIDDEN) if splits > 1 else partials[0]
+                  for partials in call["partials"]]
+        total = sum(share.float() for share in shares)
+        # Rounded to their dtype as the interpreter rounds float32 to bfloat16 in a kernel: by truncation.
+        total = (total.view(torch.int32) & -65536).view(torch.float32).to(dtype) if dtype == torch.bfloat16 else total
+        if fp8:
+            (want_q, want_scale), want_residual = fused_add_rmsnorm_fp8(total, call["residual"], call["weight"], 1e-6)
+        else:
+            want_out, want_residual = fused_add_rmsnorm(total, call["residual"], call["weight"], 1e-6)
+        for rank in range(world):
+            assert torch.equal(call["residual_out"][rank], want_residual), (case, rank)
+            if fp8:
+                assert torch.equal(call["scale"][rank], want_scale), (case, rank)
+                assert torch.equal(call["out"][rank], want_q.view(torch.uint8)), (case, rank)
+            else:
+                assert torch.equal(call["out"][rank], want_out), (case, rank)
