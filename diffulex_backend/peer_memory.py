@@ -20,7 +20,9 @@ import pickle
 import torch
 from torch.multiprocessing.reductions import reduce_tensor
 
-from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce, one_shot_sum_partials
+from diffulex_kernels.peer_collectives import (
+    one_shot_all_gather, one_shot_all_reduce, one_shot_sum_add_rmsnorm, one_shot_sum_partials,
+)
 
 # The largest sum the one-shot kernel makes, in bytes: a batch-32 decode step's rows at hidden 4096 in bfloat16.
 CAPACITY = 8 << 20
@@ -114,6 +116,14 @@ class PeerCollectives:
         """partials [S, *shape] (contiguous, partials[0] fits) summed over S and over the ranks, into partials[0]."""
         return one_shot_sum_partials(partials, self.staging.view(partials.dtype), self.staging_offsets,
                                      self.flag_ptrs, self.counts, self.rank, self.timeout_ns)
+
+    def sum_add_rmsnorm(self, partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                        fp8: bool):
+        """partials [S, T, hidden] (contiguous, partials[0] fits) summed over S and over the ranks, added to
+        residual and normalized in one launch: (rows, new residual), the rows as (q, scale) with `fp8`."""
+        return one_shot_sum_add_rmsnorm(partials, residual, weight, eps, self.staging.view(partials.dtype),
+                                        self.staging_offsets, self.flag_ptrs, self.counts, self.rank,
+                                        self.timeout_ns, fp8)
 
     def gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """[size, *shape]: every rank's `tensor` (which fits), rank 0's first."""

@@ -92,15 +92,15 @@ def fused_forward(
         k_cache = v_cache = None
         if kv_cache is not None:
             k_cache, v_cache = kv_cache[0, index], kv_cache[1, index]
-        attn_out = _sum_over_ranks(model.tp, _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache, lora))
+        attn_out = _self_attention(layer.attn, x, cos, sin, meta, k_cache, v_cache, lora)
         mlp = layer.mlp
         fp8_mlp = isinstance(mlp, GatedMLP) and _takes_fp8_rows(mlp.gate_up_proj, mlp.gate_up_lora, lora)
-        x, residual = _add_norm(attn_out, residual, layer.mlp_norm, fp8_mlp)
-        if isinstance(mlp, MoE):
-            mlp_out = _moe(mlp, x)  # [T, hidden], already summed over ranks
+        x, residual = _sum_add_norm(model.tp, attn_out, residual, layer.mlp_norm, fp8_mlp)
+        if isinstance(mlp, MoE):  # its rows come summed over the ranks
+            x, residual = _add_norm(_moe(mlp, x), residual, next_norm, qkv_after[index])
         else:
-            mlp_out = _sum_over_ranks(model.tp, _gated_mlp(mlp, x, lora, slots))
-        x, residual = _add_norm(mlp_out, residual, next_norm, qkv_after[index])
+            x, residual = _sum_add_norm(model.tp, _gated_mlp(mlp, x, lora, slots), residual, next_norm,
+                                        qkv_after[index])
     return x
 
 
@@ -128,6 +128,18 @@ def _add_norm(x: torch.Tensor, residual: torch.Tensor, norm, fp8: bool):
         rows, residual = fused_add_rmsnorm_fp8(x, residual, norm.weight, norm.eps)
         return Fp8Rows(*rows, residual.dtype), residual
     return fused_add_rmsnorm(x, residual, norm.weight, norm.eps)
+
+
+def _sum_add_norm(tp: TensorParallel, partials: torch.Tensor, residual: torch.Tensor, norm, fp8: bool):
+    """A row-parallel product's partial sums ([S, T, hidden]) summed over the ranks (_sum_over_ranks), added to the
+    residual and normalized (_add_norm). Over peer memory one launch does all of it; every rank takes the same way,
+    since every rank holds the same shapes."""
+    peer = tp.peer
+    if (tp.size > 1 and partials.dim() == 3 and peer is not None and norm.weight is not None
+            and partials.is_contiguous() and residual.is_contiguous() and peer.fits(partials[0], summed=True)):
+        rows, residual = peer.sum_add_rmsnorm(partials, residual, norm.weight, norm.eps, fp8)
+        return (Fp8Rows(*rows, residual.dtype) if fp8 else rows), residual
+    return _add_norm(_sum_over_ranks(tp, partials), residual, norm, fp8)
 
 
 def _sum_over_ranks(tp: TensorParallel, partials: torch.Tensor) -> torch.Tensor:

@@ -27,7 +27,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
-from diffulex_kernels import activation, fp8, kv_store, norm, rotary
+from diffulex_kernels import activation, fp8, kv_store, norm, peer_collectives, rotary
 
 
 def ttir(fn, signature, constexprs):
@@ -65,6 +65,12 @@ KERNELS = {
              stride_residual_out="i32", hidden_size="i32", eps="fp32"),
         dict(NUM_PARTIALS=1, ADD_RESIDUAL=True, BLOCK=4096, USE_PDL=False, FP8_OUT=True, ACT_DTYPE=tl.bfloat16,
              HAS_WEIGHT=True)),
+    "the collective ending in the fp8 norm": (
+        peer_collectives._one_shot_add_rmsnorm,
+        dict(x_ptr="*fp32", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*fp8e4nv", residual_out_ptr="*bf16",
+             scale_ptr="*fp32", staging_ptr="*fp32", staging_offsets="*i64", flag_ptrs="*i64", counts_ptr="*i64",
+             num_rows="i32", hidden_size="i32", half_size="i32", rank="i32", timeout_ns="i64", eps="fp32"),
+        dict(WORLD=2, BLOCK=4096, NUM_PARTIALS=4, FP8_OUT=True, ACT_DTYPE=tl.bfloat16, TIMED=False, USE_PDL=False)),
     "store_kv into fp8 rows": (
         kv_store._store_kv_kernel,
         dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32",
@@ -96,7 +102,7 @@ def ops_by_kernel() -> dict[str, list[str]]:
 
 
 def test_every_fp8_row_writer_takes_nan_keeping_maxima_and_minima(ops_by_kernel):
-    assert len(ops_by_kernel) == 6
+    assert len(ops_by_kernel) == 7
     for kernel, ops in ops_by_kernel.items():
         assert "maximumf" in ops, kernel  # the row's largest magnitude is taken here
         assert not {"maxnumf", "minnumf"} & set(ops), f"{kernel} drops NaN: {ops}"
