@@ -1,7 +1,8 @@
 """The one-shot collectives over peer memory (kernels/peer_collectives.py) on two GPUs: the ranks connect as an
 engine's do (workers.connect), and the kernels are held to NCCL's sums and gathers bit for bit, eagerly, replayed in
-a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's. `make gpu-check`
-runs it in its two-GPU section; tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
+a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's, and ending in the
+norm, to the norm kernel's. `make gpu-check` runs it in its two-GPU section;
+tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
 from __future__ import annotations
 
 import datetime
@@ -50,14 +51,27 @@ def gpu_rank(rank, port, results):
         agree.append(torch.equal(tp.gather(stats), by_nccl.view(2, rows, 7)))
         agree.append(torch.equal(tp.peer.counts, before + 1))
     # A row-parallel product's float32 split sums at a block's rows and at two blocks': summed over the splits in
-    # order and over the ranks (sum_partials, one launch), against the in-order sum and NCCL's all-reduce.
+    # order and over the ranks (sum_partials), and ending in the residual-add norm, bf16 or fp8 rows, against the
+    # in-order sum, NCCL's all-reduce and the norm kernel at the collective's warps. The residual and the norm's
+    # weight are the same on both ranks, as the engine's are.
+    from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8
+
+    shared = torch.Generator(device).manual_seed(99)
     for rows in (32, 64):
         partials = torch.randn(4, rows, 4096, generator=generator, device=device)
+        residual = torch.randn(rows, 4096, generator=shared, device=device).to(torch.bfloat16)
+        weight = (1 + torch.randn(4096, generator=shared, device=device) / 4).to(torch.bfloat16)
         summed = partials[0] + partials[1] + partials[2] + partials[3]
         tp.group.allreduce([summed]).wait()
         before = tp.peer.counts.clone()
         agree.append(torch.equal(tp.sum_partials(partials.clone()), summed))
         agree.append(torch.equal(tp.peer.counts, before + 1))
+        rows_out, residual_out = tp.peer.sum_add_rmsnorm(partials, residual, weight, 1e-6, fp8=False)
+        want_rows, want_residual = fused_add_rmsnorm(summed, residual, weight, 1e-6, num_warps=8)
+        agree += [torch.equal(rows_out, want_rows), torch.equal(residual_out, want_residual)]
+        (q, scale), _ = tp.peer.sum_add_rmsnorm(partials, residual, weight, 1e-6, fp8=True)
+        (want_q, want_scale), _ = fused_add_rmsnorm_fp8(summed, residual, weight, 1e-6, num_warps=8)
+        agree += [torch.equal(scale, want_scale), torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))]
     # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
     # host work between them, so that a rank may run calls ahead of the other.
     shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
@@ -96,4 +110,4 @@ def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 44, 1: [True] * 44}
+    assert dict(results) == {0: [True] * 52, 1: [True] * 52}
