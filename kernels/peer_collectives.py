@@ -12,6 +12,8 @@ other's memory (NVLink, or PCIe with peer access) one launch does it:
 3. it sums its chunks over every rank's staging buffer, in float32 and in rank order, so every rank rounds the same
    sum, and writes them over the partial; or, gathering, copies every rank's chunks into the output, rank 0's
    first.
+`one_shot_sum_add_rmsnorm` takes whole rows instead of chunks, and its third step ends in each row's residual-add
+norm (norm.py) instead of a write of the sum.
 
 Programs synchronise pairwise with the same program of the other ranks and never with one another, so a launch
 cannot wait on a program of its own grid that has not been scheduled. The flags hold a count of calls (int64: it
@@ -33,10 +35,8 @@ import triton
 import triton.language as tl
 
 from .dtypes import triton_dtype
-from .norm import add_rmsnorm_row
+from .norm import FP8, add_rmsnorm_row, norm_warps
 from .pdl import use_pdl, wait_for_previous_kernel
-
-FP8 = torch.float8_e4m3fn
 
 BLOCK = 2048  # elements a program moves per chunk
 
@@ -122,11 +122,15 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
 def _one_shot_add_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr, scale_ptr, staging_ptr,
                           staging_offsets, flag_ptrs, counts_ptr, num_rows, hidden_size, half_size, rank, timeout_ns,
                           eps, WORLD: tl.constexpr, BLOCK: tl.constexpr, NUM_PARTIALS: tl.constexpr,
-                          FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr, TIMED: tl.constexpr,
-                          USE_PDL: tl.constexpr):
+                          FP8_OUT: tl.constexpr, ACT_DTYPE: tl.constexpr, HAS_WEIGHT: tl.constexpr,
+                          TIMED: tl.constexpr, USE_PDL: tl.constexpr):
     """The collective's three steps by whole rows, each program its own rows, the third ending in the residual-add
     norm (norm.py's add_rmsnorm_row) instead of a write of the sum: x [NUM_PARTIALS, num_rows, hidden_size] is this
-    rank's split sums; residual, out and residual_out are [num_rows, hidden_size], contiguous."""
+    rank's split sums; residual, out and residual_out are [num_rows, hidden_size], contiguous.
+
+    Programs own rows here and chunks in _one_shot_collective, and the two kinds of call share the staging halves
+    and counts: a half is safe to write again all the same, since a rank's program arrives at a call only inside
+    that call's launch, which starts once the rank's previous launch has ended (wait_for_previous_kernel)."""
     wait_for_previous_kernel(USE_PDL)
     program = tl.program_id(0)
     programs = tl.num_programs(0)
@@ -149,9 +153,10 @@ def _one_shot_add_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out
             staging = _staging(staging_ptr, staging_offsets, peer, half)
             total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
         # Rounded to x's dtype, as the all-reduce writes its sum for the norm after it.
-        add_rmsnorm_row(total.to(x_ptr.dtype.element_ty), row, cols, mask, residual_ptr, weight_ptr,
-                        out_ptr, residual_out_ptr, scale_ptr, hidden_size, hidden_size, hidden_size, hidden_size,
-                        eps, True, FP8_OUT, ACT_DTYPE, True)
+        add_rmsnorm_row(total.to(x_ptr.dtype.element_ty), row, cols, mask, residual_ptr, weight_ptr, out_ptr,
+                        residual_out_ptr, scale_ptr, stride_residual=hidden_size, stride_out=hidden_size,
+                        stride_residual_out=hidden_size, hidden_size=hidden_size, eps=eps, ADD_RESIDUAL=True,
+                        FP8_OUT=FP8_OUT, ACT_DTYPE=ACT_DTYPE, HAS_WEIGHT=HAS_WEIGHT)
 
 
 def one_shot_sum_add_rmsnorm(partials: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -170,11 +175,13 @@ def one_shot_sum_add_rmsnorm(partials: torch.Tensor, residual: torch.Tensor, wei
     residual_out = torch.empty_like(residual)
     pdl = use_pdl(partials)
     _one_shot_add_rmsnorm[(counts.numel(),)](
-        partials, residual, weight, out, residual_out, scale, staging, staging_offsets, flag_ptrs, counts, num_rows,
-        hidden_size, half_size, rank, timeout_ns, eps, WORLD=staging_offsets.numel(),
-        BLOCK=triton.next_power_of_2(hidden_size), NUM_PARTIALS=num_partials, FP8_OUT=fp8,
-        ACT_DTYPE=triton_dtype(residual.dtype), TIMED=partials.is_cuda and timeout_ns > 0, USE_PDL=pdl, num_warps=8,
-        launch_pdl=pdl)
+        partials, residual, residual if weight is None else weight, out, residual_out, scale, staging,
+        staging_offsets, flag_ptrs, counts, num_rows, hidden_size, half_size, rank, timeout_ns, eps,
+        WORLD=staging_offsets.numel(), BLOCK=triton.next_power_of_2(hidden_size), NUM_PARTIALS=num_partials,
+        FP8_OUT=fp8, ACT_DTYPE=triton_dtype(residual.dtype), HAS_WEIGHT=weight is not None,
+        TIMED=partials.is_cuda and timeout_ns > 0, USE_PDL=pdl, launch_pdl=pdl,
+        # The norm kernel's warps, which order a row's sums: the same bits as the all-reduce, then the norm.
+        num_warps=norm_warps(hidden_size, fp8, num_rows))
     return ((out, scale) if fp8 else out), residual_out
 
 

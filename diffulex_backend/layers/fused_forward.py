@@ -135,8 +135,8 @@ def _sum_add_norm(tp: TensorParallel, partials: torch.Tensor, residual: torch.Te
     residual and normalized (_add_norm). Over peer memory one launch does all of it; every rank takes the same way,
     since every rank holds the same shapes."""
     peer = tp.peer
-    if (tp.size > 1 and partials.dim() == 3 and peer is not None and norm.weight is not None
-            and partials.is_contiguous() and residual.is_contiguous() and peer.fits(partials[0], summed=True)):
+    if (tp.size > 1 and partials.dim() == 3 and peer is not None and partials.is_contiguous()
+            and residual.is_contiguous() and peer.fits(partials[0], summed=True)):
         rows, residual = peer.sum_add_rmsnorm(partials, residual, norm.weight, norm.eps, fp8)
         return (Fp8Rows(*rows, residual.dtype) if fp8 else rows), residual
     return _add_norm(_sum_over_ranks(tp, partials), residual, norm, fp8)

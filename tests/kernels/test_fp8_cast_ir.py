@@ -70,7 +70,8 @@ KERNELS = {
         dict(x_ptr="*fp32", residual_ptr="*bf16", weight_ptr="*bf16", out_ptr="*fp8e4nv", residual_out_ptr="*bf16",
              scale_ptr="*fp32", staging_ptr="*fp32", staging_offsets="*i64", flag_ptrs="*i64", counts_ptr="*i64",
              num_rows="i32", hidden_size="i32", half_size="i32", rank="i32", timeout_ns="i64", eps="fp32"),
-        dict(WORLD=2, BLOCK=4096, NUM_PARTIALS=4, FP8_OUT=True, ACT_DTYPE=tl.bfloat16, TIMED=False, USE_PDL=False)),
+        dict(WORLD=2, BLOCK=4096, NUM_PARTIALS=4, FP8_OUT=True, ACT_DTYPE=tl.bfloat16, HAS_WEIGHT=True, TIMED=False,
+             USE_PDL=False)),
     "store_kv into fp8 rows": (
         kv_store._store_kv_kernel,
         dict(key_ptr="*bf16", value_ptr="*bf16", k_cache_ptr="*fp8e4nv", v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32",

@@ -116,9 +116,11 @@ def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype, monkey
 
 
 # (split sums, their dtype, the residual's dtype, fp8 rows out) per call of the norm's collective, among all-reduces:
-# the split-K partials in float32 before a bf16 residual, cuBLAS's one bf16 product, a float32 model.
+# the split-K partials in float32 before a bf16 residual, cuBLAS's one bf16 product, a float32 model, and a bf16
+# product before a float32 residual (the sum is rounded to the product's dtype first, as the all-reduce writes it).
 NORM_CALLS = [(3, torch.float32, torch.bfloat16, False), None, (1, torch.bfloat16, torch.bfloat16, True),
-              (2, torch.float32, torch.float32, True), (2, torch.float32, torch.bfloat16, True)]
+              (2, torch.float32, torch.float32, True), (2, torch.float32, torch.bfloat16, True),
+              (1, torch.bfloat16, torch.float32, False)]
 ROWS, HIDDEN = 5, 96  # more rows than programs, a hidden size under its block
 
 
