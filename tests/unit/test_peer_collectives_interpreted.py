@@ -214,3 +214,66 @@ def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(w
                 assert torch.equal(call["out"][rank], want_q.view(torch.uint8)), (case, rank)
             else:
                 assert torch.equal(call["out"][rank], want_out), (case, rank)
+
+
+def wiring_rank(rank, world, staging, flags, calls):
+    """The fused forward's `_sum_add_norm` on a rank whose tensor parallelism has peer memory: the same results as
+    the kernel's own call (norm_rank), wrapped as the forward takes them."""
+    from types import SimpleNamespace
+
+    from diffulex_backend.layers import fused_forward
+    from diffulex_backend.peer_memory import PeerCollectives, staging_offset
+
+    peer = PeerCollectives.__new__(PeerCollectives)  # its buffers here are shared memory, not CUDA IPC handles
+    peer.rank, peer.timeout_ns, peer.others, peer.open = rank, 60 * 10**9, {}, True
+    peer.staging, peer.flags = staging[rank].view(torch.uint8), flags[rank]
+    peer.counts = torch.zeros(PROGRAMS, dtype=torch.int64)
+    peer.staging_offsets = torch.tensor([staging_offset(s, staging[rank]) for s in staging], dtype=torch.int64)
+    peer.flag_ptrs = torch.tensor([f.data_ptr() for f in flags], dtype=torch.int64)
+    tp = SimpleNamespace(size=world, peer=peer)
+    for case, call in zip(NORM_CALLS, calls):
+        if case is None:
+            peer.all_reduce(call["x"][rank])
+            continue
+        norm = SimpleNamespace(weight=call["weight"], eps=1e-6)
+        rows, residual_out = fused_forward._sum_add_norm(tp, call["partials"][rank], call["residual"], norm, case[3])
+        if case[3]:
+            assert isinstance(rows, fused_forward.Fp8Rows) and rows.dtype == call["residual"].dtype
+            call["out"][rank].copy_(rows.q.view(torch.uint8))
+            call["scale"][rank].copy_(rows.scale)
+        else:
+            assert rows.dtype == call["residual"].dtype
+            call["out"][rank].copy_(rows)
+        call["residual_out"][rank].copy_(residual_out)
+    assert peer.counts.tolist() == [len(NORM_CALLS)] * PROGRAMS
+
+
+def test_the_fused_forward_takes_the_norm_s_collective_where_tensor_parallelism_has_peer_memory(monkeypatch):
+    """fused_forward._sum_add_norm, through PeerCollectives.sum_add_rmsnorm, gives each rank what the kernel's own
+    call gives (the test above holds that to the all-reduce then the norm), fp8 rows as Fp8Rows of the residual's
+    dtype: the wiring the two-GPU test covers on GPUs, here on the CPU with two ranks as processes."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    world = 2
+    results = []
+    for rank_fn in (norm_rank, wiring_rank):
+        staging = [torch.zeros(2 * HALF_SIZE, dtype=torch.float32).share_memory_() for _ in range(world)]
+        flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
+        calls = norm_inputs(world)
+        context = mp.get_context("spawn")
+        ranks = [context.Process(target=rank_fn, args=(rank, world, staging, flags, calls)) for rank in range(world)]
+        for process in ranks:
+            process.start()
+        for process in ranks:
+            process.join(300)
+        for process in ranks:
+            if process.is_alive():
+                process.kill()
+        assert [process.exitcode for process in ranks] == [0] * world, rank_fn.__name__
+        results.append(calls)
+    for case, kernel_call, forward_call in zip(NORM_CALLS, *results):
+        if case is None:
+            continue
+        for key in ("out", "scale", "residual_out"):
+            for rank in range(world):
+                assert torch.equal(forward_call[key][rank], kernel_call[key][rank]), (case, key, rank)
+        assert not all(torch.equal(out, torch.zeros_like(out)) for out in forward_call["out"])
