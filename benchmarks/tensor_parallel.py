@@ -70,13 +70,15 @@ NEW_TOKENS = 4 * BLOCK
 def collective_ms(profile) -> float:
     """Device time of NCCL kernels and of the one-shot collectives over peer memory, or host time of gloo
     collectives, in ms over the profiled span. Over peer memory the collective also adds a product's split sums as
-    it stages them (one_shot_sum_partials); through NCCL and gloo a torch reduce adds them first, apart."""
+    it stages them, and after a row-parallel product goes on to the residual-add norm in the same launch
+    (one_shot_sum_add_rmsnorm), so that its time holds the norm's; through NCCL and gloo a torch reduce adds the
+    splits first, and the norm kernel follows, apart."""
     total_us = 0.0
     for event in profile.key_averages():
         name = event.key.lower()
         if name.startswith("gloo:"):
             total_us += event.cpu_time_total
-        elif "nccl" in name or "one_shot_collective" in name:
+        elif "nccl" in name or "_one_shot_" in name:
             total_us += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     return total_us / 1e3
 
