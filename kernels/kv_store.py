@@ -55,6 +55,18 @@ def typed_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, placeholder: torc
     return k_values, v_values, k_scales, v_scales, k_scales.stride()
 
 
+def check_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int, name: str) -> None:
+    """Raises unless typed caches (`typed_caches`) take a token's `kv_heads` rows of `head_dim` values in each slot:
+    the same strides, contiguous rows, slots evenly strided across pages (a slot is flat over pages). A cache may be
+    a column view of wider rows (DiffusionGemma's per-layer caches)."""
+    if not all(cache.dim() == 4 and cache.shape[2:] == (kv_heads, head_dim) and cache.stride() == k_cache.stride()
+               and cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
+               for cache in (k_cache, v_cache)):
+        raise ValueError(f"{name}: k_cache and v_cache need the same strides and slots of {kv_heads} heads of "
+                         f"{head_dim} contiguous values each, evenly strided across pages; got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+
+
 def quantize_rows(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(values float8_e4m3fn, scales float32) of rows [..., head_dim], a scale per row: the reference of the
     kernel's store."""
@@ -165,11 +177,7 @@ def store_kv(
         raise ValueError("store_kv: key and value need a contiguous head_dim")
     fp8 = k_cache.dtype == torch.uint8
     k_cache, v_cache, k_scales, v_scales, scale_strides = typed_caches(k_cache, v_cache, slot_mapping)
-    # A slot is flat over pages; a cache may be a column view of wider rows (DiffusionGemma's per-layer caches).
-    if not all(cache.stride() == k_cache.stride() and cache.stride(-1) == 1 and cache.shape[-1] == head_dim
-               and cache.stride(0) == cache.shape[1] * cache.stride(1) for cache in (k_cache, v_cache)):
-        raise ValueError("store_kv: k_cache and v_cache need the same strides, rows of head_dim contiguous values "
-                         "and slots evenly strided across pages")
+    check_slots(k_cache, v_cache, kv_heads, head_dim, "store_kv")
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import abs_max
-from .kv_store import kv_row_scale, to_e4m3, typed_caches
+from .kv_store import check_slots, kv_row_scale, to_e4m3, typed_caches
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
@@ -97,6 +97,7 @@ def _launch(x, cos, sin, store: tuple | None) -> None:
     else:
         value, k_cache, v_cache, slot_mapping = store
         k_cache, v_cache, k_scales, v_scales, (_, *scale_strides) = typed_caches(k_cache, v_cache, slot_mapping)
+        check_slots(k_cache, v_cache, value.shape[1], head_dim, "rotate_and_store_kv")
         v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
         kv_heads = value.shape[1]
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
@@ -132,6 +133,12 @@ def rotate_and_store_kv(
     stores its committed blocks' K/V without a launch of its own. Into FP8 rows the values and scales are
     `store_kv`'s, bit for bit."""
     _check(qk, cos, sin, "rotate_and_store_kv")
+    num_tokens, heads, head_dim = qk.shape
+    if value.dim() != 3 or value.shape[0] != num_tokens or value.shape[2] != head_dim or value.shape[1] >= heads:
+        raise ValueError(f"rotate_and_store_kv: value must be [{num_tokens}, kv_heads, {head_dim}] with fewer kv "
+                         f"heads than qk's {heads}, got {tuple(value.shape)}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"rotate_and_store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if value.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rotate_and_store_kv: value needs a contiguous head_dim and the caches must be contiguous")
     _launch(qk, cos, sin, (value, k_cache, v_cache, slot_mapping))

@@ -118,3 +118,35 @@ def test_a_row_holding_nan_stored_as_fp8_gets_a_nan_scale_and_the_rows_beside_it
     untouched = torch.ones(16, dtype=torch.bool)
     untouched[[4, 7]] = False
     assert (k_scales[untouched] == 0).all() and (v_scales[untouched] == 0).all()
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
+@pytest.mark.parametrize("wrong", ["more kv heads than the cache", "fewer kv heads than the cache",
+                                   "another head_dim", "short slot mapping", "kv heads not fewer than qk's"])
+def test_rotate_and_store_kv_refuses_what_its_caches_do_not_hold_and_writes_nothing(wrong, fp8):
+    """A value whose heads or head size the caches do not hold, or a slot mapping of another length, would write
+    past the slots it names: the call refuses it with a message naming the shapes, and leaves qk and the caches
+    as they were."""
+    tokens, heads, kv_heads, head_dim = 4, 4, 2, 64
+    gen = generator(5)
+    qk = randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
+    value = randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
+    cache_heads, cache_dim, slots = kv_heads, head_dim, tokens
+    if wrong == "more kv heads than the cache":
+        cache_heads = 1
+    elif wrong == "fewer kv heads than the cache":
+        cache_heads = 3
+    elif wrong == "another head_dim":
+        cache_dim = 32
+    elif wrong == "short slot mapping":
+        slots = tokens - 1
+    else:
+        value = randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
+    caches = [randn(2, 16, cache_heads, cache_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    if fp8:
+        caches = [pack_fp8_rows(cache) for cache in caches]
+    before = [qk.clone(), *(c.clone() for c in caches)]
+    cos, sin = rotary_angles(torch.arange(tokens, device=DEVICE), head_dim, 10000.0)
+    with pytest.raises(ValueError, match=r"rotate_and_store_kv: (value|slot_mapping|k_cache)"):
+        rotate_and_store_kv(qk, value, cos, sin, caches[0], caches[1], torch.arange(slots, device=DEVICE))
+    assert all(torch.equal(now, then) for now, then in zip([qk, *caches], before))
