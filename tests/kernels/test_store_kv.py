@@ -163,3 +163,20 @@ def test_rounding_to_e4m3_keeps_every_nan_a_nan_and_the_sign_of_every_zero():
     assert out[:len(nan_bits)].isnan().all()
     want = values.to(torch.float8_e4m3fn).float().to(DEVICE)
     assert torch.equal(out[len(nan_bits):].view(torch.int32), want.view(torch.int32))  # the sign of a zero too
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
+@pytest.mark.parametrize("cache_heads, cache_dim", [(KV_HEADS - 1, 64), (KV_HEADS + 1, 64), (KV_HEADS, 32)],
+                         ids=["fewer heads", "more heads", "shorter rows"])
+def test_a_cache_whose_slots_do_not_hold_the_rows_is_refused_before_anything_is_written(cache_heads, cache_dim, fp8):
+    """Keys of more heads than a slot holds, or longer rows, would write into the next slot or past the pool; the
+    store refuses them, naming the shapes, and leaves the caches as they were."""
+    gen = generator(9)
+    key, value = (randn(NUM_TOKENS, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    caches = [randn(NUM_PAGES, 16, cache_heads, cache_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    if fp8:
+        caches = [kv_store.pack_fp8_rows(cache) for cache in caches]
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(ValueError, match=rf"store_kv: .* slots of {KV_HEADS} heads of 64 contiguous values"):
+        kv_store.store_kv(key, value, caches[0], caches[1], make_slots(NUM_TOKENS, 16, 1))
+    assert all(torch.equal(now, then) for now, then in zip(caches, before))
