@@ -323,12 +323,13 @@ def main(argv=None) -> int:
                 if device.type == "cuda":
                     torch.cuda.empty_cache()
             for threads, dtype in itertools.product(args.threads.split(","), dtypes):
-                with thread_pools(threads):
-                    runs = {size: run_engine(checkpoint, ranks[size], batches, args.smoke, device, dtype,
-                                             expert_parallel=size.endswith("ep")) for size in sizes}
-                base = runs[sizes[0]]
-                for batch in batches:
-                    for size in sizes:
+                runs = {}
+                for size in sizes:
+                    with thread_pools(threads):
+                        runs[size] = run_engine(checkpoint, ranks[size], batches, args.smoke, device, dtype,
+                                                expert_parallel=size.endswith("ep"))
+                    base = runs[sizes[0]]
+                    for batch in batches:
                         result = runs[size][batch]
                         floor_ms = 1e3 * result["weight_bytes"] / bandwidth  # bytes moved per second, as forward.py
                         diff, rel = logit_difference(base[batch]["first_logits"], result["first_logits"])
@@ -343,10 +344,10 @@ def main(argv=None) -> int:
                         host_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **result["host"])
                         for op in result["ops"]:
                             ops_table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch, **op)
-                # Written after every setting: a run cut off by a time limit keeps the rows it measured.
-                table.write(args.out, argv)
-                host_table.write(args.out, argv)
-                ops_table.write(args.out, argv)
+                    # Written after every engine: a run cut off by a time limit keeps the rows it measured.
+                    table.write(args.out, argv)
+                    host_table.write(args.out, argv)
+                    ops_table.write(args.out, argv)
     return 0
 
 
