@@ -18,9 +18,9 @@ check within one ten-minute command, these run on CI's CPU only: request parsing
 (no device work), tensor parallelism over gloo (CPU ranks), stub death and shutdown, and the load tests (soak, fuzz,
 hostile requests, perf_analyzer, genai-perf).
 On a machine of several GPUs the sections are shared out, longest first, and the GPUs run their shares at once,
-each section in a process that sees its GPU alone: on two H200s the four took 338 s, 315 s on one GPU and 299 s on
-the other, where one after another they would take about 615 s. A section that needs two GPUs runs after the shares,
-seeing the first two.
+each section in a process that sees its GPU alone; each section's `seconds` is what it took on two H200s sharing
+them (docs/gpu-check.md), where one after another the four take about 800 s. A section that needs two GPUs runs
+after the shares, seeing the first two.
 
     python3 tools/gpu_check.py [--runtime .gpu-runtime] [--out DIR] [--commit SHA] [--gpus N]
 
@@ -65,19 +65,19 @@ TWO_GPU_KERNEL_TESTS = "tests/kernels/test_peer_collectives_two_gpus.py"
 # The served path first: it is what users run, and what no other check covers.
 SECTIONS = (
     Section("served: every family and strategy, KIND_GPU, the shipped repository",
-            ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py"), seconds=153),
+            ("tests/server/test_served_families.py", "tests/server/test_shipped_repository.py"), seconds=185),
     # Eight workers: the kernel tests compile hundreds of variants, each on a core of its own.
     Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py"),
-            ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=131),
-    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py"), seconds=31),
+            ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=238),
+    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py"), seconds=38),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
             "test_triton_server.py", "test_thread_death.py", "test_data_parallel.py", "test_page_retention_served.py",
             "test_integer_limits.py", "test_served_logprobs.py")),
-        "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=299),
+        "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=339),
     Section("tensor parallelism, one rank on each of two GPUs: the collectives over peer memory, then served",
-            (TWO_GPU_KERNEL_TESTS, "tests/server/test_tensor_parallel_gpu.py"), seconds=90, gpus=2),
+            (TWO_GPU_KERNEL_TESTS, "tests/server/test_tensor_parallel_gpu.py"), seconds=58, gpus=2),
 )
 
 

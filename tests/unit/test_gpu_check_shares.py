@@ -32,12 +32,15 @@ def test_every_section_runs_once_on_one_gpu_in_the_table_s_order(gpu_check, num_
         assert shares == [sections]
 
 
-def test_two_gpus_run_the_server_suites_beside_everything_else(gpu_check):
-    # The server and client suites take about as long as the other three sections together.
+def test_two_gpus_pair_the_longest_section_with_the_shortest(gpu_check):
+    # The server and client suites take longest and the offline API least; the kernels and the served families
+    # together take about as long as those two.
     shares = gpu_check.share_out([section for section in gpu_check.SECTIONS if section.gpus == 1], 2)
-    names = sorted([[s.name for s in share] for share in shares], key=len)
-    assert names[0] == ["served: server and client suites, on the GPU"]
-    assert len(names[1]) == 3
+    assert sorted([s.name for s in share] for share in shares) == [
+        ["offline API", "served: server and client suites, on the GPU"],
+        ["served: every family and strategy, KIND_GPU, the shipped repository",
+         "kernels, CUDA graphs and the fused forward"],
+    ]
 
 
 def test_a_share_never_waits_for_another_longer_than_its_longest_section(gpu_check):
