@@ -51,7 +51,30 @@ def assert_equal_after_truncation(out: torch.Tensor, expected: torch.Tensor, sha
         assert ((out.float() - expected.float()).abs() <= bound * 2.0**-7).all()
 
 
-def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
+def shared_buffers(world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Every rank's staging buffer and flag array, in shared memory, as an engine's ranks map each other's."""
+    return ([torch.zeros(2 * HALF_SIZE, dtype=dtype).share_memory_() for _ in range(world)],
+            [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)])
+
+
+def run_ranks(rank_fn, staging: list[torch.Tensor], flags: list[torch.Tensor], *args) -> list[int | None]:
+    """`rank_fn(rank, world, staging, flags, *args)` for each rank, in a process of its own (under the interpreter,
+    which the ranks inherit); the ranks' exit codes. A rank that hangs is killed, so that it cannot keep the
+    session waiting at its exit."""
+    world = len(staging)
+    context = mp.get_context("spawn")
+    ranks = [context.Process(target=rank_fn, args=(rank, world, staging, flags, *args)) for rank in range(world)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(300)
+    for process in ranks:
+        if process.is_alive():
+            process.kill()
+    return [process.exitcode for process in ranks]
+
+
+def interpreted_rank(rank, world, staging, flags, dtype, inputs, outputs):
     from diffulex_kernels.peer_collectives import one_shot_all_gather, one_shot_all_reduce, one_shot_sum_partials
 
     from diffulex_backend.peer_memory import staging_offset
@@ -82,21 +105,11 @@ def interpreted_rank(rank, world, dtype, staging, flags, inputs, outputs):
 def test_every_rank_gets_the_rank_order_sum_call_after_call(world, dtype, monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # the ranks inherit it, wherever the suite runs
     generator = torch.Generator().manual_seed(world)
-    staging = [torch.zeros(2 * HALF_SIZE, dtype=dtype).share_memory_() for _ in range(world)]
-    flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
     inputs = [[call_input(call, n, dtype, generator) for call, n in enumerate(SIZES)] for _ in range(world)]
     outputs = [[torch.full((n,), float("nan"), dtype=dtype).share_memory_() for n in SIZES] for _ in range(world)]
-    context = mp.get_context("spawn")
-    ranks = [context.Process(target=interpreted_rank, args=(rank, world, dtype, staging, flags, inputs, outputs))
-             for rank in range(world)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(300)
-    for process in ranks:  # one that hangs must not keep the session waiting at its exit
-        if process.is_alive():
-            process.kill()
-    assert [process.exitcode for process in ranks] == [0] * world  # each rank checked every gather itself
+    staging, flags = shared_buffers(world, dtype)
+    # Each rank checked every gather itself.
+    assert run_ranks(interpreted_rank, staging, flags, dtype, inputs, outputs) == [0] * world
     for call in set(range(len(SIZES))) - GATHERS:
         shares = [rank_share(inputs[rank][call]) for rank in range(world)]
         expected = sum(share.float() for share in shares).to(dtype)
@@ -180,19 +193,8 @@ def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(w
     from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    staging = [torch.zeros(2 * HALF_SIZE, dtype=torch.float32).share_memory_() for _ in range(world)]
-    flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
     calls = norm_inputs(world)
-    context = mp.get_context("spawn")
-    ranks = [context.Process(target=norm_rank, args=(rank, world, staging, flags, calls)) for rank in range(world)]
-    for process in ranks:
-        process.start()
-    for process in ranks:
-        process.join(300)
-    for process in ranks:
-        if process.is_alive():
-            process.kill()
-    assert [process.exitcode for process in ranks] == [0] * world
+    assert run_ranks(norm_rank, *shared_buffers(world, torch.float32), calls) == [0] * world
     for case, call in zip(NORM_CALLS, calls):
         if case is None:
             continue
@@ -256,19 +258,8 @@ def test_the_fused_forward_takes_the_norm_s_collective_where_tensor_parallelism_
     world = 2
     results = []
     for rank_fn in (norm_rank, wiring_rank):
-        staging = [torch.zeros(2 * HALF_SIZE, dtype=torch.float32).share_memory_() for _ in range(world)]
-        flags = [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)]
         calls = norm_inputs(world)
-        context = mp.get_context("spawn")
-        ranks = [context.Process(target=rank_fn, args=(rank, world, staging, flags, calls)) for rank in range(world)]
-        for process in ranks:
-            process.start()
-        for process in ranks:
-            process.join(300)
-        for process in ranks:
-            if process.is_alive():
-                process.kill()
-        assert [process.exitcode for process in ranks] == [0] * world, rank_fn.__name__
+        assert run_ranks(rank_fn, *shared_buffers(world, torch.float32), calls) == [0] * world, rank_fn.__name__
         results.append(calls)
     for case, kernel_call, forward_call in zip(NORM_CALLS, *results):
         if case is None:
