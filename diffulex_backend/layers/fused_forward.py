@@ -10,6 +10,10 @@ reference and the CPU path), in fewer launches.
   gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
 At batch 1 a layer is then eight launches (nine with split-KV's merge), four of them weight-streaming matmuls:
 small kernels would otherwise cost more than the weights take to stream.
+- Under tensor parallelism o_proj's and down_proj's partial sums are summed over the ranks as well: where the
+  ranks share peer memory and the rows fit its staging buffer, one launch sums them over the splits and the ranks
+  and ends in the residual-add RMSNorm (`_sum_add_norm`), so the sums add no launch to a layer; otherwise an
+  all-reduce comes before the norm.
 - A MoE layer's MLP (LLaDA2, SDAR-MoE, `_moe`): the router as the streaming kernel's split product, whose float32
   partial sums the group-limited top-k kernel (`diffulex_kernels.route_experts`) adds up as it routes; the shared
   expert as a dense gated MLP (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in
