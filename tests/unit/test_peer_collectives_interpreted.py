@@ -57,21 +57,26 @@ def shared_buffers(world: int, dtype: torch.dtype) -> tuple[list[torch.Tensor], 
             [torch.zeros(PROGRAMS, world, dtype=torch.int64).share_memory_() for _ in range(world)])
 
 
-def run_ranks(rank_fn, staging: list[torch.Tensor], flags: list[torch.Tensor], *args) -> list[int | None]:
-    """`rank_fn(rank, world, staging, flags, *args)` for each rank, in a process of its own (under the interpreter,
-    which the ranks inherit); the ranks' exit codes. A rank that hangs is killed, so that it cannot keep the
-    session waiting at its exit."""
-    world = len(staging)
+def run_processes(*jobs) -> list[int | None]:
+    """Each (function, arguments) job in a process of its own, all at once (under the interpreter, which they
+    inherit, whether this process has a GPU or not); their exit codes. One that hangs is killed, so that it cannot
+    keep the session waiting at its exit."""
     context = mp.get_context("spawn")
-    ranks = [context.Process(target=rank_fn, args=(rank, world, staging, flags, *args)) for rank in range(world)]
-    for process in ranks:
+    processes = [context.Process(target=fn, args=args) for fn, args in jobs]
+    for process in processes:
         process.start()
-    for process in ranks:
+    for process in processes:
         process.join(300)
-    for process in ranks:
+    for process in processes:
         if process.is_alive():
             process.kill()
-    return [process.exitcode for process in ranks]
+    return [process.exitcode for process in processes]
+
+
+def run_ranks(rank_fn, staging: list[torch.Tensor], flags: list[torch.Tensor], *args) -> list[int | None]:
+    """`rank_fn(rank, world, staging, flags, *args)` for each rank, as processes (run_processes)."""
+    world = len(staging)
+    return run_processes(*[(rank_fn, (rank, world, staging, flags, *args)) for rank in range(world)])
 
 
 def interpreted_rank(rank, world, staging, flags, dtype, inputs, outputs):
@@ -154,6 +159,9 @@ def norm_inputs(world: int) -> list[dict]:
                     for _ in range(world)],
             "scale": [torch.zeros(ROWS).share_memory_() for _ in range(world)],
             "residual_out": [torch.zeros(ROWS, HIDDEN, dtype=residual_dtype).share_memory_() for _ in range(world)],
+            "want_out": torch.zeros(ROWS, HIDDEN, dtype=torch.uint8 if case[3] else residual_dtype).share_memory_(),
+            "want_scale": torch.zeros(ROWS).share_memory_(),
+            "want_residual": torch.zeros(ROWS, HIDDEN, dtype=residual_dtype).share_memory_(),
         })
     return calls
 
@@ -185,16 +193,11 @@ def norm_rank(rank, world, staging, flags, calls):
     assert counts.tolist() == [len(NORM_CALLS)] * PROGRAMS
 
 
-@pytest.mark.parametrize("world", [2, 3])
-def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(world, monkeypatch):
-    """A row-parallel product's split sums, summed over the splits and the ranks and then added to the residual and
-    normalized in the same launch, give every rank what the all-reduce followed by fused_add_rmsnorm (or
-    fused_add_rmsnorm_fp8) gives, bit for bit; and the calls count as the all-reduces beside them do."""
+def norm_reference(calls):
+    """What every rank should get from each call: the all-reduce's sum, then fused_add_rmsnorm (or
+    fused_add_rmsnorm_fp8) of it, written into the call's want_* tensors."""
     from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8
 
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
-    calls = norm_inputs(world)
-    assert run_ranks(norm_rank, *shared_buffers(world, torch.float32), calls) == [0] * world
     for case, call in zip(NORM_CALLS, calls):
         if case is None:
             continue
@@ -206,16 +209,32 @@ def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(w
         # Rounded to their dtype as the interpreter rounds float32 to bfloat16 in a kernel: by truncation.
         total = (total.view(torch.int32) & -65536).view(torch.float32).to(dtype) if dtype == torch.bfloat16 else total
         if fp8:
-            (want_q, want_scale), want_residual = fused_add_rmsnorm_fp8(total, call["residual"], call["weight"], 1e-6)
+            (q, scale), residual = fused_add_rmsnorm_fp8(total, call["residual"], call["weight"], 1e-6)
+            call["want_out"].copy_(q.view(torch.uint8))
+            call["want_scale"].copy_(scale)
         else:
-            want_out, want_residual = fused_add_rmsnorm(total, call["residual"], call["weight"], 1e-6)
+            out, residual = fused_add_rmsnorm(total, call["residual"], call["weight"], 1e-6)
+            call["want_out"].copy_(out)
+        call["want_residual"].copy_(residual)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_the_norm_s_collective_gives_every_rank_the_norm_of_the_rank_order_sum(world, monkeypatch):
+    """A row-parallel product's split sums, summed over the splits and the ranks and then added to the residual and
+    normalized in the same launch, give every rank what the all-reduce followed by fused_add_rmsnorm (or
+    fused_add_rmsnorm_fp8) gives, bit for bit; and the calls count as the all-reduces beside them do."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    calls = norm_inputs(world)
+    assert run_ranks(norm_rank, *shared_buffers(world, torch.float32), calls) == [0] * world
+    assert run_processes((norm_reference, (calls,))) == [0]
+    for case, call in zip(NORM_CALLS, calls):
+        if case is None:
+            continue
         for rank in range(world):
-            assert torch.equal(call["residual_out"][rank], want_residual), (case, rank)
-            if fp8:
-                assert torch.equal(call["scale"][rank], want_scale), (case, rank)
-                assert torch.equal(call["out"][rank], want_q.view(torch.uint8)), (case, rank)
-            else:
-                assert torch.equal(call["out"][rank], want_out), (case, rank)
+            assert torch.equal(call["residual_out"][rank], call["want_residual"]), (case, rank)
+            assert torch.equal(call["out"][rank], call["want_out"]), (case, rank)
+            if case[3]:
+                assert torch.equal(call["scale"][rank], call["want_scale"]), (case, rank)
 
 
 def wiring_rank(rank, world, staging, flags, calls):
