@@ -11,7 +11,8 @@ token per block per step, so random weights cannot change how much a step decode
     made on its response thread, so that detokenizing is not counted), the median over the timed steps, timed
     without the profiler, which slows the host;
   - the collectives' ms per step on rank 0 (torch.profiler: NCCL kernels and the one-shot collectives' on GPUs,
-    gloo ops on a CPU);
+    gloo ops on a CPU), and the norm kernel's: over peer memory a row-parallel product's sum ends in its norm, in
+    the collective's launch, so that only the two together compare across sizes;
   - the speed-up over the baseline, beside the ideal one (the size ratio: at batch 1 a step streams the weights,
     and each rank streams 1/N of them);
   - the weight-streaming floor of one rank: its share of the model's bytes / the measured HBM bandwidth.
@@ -56,7 +57,7 @@ from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_ch
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings
 from result_table import ResultTable
 
-FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "speedup", "ideal_speedup",
+FIELDS = ["model", "dtype", "threads", "tp", "batch", "step_ms", "collective_ms", "norm_ms", "speedup", "ideal_speedup",
           "weight_floor_ms", "step_vs_weight_floor", "logit_max_diff", "logit_rel_diff", "outputs", "note"]
 PHASES = ["schedule", "broadcast", "build_batch", "forward_launch", "sampler_inputs", "logits", "sample", "accept",
           "read_back", "update"]
@@ -72,13 +73,25 @@ def collective_ms(profile) -> float:
     collectives, in ms over the profiled span. Over peer memory the collective also adds a product's split sums as
     it stages them, and after a row-parallel product goes on to the residual-add norm in the same launch
     (one_shot_sum_add_rmsnorm), so that its time holds the norm's; through NCCL and gloo a torch reduce adds the
-    splits first, and the norm kernel follows, apart."""
+    splits first, and the norm kernel follows, apart (norm_ms)."""
+    return _device_ms(profile, lambda name: "nccl" in name or "_one_shot_" in name, host_prefix="gloo:")
+
+
+def norm_ms(profile) -> float:
+    """Device time of the norm kernel in ms over the profiled span: the norms a step takes outside a collective,
+    every norm on one rank. With collective_ms, a step's sums and norms on any path alike."""
+    return _device_ms(profile, lambda name: name == "_rmsnorm_kernel")
+
+
+def _device_ms(profile, wanted, host_prefix: str | None = None) -> float:
+    """The device time of the events whose lowercased name is `wanted`, and the host time of those named from
+    `host_prefix`, in ms."""
     total_us = 0.0
     for event in profile.key_averages():
         name = event.key.lower()
-        if name.startswith("gloo:"):
+        if host_prefix is not None and name.startswith(host_prefix):
             total_us += event.cpu_time_total
-        elif "nccl" in name or "_one_shot_" in name:
+        elif wanted(name):
             total_us += event.device_time_total if hasattr(event, "device_time_total") else event.cuda_time_total
     return total_us / 1e3
 
@@ -221,6 +234,7 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
                 _, host_times = decode(clock.timing)
             results[batch] = dict(
                 step_ms=1e3 * statistics.median(times), collective_ms=collective_ms(profile) / len(profiled),
+                norm_ms=norm_ms(profile) / len(profiled),
                 tokens=[r.tokens[r.gen_start:].tolist() for r in requests], first_logits=clock.first_logits,
                 host=dict(step_ms=1e3 * statistics.mean(host_times), **clock.per_step(host_times)),
                 ops=top_ops(profile, len(profiled)),
@@ -335,6 +349,7 @@ def main(argv=None) -> int:
                         diff, rel = logit_difference(base[batch]["first_logits"], result["first_logits"])
                         table.add(model=name, dtype=dtype, threads=threads, tp=size, batch=batch,
                                   step_ms=result["step_ms"], collective_ms=result["collective_ms"],
+                                  norm_ms=result["norm_ms"],
                                   speedup=base[batch]["step_ms"] / result["step_ms"],
                                   ideal_speedup=ranks[size] / ranks[sizes[0]], weight_floor_ms=floor_ms,
                                   step_vs_weight_floor=result["step_ms"] / floor_ms, logit_max_diff=diff,
