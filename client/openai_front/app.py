@@ -40,6 +40,8 @@ log = logging.getLogger("diffulex_client.openai_front")
 
 DISCONNECT_POLL_S = 0.1
 MODEL_PARAMETER = re.compile(r"sampling parameter '(\w+)'")
+# The name pydantic gives a form of a field that takes several (`prompt`): a type, not a field.
+UNION_FORM = re.compile(r"(str|int|float|bool|none|list|dict)(\[.*\])?")
 TRITON_ERROR_STATUS = {ErrorClass.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
                        ErrorClass.UNAVAILABLE: HTTPStatus.SERVICE_UNAVAILABLE,
                        ErrorClass.INTERNAL: HTTPStatus.INTERNAL_SERVER_ERROR}
@@ -111,12 +113,36 @@ async def _parsed(request: Request, schema: type[BaseModel]):
 
 
 def _validation_error(problems) -> OpenAIError:
+    """The 400 of the first problem: its field's path as `param` (`messages[0].role`), and, where the field takes
+    one of several forms (`prompt`), the forms it may take, since each form's own message tells only half."""
     problem = problems[0] if problems else {"loc": (), "msg": "invalid request"}
-    location = [str(part) for part in problem.get("loc", ()) if part != "body"]
-    message = f"{'.'.join(location)}: {problem.get('msg')}" if location else str(problem.get("msg"))
+    path, forms = _field_path(problem.get("loc", ()))
+    message = f"{path}: {problem.get('msg')}" if path else str(problem.get("msg"))
+    if forms:  # each form pydantic tried for this field is a problem of its own, the form at the same place
+        place = tuple(problem["loc"]).index(forms[0])
+        field = tuple(problem["loc"][:place])
+        tried = dict.fromkeys(str(p["loc"][place]) for p in problems
+                              if tuple(p["loc"][:place]) == field and len(p["loc"]) > place)
+        message = f"{path} must take one of the forms {', '.join(tried)}"
     if problem.get("type") in ("json_invalid", "model_type", "model_attributes_type"):
         message = f"the request body must be a JSON object: {message}"
-    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=location[0] if location else None)
+    return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=path or None)
+
+
+def _field_path(location) -> tuple[str, list[str]]:
+    """A validation error's location as the field's path (`messages[0].content`), and the forms of a field of
+    several that pydantic names in it (`str`, `list[int]`), which are not fields."""
+    path, forms = "", []
+    for part in location:
+        if part == "body":
+            continue
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif UNION_FORM.fullmatch(str(part)):
+            forms.append(str(part))
+        else:
+            path += f".{part}" if path else str(part)
+    return path, forms
 
 
 def _check_model(name: str, served: str) -> None:

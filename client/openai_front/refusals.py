@@ -12,6 +12,7 @@ API names itself.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -52,10 +53,10 @@ CHAT_RULES = SHARED_RULES | {
     "audio": (_absent, "audio output is not supported"),
     "function_call": (_absent_or("none"), NO_TOOLS),
     "functions": (_absent_or([]), NO_TOOLS),
-    "metadata": (_absent, "stored completions are not supported, so metadata has nothing to label"),
+    "metadata": (_absent_or({}), "stored completions are not supported, so metadata has nothing to label"),
     "modalities": (lambda value: value is None or value == ["text"], "only text output is supported"),
     "moderation": (_absent, "moderation is not supported"),
-    "parallel_tool_calls": (_absent, NO_TOOLS),
+    "parallel_tool_calls": (_absent_or(False), NO_TOOLS),
     "prediction": (_absent, "predicted outputs are not supported"),
     "prompt_cache_options": (_absent, "prompt cache options are not supported"),
     "prompt_cache_retention": (_absent, "prompt cache retention is not supported"),
@@ -86,11 +87,24 @@ def refuse_unsupported(request: BaseModel) -> None:
         if request.stream_options.include_obfuscation:
             raise bad_request("'stream_options.include_obfuscation' is not supported",
                               param="stream_options.include_obfuscation", code="unsupported_parameter")
-    for name in request.extra_fields():
+    for name, value in request.extra_fields().items():
         if name not in EXTRA_SAMPLING_FIELDS:
             raise bad_request(f"unknown field '{name}'; besides the OpenAI fields this server takes the model's "
                               f"sampling parameters {list(EXTRA_SAMPLING_FIELDS)}", param=name,
                               code="unknown_parameter")
+        if not _finite(value):  # JSON's 1e400 reads as infinity, which the model's JSON cannot carry
+            raise bad_request(f"'{name}' must hold finite numbers only", param=name)
+
+
+def _finite(value) -> bool:
+    """No infinity or NaN anywhere in a JSON value."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, list):
+        return all(_finite(item) for item in value)
+    if isinstance(value, dict):
+        return all(_finite(item) for item in value.values())
+    return True
 
 
 def _check_logprobs(request: BaseModel) -> None:

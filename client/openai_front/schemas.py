@@ -2,7 +2,9 @@
 
 Request models declare every field of the API, so that a field the front cannot honour is recognised and refused
 by name (see refusals.py) rather than dropped. Extra fields are kept (`extra="allow"`): they carry the model's own
-sampling parameters, as vLLM's server takes them. Response models hold what the front sends back.
+sampling parameters, as vLLM's server takes them. Request fields are strict: a value of another JSON type is a 400
+that names the field, never converted (`true` is not the integer 1, `"5"` is not 5), and a float field takes only
+finite numbers (JSON's `1e400` reads as infinity). Response models hold what the front sends back.
 """
 
 from __future__ import annotations
@@ -11,9 +13,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+# What a request body's models take: its own field types only, and finite numbers.
+STRICT = ConfigDict(strict=True, allow_inf_nan=False)
+
 
 class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", **STRICT)
 
     include_usage: bool | None = None
     include_obfuscation: bool | None = None
@@ -22,7 +27,7 @@ class StreamOptions(BaseModel):
 class _RequestBase(BaseModel):
     """The fields both endpoints share."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     model: str
     frequency_penalty: float | None = None
@@ -55,7 +60,7 @@ class CompletionRequest(_RequestBase):
 class ChatMessage(BaseModel):
     """One message of a conversation; `content` is a string or a list of content parts."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
 
     role: str
     content: str | list[dict[str, Any]] | None = None

@@ -46,11 +46,15 @@ UNAVAILABLE_MARKERS = ("the server is shutting down", "the model is being unload
                        "the engine failed", "can no longer serve", "could not start", "stub process is not healthy",
                        "failed to connect", "is not ready", "model is unavailable")
 INTERNAL_MARKERS = ("preparing the request failed", "building the response failed")
+# How the model's refusals of a request's inputs and parameters begin (diffulex_backend.serving.request_parsing).
+REQUEST_FAULTS = ("input '", "request parameters")
 # An exception's own text ("RuntimeError: ..."): something failed inside; the model's refusals are sentences.
 EXCEPTION_TEXT = re.compile(r"^[A-Z]\w*(Error|Exception|Failure): ")
 
 
 def classify_error(message: str) -> ErrorClass:
+    if message.startswith(REQUEST_FAULTS):  # before the markers: such a refusal quotes the client's own values
+        return ErrorClass.BAD_REQUEST
     lowered = message.lower()
     if any(marker in lowered for marker in UNAVAILABLE_MARKERS):
         return ErrorClass.UNAVAILABLE

@@ -79,6 +79,10 @@ def test_bounds_are_400s_naming_the_field(fields, param):
 
 @pytest.mark.parametrize("message, kind", [
     ("input 'sampling_parameters': sampling parameter 'top_k' must be an integer", ErrorClass.BAD_REQUEST),
+    # A refusal that quotes the client's own text, which reads like an outage, is still the request's fault.
+    ("input 'sampling_parameters': sampling parameter 'confidence' must be one of ['margin', 'neg_entropy', "
+     "'prob'], got 'is not ready'", ErrorClass.BAD_REQUEST),
+    ("request parameters: sampling parameter 'stop' got 'the engine failed'", ErrorClass.BAD_REQUEST),
     ("prompt has 4 tokens and max_tokens is 3000: 4 + 3000 = 3004 exceeds max_model_len (512)", ErrorClass.BAD_REQUEST),
     ("the server is shutting down or unloading this model", ErrorClass.UNAVAILABLE),
     ("the engine failed and this model can no longer serve: RuntimeError: x", ErrorClass.UNAVAILABLE),

@@ -2,6 +2,7 @@
 refused with a 400 that names it; never dropped in silence. A field the SDK gains fails this test until it is
 given a decision here and in the front."""
 
+import json
 import typing
 
 import pytest
@@ -112,3 +113,79 @@ def test_an_unknown_extra_field_is_a_400_naming_it(front):
     assert response.status_code == 400
     error = error_in(response.text)
     assert (error["param"], error["code"]) == ("top_a", "unknown_parameter")
+
+
+# (field, a value of another JSON type, the param the 400 names): never converted, as a lax parser would (true to 1,
+# "5" to 5, [true, false] to token ids [1, 0]).
+WRONG_TYPES_COMPLETION = [
+    ("max_tokens", True, "max_tokens"), ("max_tokens", "5", "max_tokens"), ("max_tokens", 5.0, "max_tokens"),
+    ("n", True, "n"), ("seed", 1.5, "seed"), ("temperature", True, "temperature"), ("top_p", "0.9", "top_p"),
+    ("stream", "yes", "stream"), ("logprobs", True, "logprobs"), ("prompt", [True, False], "prompt"),
+    ("prompt", 5, "prompt"), ("stop", [1], "stop"), ("stream_options", {"include_usage": "yes"},
+                                                    "stream_options.include_usage"),
+    ("logit_bias", {"5": True}, "logit_bias.5"),
+]
+WRONG_TYPES_CHAT = [
+    ("logprobs", 1, "logprobs"), ("top_logprobs", True, "top_logprobs"),
+    ("max_completion_tokens", True, "max_completion_tokens"), ("messages", [{"role": "user", "content": 5}],
+                                                              "messages[0].content"),
+    ("messages", [{"content": "hi"}], "messages[0].role"), ("parallel_tool_calls", 0, "parallel_tool_calls"),
+]
+
+
+@pytest.mark.parametrize("name, value, param", WRONG_TYPES_COMPLETION, ids=str)
+def test_a_completion_field_of_another_json_type_is_a_400_naming_it(front, name, value, param):
+    response = post(front, "/v1/completions", {**COMPLETION, name: value}, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+@pytest.mark.parametrize("name, value, param", WRONG_TYPES_CHAT, ids=str)
+def test_a_chat_field_of_another_json_type_is_a_400_naming_it(front, name, value, param):
+    response = post(front, "/v1/chat/completions", {**CHAT, name: value}, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == param and error["message"].startswith(param), error
+
+
+def test_a_field_of_several_forms_names_them_all(front):
+    """`prompt` takes four forms; a value of none of them is refused with all four named, where the first form's
+    own complaint ("a valid string") would tell only a quarter of it."""
+    response = post(front, "/v1/completions", {**COMPLETION, "prompt": [1, "a"]}, API_KEY)
+    assert response.status_code == 400
+    error = error_in(response.text)
+    assert error["param"] == "prompt"
+    assert error["message"] == "prompt must take one of the forms str, list[str], list[int], list[list[int]]"
+
+
+@pytest.mark.parametrize("body", [
+    '{"temperature": 1e400}', '{"top_p": -1e400}', '{"temperature": NaN}', '{"accept_threshold": 1e400}',
+    '{"stop_token_ids": [1, 1e400]}',
+], ids=str)
+def test_a_number_that_is_not_finite_is_a_400_naming_its_field(front, body):
+    """JSON's 1e400 reads as infinity, and NaN passes some parsers; neither reaches the model, whose sampling
+    parameters JSON could not carry them."""
+    name = body.split('"')[1]
+    raw = json.dumps(COMPLETION)[:-1] + ", " + body[1:]
+    response = post(front, "/v1/completions", raw, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == name and "finite" in error["message"], error
+
+
+def test_a_model_refusal_that_quotes_the_clients_text_stays_a_400(front):
+    """The model's refusal quotes the value it refused; text of the client's that reads like an outage ("is not
+    ready") does not make it a 503, which clients retry."""
+    response = post(front, "/v1/completions", {**COMPLETION, "confidence": "is not ready"}, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == "confidence" and "'is not ready'" in error["message"], error
+
+
+def test_neutral_values_of_unsupported_chat_fields_are_accepted(demo_front):
+    neutral = {"parallel_tool_calls": False, "metadata": {}, "store": False, "tools": [], "tool_choice": "none",
+               "service_tier": "auto", "modalities": ["text"], "response_format": {"type": "text"}}
+    response = post(demo_front, "/v1/chat/completions", {
+        **CHAT, "model": "diffulex_openai_demo", "messages": [{"role": "user", "content": "1+2="}], **neutral})
+    assert response.status_code == 200, response.text
