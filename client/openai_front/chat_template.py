@@ -95,5 +95,9 @@ def _text_of(message: ChatMessage, index: int) -> str:
         if part.get("type") != "text" or not isinstance(part.get("text"), str):
             raise bad_request(f"messages[{index}].content[{j}]: only text parts are supported",
                               param=f"messages[{index}].content[{j}]", code="unsupported_parameter")
+        others = sorted(set(part) - {"type", "text"})
+        if others:  # e.g. cache_control: a setting of the part that nothing here honours
+            raise bad_request(f"messages[{index}].content[{j}].{others[0]} is not supported",
+                              param=f"messages[{index}].content[{j}].{others[0]}", code="unsupported_parameter")
         texts.append(part["text"])
     return "".join(texts)

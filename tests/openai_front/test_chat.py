@@ -37,6 +37,11 @@ def test_content_parts_are_joined_and_other_parts_are_refused():
     image = [ChatMessage(role="user", content=[{"type": "image_url", "image_url": {"url": "x"}}])]
     with pytest.raises(OpenAIError, match="only text parts"):
         template.render(image)
+    # A setting of a text part that nothing honours is refused by name, not dropped.
+    cached = [ChatMessage(role="user", content=[{"type": "text", "text": "1+1=", "cache_control": {"type": "x"}}])]
+    with pytest.raises(OpenAIError, match=r"messages\[0\]\.content\[0\]\.cache_control is not supported") as caught:
+        template.render(cached)
+    assert caught.value.param == "messages[0].content[0].cache_control"
 
 
 def test_a_template_file_overrides_the_tokenizers(tmp_path):
