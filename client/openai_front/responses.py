@@ -5,12 +5,14 @@ tokens once, however many choices it has, and adds up the tokens of every choice
 
 Log-probabilities come with the model's responses, aligned with their tokens, when the request asked for them. A
 token is named by its text as the tokenizer decodes it alone, or `token_id:N` (as vLLM's
---return-tokens-as-token-ids writes it) when the front runs without --tokenizer.
+--return-tokens-as-token-ids writes it) when the front runs without --tokenizer. Its `bytes` are the token's own
+(token_bytes.py), and a completion's `text_offset` counts the characters its choice's bytes make before it, so that a
+token inside a character shares that character's offset; without --tokenizer a name's bytes stand for the token's.
 """
 
 from __future__ import annotations
 
-import itertools
+import codecs
 import json
 from dataclasses import dataclass, field
 from http import HTTPStatus
@@ -20,6 +22,7 @@ from .generation import ChoiceResponse
 from .schemas import (
     AssistantMessage, ChatChoice, ChatChunkChoice, ChatCompletion, ChatCompletionChunk, ChatDelta, ChatLogprobs,
     Completion, CompletionChoice, CompletionLogprobs, TokenLogprob, TopLogprob, Usage)
+from .token_bytes import TokenBytes
 
 FINISH_REASONS = ("stop", "length")
 
@@ -33,11 +36,15 @@ def finish_reason_of(arrival: ChoiceResponse) -> str | None:
 
 
 class TokenNames:
-    """The text of a token id in log-probabilities."""
+    """The text of a token id in log-probabilities, and its bytes (`bytes_of`)."""
 
     def __init__(self, tokenizer=None):
         self._tokenizer = tokenizer
         self._names: dict[int, str] = {}
+        self._bytes = None if tokenizer is None else TokenBytes(tokenizer)
+
+    def bytes_of(self, token_id: int) -> bytes:
+        return self(token_id).encode("utf-8") if self._bytes is None else self._bytes(token_id)
 
     def __call__(self, token_id: int) -> str:
         if self._tokenizer is None:
@@ -76,18 +83,22 @@ class LogprobsFormat:
     """OpenAI's log-probability objects; a completion's text offsets run on across the chunks of a choice."""
 
     names: TokenNames
-    offsets: dict[int, int] = field(default_factory=dict)  # choice index -> characters of its tokens so far
+    # choice index -> (characters its tokens' bytes made so far, the UTF-8 decoder that holds a character's
+    # first bytes until its last comes)
+    texts: dict[int, tuple[int, codecs.IncrementalDecoder]] = field(default_factory=dict)
 
     def completion(self, index: int, run: TokenRun | None) -> CompletionLogprobs | None:
         if run is None:
             return None
-        tokens = [self.names(t) for t in run.token_ids]
-        start = self.offsets.get(index, 0)
-        offsets = list(itertools.accumulate((len(t) for t in tokens), initial=start))
-        self.offsets[index] = offsets[-1]
+        characters, decoder = self.texts.get(index) or (0, codecs.getincrementaldecoder("utf-8")("replace"))
+        offsets = []
+        for token_id in run.token_ids:
+            offsets.append(characters)
+            characters += len(decoder.decode(self.names.bytes_of(token_id)))
+        self.texts[index] = characters, decoder
         top = None if run.top is None else [{self.names(t): lp for t, lp in row} for row in run.top]
-        return CompletionLogprobs(text_offset=offsets[:-1], token_logprobs=run.logprobs, tokens=tokens,
-                                  top_logprobs=top)
+        return CompletionLogprobs(text_offset=offsets, token_logprobs=run.logprobs,
+                                  tokens=[self.names(t) for t in run.token_ids], top_logprobs=top)
 
     def chat(self, run: TokenRun | None) -> ChatLogprobs | None:
         if run is None:
@@ -98,8 +109,7 @@ class LogprobsFormat:
             for token, logprob, row in zip(run.token_ids, run.logprobs, top)])
 
     def _top(self, token_id: int, logprob: float) -> dict:
-        name = self.names(token_id)
-        return {"token": name, "logprob": logprob, "bytes": list(name.encode("utf-8"))}
+        return {"token": self.names(token_id), "logprob": logprob, "bytes": list(self.names.bytes_of(token_id))}
 
 
 @dataclass
