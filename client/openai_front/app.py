@@ -39,7 +39,12 @@ from .triton_stream import ErrorClass, TritonStreamError, open_channel
 log = logging.getLogger("diffulex_client.openai_front")
 
 DISCONNECT_POLL_S = 0.1
-MODEL_PARAMETER = re.compile(r"sampling parameter '(\w+)'")
+# How the model names a refused sampling parameter, after the source of the parameters where it gives one.
+MODEL_PARAMETER = re.compile(r"(?:[^:]+: )?sampling parameter '(\w+)'")
+# How the model refuses a prompt (engine.py): too long to leave room for max_tokens, or for the KV cache (either
+# group: the context length), too long in characters, empty, holding a token id out of range or the mask token.
+PROMPT_FAULT = re.compile(r"prompt (?:(has \d+ tokens and max_tokens)|has \d+ characters|token id |is empty|holds )"
+                          r"|(request needs up to \d+ KV pages)")
 # The name pydantic gives a form of a field that takes several (`prompt`): a type, not a field.
 UNION_FORM = re.compile(r"(str|int|float|bool|none|list|dict)(\[.*\])?")
 TRITON_ERROR_STATUS = {ErrorClass.BAD_REQUEST: HTTPStatus.BAD_REQUEST,
@@ -168,7 +173,7 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
     try:
         if not body.stream:
             return await _whole(arrivals, LogprobsFormat(names), response_id, created, model, chat)
-        first = await _first(arrivals)
+        first = await _first(arrivals, chat)
     except BaseException:
         watch.release(open_request)
         await arrivals.aclose()
@@ -182,17 +187,22 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
     return StreamingResponse(_released(events, watch, open_request, arrivals), media_type="text/event-stream")
 
 
-def _from_triton(err: TritonStreamError) -> OpenAIError:
-    """The model names a refused sampling parameter in its message; that name is the field at fault."""
-    named = MODEL_PARAMETER.search(err.message)
-    return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message, param=named.group(1) if named else None)
+def _from_triton(err: TritonStreamError, chat: bool) -> OpenAIError:
+    """The field at fault: a refused sampling parameter's name, which the model's message gives, or the prompt (a
+    chat's messages) that the model refused, too long for max_tokens or holding a token id out of range."""
+    if (named := MODEL_PARAMETER.match(err.message)) is not None:
+        return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message, param=named.group(1))
+    if (fault := PROMPT_FAULT.match(err.message)) is not None:
+        return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message, param="messages" if chat else "prompt",
+                           code="context_length_exceeded" if fault.group(1) or fault.group(2) else None)
+    return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message)
 
 
-async def _first(arrivals: AsyncIterator[ChoiceResponse]) -> ChoiceResponse:
+async def _first(arrivals: AsyncIterator[ChoiceResponse], chat: bool) -> ChoiceResponse:
     try:
         return await anext(arrivals)
     except TritonStreamError as err:
-        raise _from_triton(err) from None
+        raise _from_triton(err, chat) from None
 
 
 async def _whole(arrivals, logprobs: LogprobsFormat, response_id: str, created: int, model: str,
@@ -202,7 +212,7 @@ async def _whole(arrivals, logprobs: LogprobsFormat, response_id: str, created: 
         async for arrival in arrivals:
             collected.add(arrival)
     except TritonStreamError as err:
-        raise _from_triton(err) from None
+        raise _from_triton(err, chat) from None
     build = collected.chat_completion if chat else collected.completion
     return JSONResponse(build(response_id, created, model).model_dump())
 
@@ -233,7 +243,7 @@ async def _events(first: ChoiceResponse, arrivals, logprobs: LogprobsFormat, res
         async for arrival in arrivals:
             yield chunk(arrival)
     except TritonStreamError as err:
-        yield sse_event(_from_triton(err).body())
+        yield sse_event(_from_triton(err, chat).body())
         yield SSE_DONE
         return
     except OpenAIError as err:

@@ -46,8 +46,8 @@ UNAVAILABLE_MARKERS = ("the server is shutting down", "the model is being unload
                        "the engine failed", "can no longer serve", "could not start", "stub process is not healthy",
                        "failed to connect", "is not ready", "model is unavailable")
 INTERNAL_MARKERS = ("preparing the request failed", "building the response failed")
-# How the model's refusals of a request's inputs and parameters begin (diffulex_backend.serving.request_parsing).
-REQUEST_FAULTS = ("input '", "request parameters")
+# How the model's refusals of a request's inputs, parameters and prompt begin (diffulex_backend.serving).
+REQUEST_FAULTS = ("input '", "request parameters", "sampling parameter '", "prompt ", "request needs up to ")
 # An exception's own text ("RuntimeError: ..."): something failed inside; the model's refusals are sentences.
 EXCEPTION_TEXT = re.compile(r"^[A-Z]\w*(Error|Exception|Failure): ")
 

@@ -83,6 +83,10 @@ def test_bounds_are_400s_naming_the_field(fields, param):
     ("input 'sampling_parameters': sampling parameter 'confidence' must be one of ['margin', 'neg_entropy', "
      "'prob'], got 'is not ready'", ErrorClass.BAD_REQUEST),
     ("request parameters: sampling parameter 'stop' got 'the engine failed'", ErrorClass.BAD_REQUEST),
+    ("sampling parameter 'lora_name' is 'is not ready', which names no adapter; registered: []",
+     ErrorClass.BAD_REQUEST),
+    ("prompt has 9000 characters; at most 8192 are accepted", ErrorClass.BAD_REQUEST),
+    ("request needs up to 80 KV pages but the cache has 64", ErrorClass.BAD_REQUEST),
     ("prompt has 4 tokens and max_tokens is 3000: 4 + 3000 = 3004 exceeds max_model_len (512)", ErrorClass.BAD_REQUEST),
     ("the server is shutting down or unloading this model", ErrorClass.UNAVAILABLE),
     ("the engine failed and this model can no longer serve: RuntimeError: x", ErrorClass.UNAVAILABLE),

@@ -33,10 +33,14 @@ EXAMPLES = settings(max_examples=60, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 
 
-def assert_answered(response) -> None:
+def assert_answered(response, body: dict) -> None:
+    """A 200, or a 4xx in OpenAI's shape whose `param` names a field of the body the client sent."""
     assert response.status_code in (200, 400, 404, 413), (response.status_code, response.text)
     if response.status_code != 200:
-        error_in(response.text)
+        error = error_in(response.text)
+        if response.status_code == 400:
+            field = (error["param"] or "").split(".")[0].split("[")[0]
+            assert field in body, (error, sorted(body))
     elif response.headers["content-type"].startswith("text/event-stream"):
         events = [line for line in response.text.splitlines() if line.startswith("data: ")]
         assert events[-1] == "data: [DONE]"
@@ -56,7 +60,7 @@ def test_fuzzed_completions_are_answered_and_a_good_request_beside_them_is_unaff
     with ThreadPoolExecutor(2) as pool:
         bad = pool.submit(post, front, "/v1/completions", fuzzed, API_KEY, 60)
         good = pool.submit(good_text, front)
-        assert_answered(bad.result())
+        assert_answered(bad.result(), fuzzed)
         assert good.result() == expected
 
 
@@ -64,7 +68,7 @@ def test_fuzzed_completions_are_answered_and_a_good_request_beside_them_is_unaff
 @given(body=bodies, conversation=messages)
 def test_fuzzed_chat_requests_are_answered(demo_front, body, conversation):
     fuzzed = {"model": DEMO_MODEL, "messages": conversation, "max_tokens": 4, **body}
-    assert_answered(post(demo_front, "/v1/chat/completions", fuzzed, timeout=60))
+    assert_answered(post(demo_front, "/v1/chat/completions", fuzzed, timeout=60), fuzzed)
     answer = post(demo_front, "/v1/chat/completions",
                   {"model": DEMO_MODEL, "messages": [{"role": "user", "content": "12+34="}]}, timeout=60)
     assert answer.json()["choices"][0]["message"]["content"] == "46"

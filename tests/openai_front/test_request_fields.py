@@ -189,3 +189,28 @@ def test_neutral_values_of_unsupported_chat_fields_are_accepted(demo_front):
     response = post(demo_front, "/v1/chat/completions", {
         **CHAT, "model": "diffulex_openai_demo", "messages": [{"role": "user", "content": "1+2="}], **neutral})
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("fields, param, code", [
+    ({"max_tokens": 100_000}, "prompt", "context_length_exceeded"),
+    ({"prompt": "x" * 600}, "prompt", "context_length_exceeded"),
+    ({"prompt": [10**9]}, "prompt", None),
+    ({"lora_name": "is not ready"}, "lora_name", None),
+], ids=str)
+def test_a_model_refusal_names_the_field_at_fault(front, fields, param, code):
+    """The model's refusals of a prompt (too long for max_tokens and the model's length, a token id outside the
+    vocabulary) and of a setting name the field, as the front's own do; text of the client's that reads like an
+    outage leaves it a 400."""
+    response = post(front, "/v1/completions", {**COMPLETION, **fields}, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_a_chat_too_long_for_the_model_names_its_messages(demo_front):
+    response = post(demo_front, "/v1/chat/completions", {
+        **CHAT, "model": "diffulex_openai_demo", "messages": [{"role": "user", "content": "1+2="}],
+        "max_tokens": 100_000})
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert (error["param"], error["code"]) == ("messages", "context_length_exceeded"), error
