@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import re
 import time
@@ -110,11 +111,27 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
 
 async def _parsed(request: Request, schema: type[BaseModel]):
     """The body as `schema`, whatever Content-Type the client sent (curl's -d sends a form type); a body that is
-    not a JSON object of the schema's fields is a 400 that names the first field at fault."""
+    not a JSON object of the schema's fields, or that gives a key twice, is a 400 that names the field at fault."""
+    raw = await request.body()
     try:
-        return schema.model_validate_json(await request.body())
+        parsed = schema.model_validate_json(raw)
     except ValidationError as err:
         raise _validation_error(err.errors()) from None
+    # Parsed once more for its keys alone: the schema's parser keeps a repeated key's last value, which would answer
+    # a question the client asked twice, two ways, by one of them. Its depth is the schema parser's, far under
+    # Python's recursion limit.
+    json.loads(raw, object_pairs_hook=_unique_keys)
+    return parsed
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"the request body gives the key '{key}' more than once",
+                              param=key)
+        seen.add(key)
+    return dict(pairs)
 
 
 def _validation_error(problems) -> OpenAIError:

@@ -1,7 +1,8 @@
 """Fuzzing the front with hypothesis, through the real front and tritonserver, on 127.0.0.1 only: bodies built from
 every OpenAI field and model setting with values at their types' edges, wrong types, nesting and junk. Every request
-ends, within its timeout, with a 200 or a 4xx in OpenAI's error shape, never a 500; a good request sent beside each
-bad one gets exactly the text it gets alone."""
+ends, within its timeout, with a 200 or a 4xx in OpenAI's error shape that names a field of the body, never a 500; a
+good completion sent beside each bad one gets exactly the text it gets alone, and a good chat after each bad chat
+gets its sum."""
 
 import json
 import math

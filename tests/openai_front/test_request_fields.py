@@ -214,3 +214,16 @@ def test_a_chat_too_long_for_the_model_names_its_messages(demo_front):
     assert response.status_code == 400, response.text
     error = error_in(response.text)
     assert (error["param"], error["code"]) == ("messages", "context_length_exceeded"), error
+
+
+@pytest.mark.parametrize("raw, key", [
+    ('{"model": "diffulex", "prompt": "hello", "max_tokens": 4, "max_tokens": 100}', "max_tokens"),
+    ('{"model": "diffulex", "prompt": "hello", "max_tokens": 4, "stream": true, '
+     '"stream_options": {"include_usage": true, "include_usage": false}}', "include_usage"),
+], ids=["top level", "nested"])
+def test_a_key_given_twice_is_a_400_naming_it(front, raw, key):
+    """A parser that keeps the last of a repeated key would answer one of the two questions the client asked."""
+    response = post(front, "/v1/completions", raw, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == key and "more than once" in error["message"], error
