@@ -133,17 +133,13 @@ WRONG_TYPES_CHAT = [
 ]
 
 
-@pytest.mark.parametrize("name, value, param", WRONG_TYPES_COMPLETION, ids=str)
-def test_a_completion_field_of_another_json_type_is_a_400_naming_it(front, name, value, param):
-    response = post(front, "/v1/completions", {**COMPLETION, name: value}, API_KEY)
-    assert response.status_code == 400, response.text
-    error = error_in(response.text)
-    assert error["param"] == param and error["message"].startswith(param), error
+WRONG_TYPES = ([("/v1/completions", COMPLETION, *case) for case in WRONG_TYPES_COMPLETION]
+               + [("/v1/chat/completions", CHAT, *case) for case in WRONG_TYPES_CHAT])
 
 
-@pytest.mark.parametrize("name, value, param", WRONG_TYPES_CHAT, ids=str)
-def test_a_chat_field_of_another_json_type_is_a_400_naming_it(front, name, value, param):
-    response = post(front, "/v1/chat/completions", {**CHAT, name: value}, API_KEY)
+@pytest.mark.parametrize("path, body, name, value, param", WRONG_TYPES, ids=str)
+def test_a_field_of_another_json_type_is_a_400_naming_it(front, path, body, name, value, param):
+    response = post(front, path, {**body, name: value}, API_KEY)
     assert response.status_code == 400, response.text
     error = error_in(response.text)
     assert error["param"] == param and error["message"].startswith(param), error
