@@ -70,7 +70,9 @@ def test_errors_before_parsing_come_in_openais_shape(front):
         response = post(front, "/v1/completions", body, API_KEY)
         assert response.status_code == status
         error_in(response.text)
-    assert error_in(post(front, "/v1/completions", b"{}", API_KEY).text)["param"] in ("model", "prompt")
+    # The first field missing, in the order the API reference lists them.
+    error = error_in(post(front, "/v1/completions", b"{}", API_KEY).text)
+    assert (error["param"], error["message"]) == ("model", "model: Field required")
 
 
 def test_a_client_that_leaves_a_stream_frees_its_kv_pages(front, server):
