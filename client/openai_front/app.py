@@ -206,7 +206,7 @@ async def _answer(request: Request, body, requests: list[TritonRequest], model: 
 
 def _from_triton(err: TritonStreamError, chat: bool) -> OpenAIError:
     """The field at fault: a refused sampling parameter's name, which the model's message gives, or the prompt (a
-    chat's messages) that the model refused, too long for max_tokens or holding a token id out of range."""
+    chat's messages) where the model refused that (PROMPT_FAULT)."""
     if (named := MODEL_PARAMETER.match(err.message)) is not None:
         return OpenAIError(TRITON_ERROR_STATUS[err.kind], err.message, param=named.group(1))
     if (fault := PROMPT_FAULT.match(err.message)) is not None:
