@@ -91,3 +91,20 @@ def test_an_unknown_role_is_a_400_naming_the_message(demo_client):
     with pytest.raises(openai.BadRequestError) as caught:
         demo_client.chat.completions.create(model=DEMO_MODEL, messages=[{"role": "wizard", "content": "1+1="}])
     assert error_of(caught.value)["param"] == "messages[0].role"
+
+
+@pytest.mark.parametrize("fields, content, reason, choices", [
+    ({}, "46", "stop", 1),
+    ({"max_tokens": 1}, "4", "length", 1),
+    ({"max_completion_tokens": 1, "max_tokens": 8}, "4", "length", 1),  # the newer field wins
+    ({"stop": "6"}, "4", "stop", 1),
+    ({"stop": ["x", "6"]}, "4", "stop", 1),
+    ({"n": 3}, "46", "stop", 3),
+], ids=str)
+def test_each_honoured_chat_field_changes_the_answer_as_it_says(demo_client, fields, content, reason, choices):
+    """Beside a 200 (tests/openai_front/test_request_fields.py), each field reaches the model: the demo answers
+    12+34= with 46, greedily, and these fields cut or copy that answer."""
+    completion = demo_client.chat.completions.create(
+        model=DEMO_MODEL, messages=[{"role": "user", "content": "12+34="}], temperature=0, **fields)
+    assert [(c.index, c.message.content, c.finish_reason) for c in completion.choices] == [
+        (i, content, reason) for i in range(choices)]
