@@ -57,13 +57,15 @@ def typed_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, placeholder: torc
 
 def check_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int, name: str) -> None:
     """Raises unless typed caches (`typed_caches`) take a token's `kv_heads` rows of `head_dim` values in each slot:
-    the same strides, contiguous rows, slots evenly strided across pages (a slot is flat over pages). A cache may be
-    a column view of wider rows (DiffusionGemma's per-layer caches)."""
-    if not all(cache.dim() == 4 and cache.shape[2:] == (kv_heads, head_dim) and cache.stride() == k_cache.stride()
+    the same shapes and strides (a slot valid in one is valid in the other), contiguous rows, slots evenly strided
+    across pages (a slot is flat over pages). A cache may be a column view of wider rows (DiffusionGemma's per-layer
+    caches)."""
+    if not all(cache.dim() == 4 and cache.shape == k_cache.shape and cache.shape[2:] == (kv_heads, head_dim)
+               and cache.stride() == k_cache.stride()
                and cache.stride(-1) == 1 and cache.stride(0) == cache.shape[1] * cache.stride(1)
                for cache in (k_cache, v_cache)):
-        raise ValueError(f"{name}: k_cache and v_cache need the same strides and slots of {kv_heads} heads of "
-                         f"{head_dim} contiguous values each, evenly strided across pages; got "
+        raise ValueError(f"{name}: k_cache and v_cache need the same shapes and strides, and slots of {kv_heads} "
+                         f"heads of {head_dim} contiguous values each, evenly strided across pages; got "
                          f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
 
 
@@ -173,6 +175,10 @@ def store_kv(
     num_tokens, kv_heads, head_dim = key.shape
     if num_tokens == 0:
         return
+    if value.shape != key.shape:
+        raise ValueError(f"store_kv: value must be shaped as key, {tuple(key.shape)}; got {tuple(value.shape)}")
+    if slot_mapping.shape != (num_tokens,):
+        raise ValueError(f"store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kv: key and value need a contiguous head_dim")
     fp8 = k_cache.dtype == torch.uint8

@@ -180,3 +180,36 @@ def test_a_cache_whose_slots_do_not_hold_the_rows_is_refused_before_anything_is_
     with pytest.raises(ValueError, match=rf"store_kv: .* slots of {KV_HEADS} heads of 64 contiguous values"):
         kv_store.store_kv(key, value, caches[0], caches[1], make_slots(NUM_TOKENS, 16, 1))
     assert all(torch.equal(now, then) for now, then in zip(caches, before))
+
+
+def _bad_value(key, value, caches, slots):
+    return key, value[:, :-1], caches, slots
+
+
+def _bad_slots(key, value, caches, slots):
+    return key, value, caches, slots[:-1]
+
+
+def _bad_caches(key, value, caches, slots):
+    return key, value, (caches[0], caches[1][:-1]), slots
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
+@pytest.mark.parametrize("spoil, message", [
+    (_bad_value, r"store_kv: value must be shaped as key"),
+    (_bad_slots, rf"store_kv: slot_mapping must be \[{NUM_TOKENS}\], got \({NUM_TOKENS - 1},\)"),
+    (_bad_caches, r"store_kv: k_cache and v_cache need the same shapes"),
+], ids=["value of fewer heads", "slot mapping one short", "v_cache one page short"])
+def test_inputs_that_disagree_with_each_other_are_refused_before_anything_is_written(spoil, message, fp8):
+    """A value of fewer heads than the key, a slot mapping shorter than the tokens, or a V cache of fewer pages than
+    the K cache would each read or write past a tensor's end; the store refuses them by name and writes nothing."""
+    gen = generator(10)
+    key, value = (randn(NUM_TOKENS, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    caches = [randn(NUM_PAGES, 16, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    if fp8:
+        caches = [kv_store.pack_fp8_rows(cache) for cache in caches]
+    before = [cache.clone() for cache in caches]
+    key, value, (k_cache, v_cache), slots = spoil(key, value, caches, make_slots(NUM_TOKENS, 16, 2))
+    with pytest.raises(ValueError, match=message):
+        kv_store.store_kv(key, value, k_cache, v_cache, slots)
+    assert all(torch.equal(now, then) for now, then in zip(caches, before))
