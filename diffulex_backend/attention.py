@@ -192,8 +192,13 @@ def paged_attention_reference(
     scale: float,
     *,
     kv_stored: bool = False,  # the caller already stored the in-forward K/V
+    # Each row's attention over its cached context, computed elsewhere: (out [T, heads, head_dim], lse [heads, T],
+    # natural log, -inf where a row saw no key), as flash-attn returns them; then there is no cache (k_cache None).
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store, then attend. One loop over sequences; everything inside is batched over tokens and heads."""
+    if prior is not None and k_cache is not None:
+        raise ValueError("paged_attention_reference: a prior stands for the cached context: it takes no cache")
     if k_cache is not None and not kv_stored:
         store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
     heads, kv_heads = query.shape[1], key.shape[1]
@@ -209,7 +214,7 @@ def paged_attention_reference(
         ctx = meta.context_lens_host[b]
         blk = meta.block_ids[rows]
         visible = blk[None, :] <= blk[:, None]  # [n, n]
-        if ctx:
+        if ctx and prior is None:
             k = torch.cat([gather_context(k_cache, meta.page_tables[b], ctx).to(k.dtype), k])
             v = torch.cat([gather_context(v_cache, meta.page_tables[b], ctx).to(v.dtype), v])
             visible = torch.cat([visible.new_ones(n, ctx), visible], dim=1)
@@ -218,6 +223,43 @@ def paged_attention_reference(
         qa = q.transpose(0, 1).to(acc)
         ka = k.transpose(0, 1).to(acc).repeat_interleave(group, dim=0)
         va = v.transpose(0, 1).to(acc).repeat_interleave(group, dim=0)
-        o = F.scaled_dot_product_attention(qa, ka, va, attn_mask=visible, scale=scale)
+        if prior is None:
+            o = F.scaled_dot_product_attention(qa, ka, va, attn_mask=visible, scale=scale)
+        else:
+            # The context is one more key per row, whose score is the row's lse and whose value its output.
+            prior_out, prior_lse = prior
+            scores = (qa @ ka.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
+            weights = torch.softmax(torch.cat([prior_lse[:, rows, None].to(acc), scores], dim=-1), dim=-1)
+            o = weights[..., :1] * prior_out[rows].transpose(0, 1).to(acc) + weights[..., 1:] @ va
         out[rows] = o.transpose(0, 1).to(out.dtype)
     return out
+
+
+def context_attention_reference(
+    query: torch.Tensor,  # [T, heads, head_dim]
+    k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim]
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,  # [B + 1]
+    context_lens: torch.Tensor,  # [B]
+    page_tables: torch.Tensor,  # [B, max_pages]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # out [T, heads, head_dim], lse [heads, T] float32
+    """Each query row's attention over its sequence's cached context alone, all visible, as flash-attn's paged
+    varlen kernel computes it (`seqused_k` the context lengths, `return_lse`): the normalised output, and the
+    natural log of the sum of the exponentiated scores, -inf (output 0) for a row whose sequence has no context."""
+    heads, kv_heads = query.shape[1], k_cache.shape[2]
+    out = torch.zeros_like(query)
+    lse = torch.full((heads, query.shape[0]), float("-inf"), dtype=torch.float32, device=query.device)
+    cu, lengths = cu_seqlens_q.tolist(), context_lens.tolist()
+    for b, ctx in enumerate(lengths):
+        rows = slice(cu[b], cu[b + 1])
+        if ctx == 0 or cu[b + 1] == cu[b]:
+            continue
+        acc = torch.promote_types(query.dtype, torch.float32)
+        q = query[rows].transpose(0, 1).to(acc)
+        k, v = (gather_context(cache, page_tables[b], ctx).to(acc).transpose(0, 1).repeat_interleave(
+            heads // kv_heads, dim=0) for cache in (k_cache, v_cache))
+        scores = q @ k.transpose(1, 2) * scale
+        lse[:, rows] = torch.logsumexp(scores, dim=-1).float()
+        out[rows] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).to(out.dtype)
+    return out, lse

@@ -47,6 +47,7 @@ SHARED_MEMORY_BYTES = 232448
 # at most 2^15, under float16's largest value (65504), and the weak keys' weights after a far larger row (a value
 # row 4000 times the others, say) stay in float16's normal range rather than rounding to 0.
 _FP8_WEIGHT_TOP = tl.constexpr(2.0**15)
+_LOG2_E = tl.constexpr(LOG2_E)
 
 
 @triton.jit
@@ -111,15 +112,16 @@ def _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head, strid
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
-    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr,
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, prior_out_ptr, prior_lse_ptr,
     stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
+    stride_prior_t, stride_prior_h, stride_lse_h, stride_lse_t,
     stride_cache_page, stride_cache_slot, stride_cache_head, stride_page_table,
     stride_scale_page, stride_scale_slot, stride_scale_head,
     num_kv_heads, num_tokens, num_heads, num_splits, scale_log2, window,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_CACHE: tl.constexpr,
     SPLIT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_DTYPE: tl.constexpr,
     HAS_WINDOW: tl.constexpr, KV_FP8: tl.constexpr, FP8_DOT_DTYPE: tl.constexpr, RESCALE_Q: tl.constexpr,
-    SCALES_AHEAD: tl.constexpr, WIDEN_IN_PTX: tl.constexpr, PRECISION: tl.constexpr,
+    SCALES_AHEAD: tl.constexpr, WIDEN_IN_PTX: tl.constexpr, PRECISION: tl.constexpr, HAS_PRIOR: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
     wait_for_previous_kernel(USE_PDL)
@@ -220,6 +222,17 @@ def _paged_attention_kernel(
             # Loaded again rather than held through the context loop beside its float16 copy: the registers the
             # two copies take made the loop spill.
             q = tl.load(q_rows, mask=row_valid[:, None], other=0.0).to(DOT_DTYPE)
+    if HAS_PRIOR:
+        # The rows' attention over the cached context, computed by another kernel (flash-attn) as its normalised
+        # output and natural log-sum-exp: in this kernel's units, acc = that output over a sum of 1 at a max of
+        # lse * log2(e). A row that saw no cached key has an lse of -inf (or NaN) and starts empty.
+        lse = tl.load(prior_lse_ptr + head * stride_lse_h + (q_start + token) * stride_lse_t, mask=row_valid,
+                      other=float("-inf"))
+        seen = lse > -1.0e30
+        m_i = tl.where(seen, lse * _LOG2_E, -1.0e30)
+        l_i = tl.where(seen, 1.0, 0.0)
+        prior_rows = prior_out_ptr + (q_start + token)[:, None] * stride_prior_t + head[:, None] * stride_prior_h
+        acc = tl.load(prior_rows + dims[None, :], mask=(row_valid & seen)[:, None], other=0.0).to(tl.float32)
 
     # The in-forward keys of the sequence, block-masked; only split 0 takes them.
     fwd_end = tl.where(split == 0, q_len, 0)
@@ -431,10 +444,12 @@ class _EmptyBatch:
 
 
 def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
-                     device: torch.device, window: int | None = None, kv_fp8: bool = False) -> None:
+                     device: torch.device, window: int | None = None, kv_fp8: bool = False,
+                     prior: bool = False) -> None:
     """Runs every launch variant once, with and without a cache, and the merge at every power of two of splits,
     so that no prompt length or context length compiles a kernel while requests wait. A windowed layer's launches
-    are variants of their own (`window`), and so are those over a cache of FP8 rows (`kv_fp8`)."""
+    are variants of their own (`window`), and so are those over a cache of FP8 rows (`kv_fp8`), and the unsplit
+    ones that go on from another kernel's attention over the context (`prior`)."""
     int32 = dict(dtype=torch.int32, device=device)
     batch = _EmptyBatch(cu_seqlens_q=torch.tensor([0, 1], **int32), context_lens=torch.zeros(1, **int32),
                         page_tables=torch.zeros(1, 1, **int32),
@@ -448,6 +463,9 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
         if launch.num_splits == 1:
             paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, window=window)
             paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch, window=window)
+            if prior:
+                lse = torch.full((num_heads, 1), float("-inf"), dtype=torch.float32, device=device)
+                paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, prior=(query, lse))
             continue
         splits = 2
         while splits <= max_splits(head_dim):
@@ -498,6 +516,10 @@ def paged_attention(
     # least its sequence's context length (DiffusionGemma's rows are), which lets the context loop start at the
     # window of the earliest row.
     window: int | None = None,
+    # Each query row's attention over its cached context, computed by another kernel: (out [T, heads, head_dim],
+    # lse [heads, T] float32, natural log, -inf where a row saw no key), as flash-attn returns them. The kernel
+    # then attends to the in-forward keys alone, going on from it; there is no cache to read (k_cache None).
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
@@ -513,10 +535,24 @@ def paged_attention(
         raise ValueError("paged_attention: query, key and value need a contiguous head_dim")
     if window is not None and window < 1:  # refused before anything is stored
         raise ValueError(f"paged_attention: window must be at least 1, got {window}")
+    if prior is not None:
+        prior_out, prior_lse = prior
+        if k_cache is not None or window is not None:
+            raise ValueError("paged_attention: a prior stands for the cached context: it takes no cache and no window")
+        if (prior_out.shape != query.shape or prior_out.stride(-1) != 1 or prior_lse.dtype != torch.float32
+                or prior_lse.shape != (num_heads, num_tokens)):
+            raise ValueError(f"paged_attention: prior must be (out {tuple(query.shape)} with a contiguous head_dim, "
+                             f"lse ({num_heads}, {num_tokens}) float32); got {tuple(prior_out.shape)} and "
+                             f"{tuple(prior_lse.shape)} {prior_lse.dtype}")
+        prior_strides = (prior_out.stride(0), prior_out.stride(1), prior_lse.stride(0), prior_lse.stride(1))
+    else:
+        prior_out = prior_lse = query  # never read: HAS_PRIOR=False
+        prior_strides = (0, 0, 0, 0)
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
         return out
-    launch = plan_launch(query, key, meta, window=window) if launch is None else launch
+    if launch is None:  # with a prior there is no context to split
+        launch = plan_launch(query, key, meta, window=window, num_splits=1 if prior is not None else None)
 
     has_cache = k_cache is not None
     kv_fp8 = has_cache and k_cache.dtype == torch.uint8
@@ -550,16 +586,16 @@ def paged_attention(
     _paged_attention_kernel[(num_tiles, num_seqs * num_kv_heads, num_splits)](
         query, key, value, k_cache, v_cache, k_scales, v_scales,
         meta.cu_seqlens_q, meta.context_lens, meta.page_tables, meta.block_ids,
-        out, part_acc, part_max, part_sum,
+        out, part_acc, part_max, part_sum, prior_out, prior_lse,
         query.stride(0), query.stride(1), key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        out.stride(0), out.stride(1),
+        out.stride(0), out.stride(1), *prior_strides,
         *cache_strides, meta.page_tables.stride(0), *scale_strides,
         num_kv_heads, num_tokens, num_heads, num_splits, scale * LOG2_E, 0 if window is None else window,
         GROUP=group, HEAD_DIM=head_dim, PAGE_SIZE=page_size, HAS_CACHE=has_cache,
         SPLIT=split, BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot_dtype(query),
         HAS_WINDOW=window is not None,
         **fp8_row_constants(query.dtype, dot_dtype(query), launch, kv_fp8, query.is_cuda),
-        PRECISION=_precision(query), USE_PDL=use_pdl(query),
+        PRECISION=_precision(query), HAS_PRIOR=prior is not None, USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
     if split:

@@ -31,8 +31,8 @@ from diffulex_kernels.attention import (HEAD_DIMS, AttentionLaunch, _paged_atten
                                         _precision, fp8_row_constants, launch_variants)
 from diffulex_kernels.dtypes import triton_dtype  # noqa: E402
 
-POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr"}
-FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr", "v_scale_ptr"}
+POINTERS = {"q_ptr", "k_ptr", "v_ptr", "k_cache_ptr", "v_cache_ptr", "out_ptr", "prior_out_ptr"}
+FLOAT_POINTERS = {"part_acc_ptr", "part_max_ptr", "part_sum_ptr", "k_scale_ptr", "v_scale_ptr", "prior_lse_ptr"}
 INT_POINTERS = {"cu_seqlens_q_ptr", "context_lens_ptr", "page_tables_ptr", "block_ids_ptr"}
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 NVDISASM = PTXAS.parent / "nvdisasm"
@@ -71,7 +71,7 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
     constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=True, SPLIT=launch.num_splits > 1,
                      BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot, HAS_WINDOW=False,
                      **fp8_row_constants(dtype, dot, launch, kv_fp8, on_gpu=True),
-                     PRECISION=_precision(torch.empty(0, dtype=dtype)), USE_PDL=False)
+                     PRECISION=_precision(torch.empty(0, dtype=dtype)), HAS_PRIOR=False, USE_PDL=False)
     names = _paged_attention_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(fn=_paged_attention_kernel, signature=signature(dtype, constants),

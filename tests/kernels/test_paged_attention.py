@@ -11,7 +11,7 @@ import torch
 
 import diffulex_kernels
 from diffulex_kernels import kv_store
-from diffulex_backend.attention import AttentionMetadata, paged_attention_reference
+from diffulex_backend.attention import AttentionMetadata, context_attention_reference, paged_attention_reference
 from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, choose_num_splits,
                                         compile_launches, launch_variants, plan_launch, shared_memory_bytes)
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
@@ -504,3 +504,40 @@ def test_a_window_below_one_is_refused():
     with pytest.raises(ValueError, match=r"^paged_attention: window must be at least 1, got 0$"):
         diffulex_kernels.paged_attention(batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache,
                                          batch.meta, 1.0, window=0)
+
+
+@pytest.mark.parametrize("pattern", ["one_block", "blocks", "causal"])
+@pytest.mark.parametrize("group", [1, 7])
+def test_a_prior_over_the_context_and_the_in_forward_keys_give_the_attention_over_both(pattern, group):
+    """flash-attn computes a block's attention over its cached context (out and lse); the kernel goes on from it over
+    the in-forward keys under the block mask. Together they give the attention over the whole, with every sequence
+    kind of the batch: no query, no context, a context that ends mid-page."""
+    heads, kv_heads = HEAD_SHAPES[group]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=16, dtype=torch.bfloat16,
+                       pattern=pattern, seed=40 + group)
+    scale = 128 ** -0.5
+    k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
+    ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
+    meta = batch.meta  # the reference stored the in-forward K/V, as the engine's RoPE launch does before both
+    prior = context_attention_reference(batch.query, k_cache_ref, v_cache_ref, meta.cu_seqlens_q, meta.context_lens,
+                                        meta.page_tables, scale)
+    out = diffulex_kernels.paged_attention(batch.query, batch.key, batch.value, None, None, meta, scale,
+                                           out=poisoned_like(batch.query), prior=prior)
+    assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
+    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
+    # The torch reference composes the same way.
+    composed = paged_attention_reference(batch.query, batch.key, batch.value, None, None, meta, scale, prior=prior)
+    assert relative_error(composed, ref) < REL_TOL[torch.bfloat16]
+
+
+def test_a_prior_with_a_cache_or_of_another_shape_is_refused():
+    heads, kv_heads = HEAD_SHAPES[7]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=3)
+    tokens = batch.query.shape[0]
+    prior = (torch.zeros_like(batch.query), torch.zeros(heads, tokens, dtype=torch.float32, device=DEVICE))
+    args = (batch.query, batch.key, batch.value)
+    with pytest.raises(ValueError, match="a prior stands for the cached context"):
+        diffulex_kernels.paged_attention(*args, batch.k_cache, batch.v_cache, batch.meta, 1.0, prior=prior)
+    with pytest.raises(ValueError, match=rf"prior must be \(out .*lse \({heads}, {tokens}\) float32\)"):
+        diffulex_kernels.paged_attention(*args, None, None, batch.meta, 1.0, prior=(prior[0], prior[1][:, :-1]))
