@@ -8,7 +8,7 @@ import torch
 
 from .attention import paged_attention_reference
 from .config import Config
-from .flash_attention import PromptFlashAttention, refusal as flash_refusal
+from .flash_attention import FlashAttention, refusal as flash_refusal
 from .loader import check_fp8_device, load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
 from .quantization import has_fp8, quantize_model
@@ -97,7 +97,7 @@ def select_attention(model, attention_backend: str, device: torch.device, dtype:
     blocks_backend = "triton" if attention_backend == "flash_attn" else attention_backend
     attention_fn = resolve_attention(blocks_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
     if why_not_flash is None and attention_fn is not paged_attention_reference:
-        attention_fn = PromptFlashAttention(attention_fn)
+        attention_fn = FlashAttention(attention_fn)
     for layer in model.layers:
         layer.attn.attention_fn = attention_fn
     # Where the family has one, the Triton attention comes with the rest of its Triton path (fused norms, RoPE,
@@ -110,7 +110,7 @@ def attention_backend_name(model) -> str:
     attention_fn = model.layers[0].attn.attention_fn
     if attention_fn in (None, paged_attention_reference):
         return "torch"
-    return "flash_attn" if isinstance(attention_fn, PromptFlashAttention) else "triton"
+    return "flash_attn" if isinstance(attention_fn, FlashAttention) else "triton"
 
 
 def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype, runner_cls) -> int:

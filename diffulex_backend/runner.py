@@ -27,7 +27,7 @@ from .acceptance import AcceptanceBatch, AcceptanceRule
 from .attention import AttentionMetadata, paged_attention_reference
 from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
-from .flash_attention import PromptFlashAttention
+from .flash_attention import FlashAttention
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
 from .layers.lora import LoraBatch
 from .lora import lora_batch
@@ -211,7 +211,7 @@ class ModelRunner:
         self.device = device
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
         attention_fn = model.layers[0].attn.attention_fn
-        self.dense_prompts = isinstance(attention_fn, PromptFlashAttention)  # prompts' forwards go to flash-attn
+        self.dense_prompts = isinstance(attention_fn, FlashAttention)  # prompts' forwards (and some contexts) go to flash-attn
         self.shift = 1 if model.arch.shifted else 0
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; forget() drops an entry.
@@ -244,11 +244,13 @@ class ModelRunner:
             # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
             layouts = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.window)
                        for layer in model.layers}
+            kv_fp8 = config.kv_cache_dtype == "fp8"
             for heads, kv_heads, head_dim, window in layouts:
+                flash_context = self.dense_prompts and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
-                                  kv_fp8=config.kv_cache_dtype == "fp8")
+                                  kv_fp8=kv_fp8, prior=flash_context)
                 if self.dense_prompts:
-                    attention_fn.compile(heads, kv_heads, head_dim, dtype, device)
+                    attention_fn.compile(heads, kv_heads, head_dim, dtype, device, config.page_size, cache_dtype)
 
     @torch.inference_mode()
     def execute(self, sched: SchedulerOutput) -> StepResult:

@@ -275,7 +275,7 @@ def _self_attention(
         # of each head passes through unrotated.
         rotate_in_place(q[..., :rotary_dim], cos, sin)
         rotate_in_place(k[..., :rotary_dim], cos, sin)
-    # The Triton kernel, or flash_attention.PromptFlashAttention over it: [T, heads, head_dim].
+    # The Triton kernel, or flash_attention.FlashAttention over it: [T, heads, head_dim].
     out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
         meta.retention_stats.add(q, k_cache, meta, attn.scale)

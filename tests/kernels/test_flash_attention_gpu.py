@@ -15,7 +15,7 @@ import torch
 import diffulex_kernels
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import AttentionMetadata, dense_attention_of
-from diffulex_backend.flash_attention import PromptFlashAttention, flash_attn_installed
+from diffulex_backend.flash_attention import FlashAttention, flash_attn_installed
 from diffulex_backend.testing.checkpoint import random_model, write_random_checkpoint
 from kernel_cases import DEVICE, REL_TOL, generator, randn, relative_error
 
@@ -87,7 +87,7 @@ def test_flash_attn_matches_the_triton_kernel_on_dense_forwards(forward, heads, 
     scale = head_dim ** -0.5
     want = diffulex_kernels.paged_attention(q, k, v, caches[0], caches[1], dataclasses.replace(meta, dense=None),
                                             scale)
-    got = PromptFlashAttention(diffulex_kernels.paged_attention)(q, k, v, caches[2], caches[3], meta, scale)
+    got = FlashAttention(diffulex_kernels.paged_attention)(q, k, v, caches[2], caches[3], meta, scale)
     assert relative_error(got, want) <= REL_TOL[torch.bfloat16]
     assert torch.equal(caches[2], caches[0]) and torch.equal(caches[3], caches[1])
 
@@ -96,7 +96,7 @@ def test_flash_attn_matches_the_triton_kernel_on_dense_forwards(forward, heads, 
 def test_a_model_forward_on_flash_attn_gives_the_logits_of_the_triton_one(model_name):
     shape = dict(hidden_size=512, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=768, head_dim=128)
     models = []
-    for attention in (diffulex_kernels.paged_attention, PromptFlashAttention(diffulex_kernels.paged_attention)):
+    for attention in (diffulex_kernels.paged_attention, FlashAttention(diffulex_kernels.paged_attention)):
         model = random_model(model_name, **shape, dtype=torch.bfloat16, device=DEVICE, seed=3, attention_fn=attention)
         model.fused_kernels = True
         models.append(model)
@@ -143,3 +143,84 @@ def test_an_engine_on_flash_attn_serves_prompts_beside_the_triton_one(tmp_path, 
         assert len(got) == len(want) == 64
         # bf16: the two kernels round differently, and a random model's near-ties may then decode apart later on.
         print(f"{strategy}: flash_attn's tokens first differ from triton's at {first_difference(got, want)}")
+
+
+def blocks_over_contexts(heads: int, kv_heads: int, contexts: list[int], in_flight: list[int], seed: int,
+                         columns: int = 140):
+    """q, k, v, (k_cache, v_cache) and the metadata of blocks over cached contexts: sequence b feeds in_flight[b]
+    blocks of 32 (block-causal, none of them stored) over contexts[b] cached tokens, with page tables of `columns`
+    pages, as a CUDA graph's are as wide as max_model_len."""
+    gen = generator(seed)
+    block, head_dim = 32, 128
+    num_pages = columns * len(contexts)
+    order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
+    tables = order.view(len(contexts), columns).to(torch.int32)
+    lengths = [block * n for n in in_flight]
+    cu = [0, *np.cumsum(lengths).tolist()]
+    block_ids = np.concatenate([context + np.arange(n) // block * block for context, n in zip(contexts, lengths)])
+    tokens = cu[-1]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=DEVICE),
+        context_lens=torch.tensor(contexts, dtype=torch.int32, device=DEVICE), page_tables=tables.to(DEVICE),
+        slot_mapping=torch.full((tokens,), -1, dtype=torch.int64, device=DEVICE),
+        block_ids=torch.from_numpy(block_ids.astype(np.int32)).to(DEVICE), max_seqlen_q=max(lengths),
+        max_context_len=columns * PAGE_SIZE, cu_seqlens_q_host=tuple(cu), context_lens_host=tuple(contexts))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=torch.bfloat16, gen=gen)
+    q = qkv[:, :heads * head_dim].view(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].view(tokens, kv_heads, head_dim)
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(tokens, kv_heads, head_dim)
+    caches = [randn(num_pages, PAGE_SIZE, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    return q, k, v, caches, meta
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(28, 4), (32, 8), (32, 32)])
+def test_flash_attn_s_context_then_the_in_forward_keys_match_the_triton_kernel_eager_and_in_a_graph(heads, kv_heads):
+    """flash-attn's paged kernel over the cached context, then the Triton kernel over the in-forward keys from its
+    output and lse, against the Triton kernel over both: eagerly, and replayed from a CUDA graph after the batch's
+    contexts and blocks changed in place (the engine's graphs serve every batch of their bucket that way)."""
+    attention = FlashAttention(diffulex_kernels.paged_attention, min_context_group=1)
+    q, k, v, caches, meta = blocks_over_contexts(heads, kv_heads, [700, 0, 33, 2048], [2, 1, 1, 2], seed=heads)
+    scale = 128 ** -0.5
+    want = diffulex_kernels.paged_attention(q, k, v, *caches, meta, scale, kv_stored=True)
+    got = attention(q, k, v, *caches, meta, scale, kv_stored=True)
+    assert attention.takes_context(q, k, caches[0], meta)
+    assert relative_error(got, want) <= REL_TOL[torch.bfloat16]
+
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = attention(q, k, v, *caches, meta, scale, kv_stored=True)
+    _, _, _, _, other = blocks_over_contexts(heads, kv_heads, [5, 1500, 0, 64], [1, 2, 2, 1], seed=heads + 1)
+    for name in ("context_lens", "page_tables", "block_ids"):
+        getattr(meta, name).copy_(getattr(other, name))
+    meta.cu_seqlens_q.copy_(other.cu_seqlens_q)
+    graph.replay()
+    replayed = diffulex_kernels.paged_attention(q, k, v, *caches, other, scale, kv_stored=True)
+    assert relative_error(captured, replayed) <= REL_TOL[torch.bfloat16]
+
+
+def test_an_engine_whose_wide_groups_read_their_context_with_flash_attn_decodes_beside_the_triton_one(tmp_path):
+    """A Dream layout of 4 query heads a kv head under d2f (blocks in flight) with CUDA graphs: flash-attn's paged
+    kernel reads every cached context, and the engine decodes as the Triton one does within bf16's near-ties."""
+    path = write_random_checkpoint(tmp_path / "dream", "dream", hidden_size=1024, num_layers=2, num_heads=8,
+                                   num_kv_heads=2, intermediate_size=768, head_dim=128)
+    prompts = ["a prompt long enough to fill a few pages of the cache " * 8, "hi"]
+    params = SamplingParams(max_tokens=64, ignore_eos=True)
+    outputs = {}
+    for backend in ("triton", "flash_attn"):
+        engine = Diffulex(str(path), attention_backend=backend, decoding_strategy="d2f", num_kv_pages=64,
+                          max_model_len=512)
+        attention, paged = engine.model.layers[0].attn.attention_fn, []
+        if backend == "flash_attn":
+            assert attention.min_context_group == 4
+            varlen = attention.varlen
+            attention.varlen = lambda *a, **kw: (kw.get("page_table") is not None and paged.append(1)) or varlen(
+                *a, **kw)
+        outputs[backend] = [out.token_ids for out in engine.generate(prompts, params)]
+        assert engine.metrics().kv_pages_used == 0
+        if backend == "flash_attn":
+            assert paged, "no forward read its context through flash-attn's paged kernel"
+        del engine
+        torch.cuda.empty_cache()
+    for got, want in zip(outputs["flash_attn"], outputs["triton"]):
+        assert len(got) == len(want) == 64
+        print(f"d2f: flash_attn's tokens first differ from triton's at {first_difference(got, want)}")

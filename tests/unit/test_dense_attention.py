@@ -1,5 +1,5 @@
 """The dense path of attention on the CPU: how the host takes a forward apart (attention.DenseAttention), the two
-dense varlen attentions that PromptFlashAttention computes from it, and whole engines that take it, token for token.
+dense varlen attentions that FlashAttention computes from it, and whole engines that take it, token for token.
 
 flash-attn's kernel runs on a GPU only (tests/kernels/test_flash_attention_gpu.py holds it to the Triton kernel
 there). Here `varlen_reference` computes what its `flash_attn_varlen_func` computes, by its documented semantics,
@@ -18,16 +18,22 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.attention import (AttentionMetadata, HeadMask, dense_attention_of, paged_attention_reference,
-                                        store_kv)
-from diffulex_backend.flash_attention import PromptFlashAttention, flash_attn_installed, refusal
+from diffulex_backend.attention import (AttentionMetadata, HeadMask, context_attention_reference, dense_attention_of,
+                                        paged_attention_reference, store_kv)
+from diffulex_backend.flash_attention import FlashAttention, flash_attn_installed, refusal
 
 from engine_driver import TINY_LIMITS, run_requests
 
 
-def varlen_reference(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+def varlen_reference(q, k, v, *, cu_seqlens_q, max_seqlen_q, max_seqlen_k, softmax_scale, causal, cu_seqlens_k=None,
+                     seqused_k=None, page_table=None, return_lse=False):
     """flash-attn's varlen attention: sequence b's queries q[cu_q[b]:cu_q[b+1]] over its keys k[cu_k[b]:cu_k[b+1]],
-    all of them, or under a causal mask aligned so that the last query sees the last key."""
+    all of them, or under a causal mask aligned so that the last query sees the last key. Paged (`page_table`), over
+    the first seqused_k[b] keys of sequence b's pages, all visible, returning (out, lse)."""
+    if page_table is not None:
+        assert cu_seqlens_k is None and not causal and return_lse
+        assert max(seqused_k.tolist(), default=0) <= max_seqlen_k <= page_table.shape[1] * k.shape[1]
+        return context_attention_reference(q, k, v, cu_seqlens_q, seqused_k, page_table, softmax_scale)
     cu_q, cu_k = cu_seqlens_q.tolist(), cu_seqlens_k.tolist()
     assert max(b - a for a, b in zip(cu_q, cu_q[1:])) <= max_seqlen_q
     assert max(b - a for a, b in zip(cu_k, cu_k[1:])) <= max_seqlen_k
@@ -47,13 +53,16 @@ def varlen_reference(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_s
 
 
 class CountingReference:
-    """varlen_reference, counting its calls: a test that means the dense path shows that it ran."""
+    """varlen_reference, counting its dense and its paged calls: a test that means either path shows that it ran."""
 
     def __init__(self):
-        self.calls = 0
+        self.calls = self.paged_calls = 0
 
     def __call__(self, *args, **kwargs):
-        self.calls += 1
+        if kwargs.get("page_table") is None:
+            self.calls += 1
+        else:
+            self.paged_calls += 1
         return varlen_reference(*args, **kwargs)
 
 
@@ -97,7 +106,7 @@ def test_the_host_takes_a_forward_apart_into_dense_heads_and_tails(block_ids, co
 
 
 def compare_with_the_paged_reference(block_ids: list[np.ndarray], heads: int, kv_heads: int, seed: int) -> int:
-    """PromptFlashAttention over the forward `block_ids` make (no cached context) against the paged reference, in
+    """FlashAttention over the forward `block_ids` make (no cached context) against the paged reference, in
     float64: the same output and the same cache written. Returns the dense launches it made (0: not dense)."""
     torch.manual_seed(seed)
     lengths = [len(x) for x in block_ids]
@@ -126,7 +135,7 @@ def compare_with_the_paged_reference(block_ids: list[np.ndarray], heads: int, kv
 
     dense = dense_attention_of(block_ids, 0)
     varlen = CountingReference()
-    attention = PromptFlashAttention(paged_attention_reference, varlen=varlen, store_kv=store_kv)
+    attention = FlashAttention(paged_attention_reference, varlen=varlen, store_kv=store_kv)
     got_k, got_v = torch.zeros(cache_shape, dtype=torch.float64), torch.zeros(cache_shape, dtype=torch.float64)
     meta = dataclasses.replace(meta, dense=None if dense is None else dense.to(torch.device("cpu")))
     got = attention(q, k, v, got_k, got_v, meta, 0.3)
@@ -178,7 +187,7 @@ def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
         calls.append(kwargs)
         return "blocks"
 
-    attention = PromptFlashAttention(blocks, varlen=CountingReference(), store_kv=store_kv)
+    attention = FlashAttention(blocks, varlen=CountingReference(), store_kv=store_kv)
     meta = AttentionMetadata(cu_seqlens_q=torch.tensor([0, 2]), context_lens=torch.tensor([4]),
                              page_tables=torch.zeros(1, 2), slot_mapping=torch.full((2,), -1),
                              block_ids=torch.zeros(2), max_seqlen_q=2, max_context_len=4)
@@ -186,13 +195,81 @@ def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
     assert calls == [{"kv_stored": True}] and attention.varlen.calls == 0
 
 
+def forward_over_a_context(heads: int, kv_heads: int, seed: int, cache_dtype=torch.float64):
+    """A forward of blocks over cached contexts, in float64: sequences with blocks in flight (block-causal), one
+    block, no query, no context; every third in-forward token stored, the rest in flight. Returns (q, k, v, caches,
+    meta)."""
+    gen = torch.Generator().manual_seed(seed)
+    page_size, head_dim, block = 4, 8, 3
+    sequences = [(6, 13), (3, 8), (0, 5), (4, 0), (3, 1)]  # (query tokens, cached context)
+    pages = [-(-(q + c) // page_size) for q, c in sequences]
+    order = torch.randperm(sum(pages) + 2, generator=gen).tolist()
+    # Twice the columns the pages take, as a CUDA graph's tables hold max_model_len's pages.
+    tables = torch.full((len(sequences), 2 * max(pages)), -1, dtype=torch.int32)
+    slots, block_ids, cu = [], [], [0]
+    for b, ((n, context), count) in enumerate(zip(sequences, pages)):
+        tables[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+        positions = torch.arange(context, context + n)
+        slots += (tables[b, positions // page_size].long() * page_size + positions % page_size).tolist()
+        block_ids += (positions // block * block).tolist()
+        cu.append(cu[-1] + n)
+    slot_mapping = torch.tensor(slots, dtype=torch.int64)
+    slot_mapping[1::3] = -1
+    contexts = [c for _, c in sequences]
+    meta = AttentionMetadata(
+        cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), context_lens=torch.tensor(contexts, dtype=torch.int32),
+        page_tables=tables, slot_mapping=slot_mapping, block_ids=torch.tensor(block_ids, dtype=torch.int32),
+        max_seqlen_q=max(q for q, _ in sequences), max_context_len=tables.shape[1] * page_size, cu_seqlens_q_host=tuple(cu),
+        context_lens_host=tuple(contexts))
+    tokens = cu[-1]
+    q = torch.randn(tokens, heads, head_dim, dtype=torch.float64, generator=gen)
+    k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=torch.float64, generator=gen) for _ in range(2))
+    caches = [torch.randn(len(order) + sum(pages), page_size, kv_heads, head_dim, dtype=torch.float64,
+                          generator=gen).to(cache_dtype) for _ in range(2)]
+    return q, k, v, caches, meta
+
+
+@pytest.mark.parametrize("heads, kv_heads", [(7, 1), (8, 2)])
+def test_a_wide_group_s_cached_context_goes_to_the_paged_kernel_and_gives_the_paged_reference(heads, kv_heads):
+    """flash-attn's paged call takes each row's cached context, the blocks kernel goes on over the in-forward keys:
+    the same attention as the paged reference's over both, and the same cache written."""
+    q, k, v, caches, meta = forward_over_a_context(heads, kv_heads, seed=heads)
+    want_caches = [cache.clone() for cache in caches]
+    want = paged_attention_reference(q, k, v, *want_caches, meta, 0.3)
+    varlen = CountingReference()
+    attention = FlashAttention(paged_attention_reference, varlen=varlen, store_kv=store_kv)
+    got = attention(q, k, v, *caches, meta, 0.3)
+    # flash-attn's lse is float32, which bounds the composition's agreement with float64's whole softmax.
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
+    assert all(torch.equal(got_cache, want_cache) for got_cache, want_cache in zip(caches, want_caches))
+    assert (varlen.paged_calls, varlen.calls) == (1, 0)
+
+
+@pytest.mark.parametrize("heads, kv_heads, cache_dtype", [(3, 1, torch.float64), (7, 1, torch.float32)],
+                         ids=["narrow group", "cache of another dtype"])
+def test_a_narrow_group_or_a_cache_flash_attn_cannot_read_goes_to_the_blocks_kernel_whole(heads, kv_heads,
+                                                                                       cache_dtype):
+    q, k, v, caches, meta = forward_over_a_context(heads, kv_heads, seed=1, cache_dtype=cache_dtype)
+    calls = []
+
+    def blocks(*args, **kwargs):
+        calls.append(kwargs)
+        return "blocks"
+
+    attention = FlashAttention(blocks, varlen=CountingReference(), store_kv=store_kv)
+    assert attention(q, k, v, *caches, meta, 0.3) == "blocks"
+    assert calls == [{"kv_stored": False}] and attention.varlen.paged_calls == 0
+
+
 def dense_engine(path: str, dense: CountingReference, **overrides) -> Diffulex:
-    """An engine whose attention is PromptFlashAttention over the reference, with `dense` for flash-attn."""
+    """An engine whose attention is FlashAttention over the reference, with `dense` for flash-attn, dense and paged:
+    every group takes the paged call for its cached context (the tiny models' groups are narrower than Dream's)."""
 
     class DenseEngine(Diffulex):
         def _load_model(self, tp):
             model, lora_slots = super()._load_model(tp)
-            attention = PromptFlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv)
+            attention = FlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv,
+                                       min_context_group=1)
             for layer in model.layers:
                 layer.attn.attention_fn = attention
             return model, lora_slots
@@ -219,6 +296,8 @@ def test_an_engine_on_the_dense_path_decodes_the_tokens_of_the_paged_one(tiny_ch
     got = run_requests(engine, prompts, params)
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
     assert dense.calls > 0  # the prompts' forwards took the dense path
+    # The blocks' contexts took the paged one; vanilla feeds whole sequences, and caches nothing.
+    assert (dense.paged_calls > 0) == (strategy != "vanilla")
     assert engine.metrics().kv_pages_used == 0  # every page back in the pool
 
 
@@ -240,7 +319,7 @@ def test_a_flash_attn_package_that_fails_on_import_is_a_reason_not_an_error(flas
                    "_ZN3c10); see README, 'Attention backends'")
     assert not flash_attn_installed()
     with pytest.raises(ValueError, match="flash-attn cannot be imported: ImportError: undefined symbol"):
-        PromptFlashAttention(paged_attention_reference)
+        FlashAttention(paged_attention_reference)
 
 
 def test_flash_attn_without_its_cute_kernels_is_not_installed(flash_attn_package):
