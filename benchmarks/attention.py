@@ -16,7 +16,11 @@ Backends, each timed alike (the median of calls launched from Python with the L2
     ("auto": FA3 on Hopper) and the note names those that ran; where the package is installed, otherwise its rows
     say so;
   - triton_fp8_kv (blocks only): the engine's kernel over the same cache held as FP8 rows (kv_cache_dtype fp8),
-    whose memory floor counts the cached context at head_dim + 4 bytes a row instead of 2 x head_dim.
+    whose memory floor counts the cached context at head_dim + 4 bytes a row instead of 2 x head_dim;
+  - triton_graph and flash_attn_context_graph (blocks only): the engine's two ways of attending a block over its
+    context, each replayed from a CUDA graph as decode steps run them (`time_graph_ms`): the Triton kernel whole,
+    and attention_backend flash_attn's (flash_attention.FlashAttention): flash-attn-4's paged kernel over the context,
+    then the Triton kernel over the block from its output and lse.
 Every row gives ms, the compute floor (4 x query-key pairs x heads x head_dim flops / the bf16 matmul rate), the
 memory floor (Q, K and V read once and the output written, over the copy bandwidth), the time over the larger floor,
 and the output's relative error against torch_sdpa's. Both ceilings are measured in the same run.
@@ -36,15 +40,17 @@ import torch
 import torch.nn.functional as F
 
 from kernels import (BLOCK_LEN, FULL_MODELS, PAGE_SIZE, SMOKE_MODELS, ModelShape, attention_inputs,  # noqa: E402
-                     device_header, measure_ceilings, randn, time_eager_ms)
+                     device_header, measure_ceilings, randn, time_eager_ms, time_graph_ms)
 import diffulex_kernels  # noqa: E402
 from diffulex_kernels import kv_store  # noqa: E402
 from diffulex_backend.attention import AttentionMetadata  # noqa: E402
+from diffulex_backend.flash_attention import FlashAttention  # noqa: E402
 from result_table import ResultTable  # noqa: E402
 
 FIELDS = ["phase", "model", "batch", "tokens", "context", "backend", "ms", "compute_floor_ms", "memory_floor_ms",
           "vs_floor", "rel_err_vs_sdpa", "note"]
-BACKENDS = ("triton", "torch_sdpa", "flash_attn_4", "flashinfer", "triton_fp8_kv")
+BACKENDS = ("triton", "torch_sdpa", "flash_attn_4", "flashinfer", "triton_fp8_kv", "triton_graph",
+            "flash_attn_context_graph")
 # FlashInfer's float workspace (its split-KV partial outputs): its wrappers recommend 128 MB; twice that, for 64
 # sequences of 28-32 heads.
 FLASHINFER_WORKSPACE_BYTES = 256 << 20
@@ -180,6 +186,16 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     if fa4 is None:
         results["flash_attn_4"] = (float("nan"), None, missing)
         return results
+    if phase == "block" and query_is_cuda(t):
+        results["triton_graph"] = (time_graph_ms(lambda: diffulex_kernels.paged_attention(*args, kv_stored=True)),
+                                   diffulex_kernels.paged_attention(*args, kv_stored=True), "")
+        try:
+            engine_way = FlashAttention(diffulex_kernels.paged_attention, varlen=fa4, min_context_group=1)
+            call = lambda: engine_way(*args, kv_stored=True)  # noqa: E731
+            results["flash_attn_context_graph"] = (time_graph_ms(call), call(), "")
+        except Exception as error:  # the rows say why
+            results["flash_attn_context_graph"] = (float("nan"), None,
+                                                   f"failed: {type(error).__name__}: {str(error)[:120]}")
     try:
         if phase == "prefill":
             cu = meta.cu_seqlens_q
@@ -200,6 +216,10 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     except Exception as error:  # a shape or layout the package refuses: the row says which
         results["flash_attn_4"] = (float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}")
     return results
+
+
+def query_is_cuda(t: dict) -> bool:
+    return t["query"].is_cuda
 
 
 def relative_error(out: torch.Tensor | None, ref: torch.Tensor) -> float:

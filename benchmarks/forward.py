@@ -67,7 +67,7 @@ from diffulex_backend.testing.diffusion_gemma_checkpoint import (RELEASED_26B_A4
 from diffulex_backend.models.diffusion_gemma import DenoiseSchedule, GemmaMoE  # noqa: E402
 from diffulex_backend.cuda_graph import PaddedForward  # noqa: E402
 from diffulex_backend.engine import DiffulexEngine  # noqa: E402
-from diffulex_backend.model_setup import select_attention  # noqa: E402
+from diffulex_backend.model_setup import attention_backend_name, select_attention  # noqa: E402
 from diffulex_backend.layers import fused_forward, moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
@@ -105,6 +105,7 @@ class Plan:
     reps: int
     smoke: bool
     kv_cache_dtype: str = "auto"  # the engine's cache: the model's dtype, or "fp8" rows
+    attention_backend: str = "auto"  # the engine's attention_backend, but for the torch paths' rows
 
 
 FULL = Plan(batches=(1, 8, 32, 64), contexts=(512, 2048), decode_batches=(1, 8, 32, 64), decode_context=512,
@@ -309,7 +310,8 @@ def long_prompt_setup(model: str, smoke: bool, prompt: int) -> tuple[torch.devic
 
 def make_engine(model, model_dir: str, device: torch.device, plan: Plan, **kwargs) -> RandomWeightEngine:
     settings = dict(block_size=BLOCK, page_size=PAGE_SIZE, enable_prefix_caching=False, device=str(device),
-                    dtype="float32" if device.type == "cpu" else "bfloat16", kv_cache_dtype=plan.kv_cache_dtype)
+                    dtype="float32" if device.type == "cpu" else "bfloat16", kv_cache_dtype=plan.kv_cache_dtype,
+                    attention_backend=plan.attention_backend)
     settings.update(kwargs)
     return RandomWeightEngine(model, model_dir, **settings)
 
@@ -516,7 +518,8 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
             sched = SchedulerOutput(plans=plans)
             step_ms = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device)
                                         for _ in range(plan.reps + 1))
-            note = f"pool {pages} pages" + (" (page tables wrap)" if pages < len(plans) * len(
+            note = f"{attention_backend_name(engine.model)} attention; pool {pages} pages" + (
+                " (page tables wrap)" if pages < len(plans) * len(
                 plans[0].page_table) else "")
             plain_columns = {}
             if with_plain:
@@ -765,7 +768,7 @@ def check_section(report: Report, name: str, model, model_dir: str, device, plan
     params = SamplingParams(max_tokens=new_tokens, ignore_eos=True)
     dtype = str(model.embed_tokens.weight.dtype).removeprefix("torch.")
     reference_model = copy.deepcopy(model).to(torch.float32)
-    paths = [(f"kernels + graphs, {dtype}", model, dict(attention_backend="auto")),
+    paths = [(f"kernels + graphs, {dtype}", model, dict(attention_backend=plan.attention_backend)),
              (f"torch path, {dtype}", model, dict(attention_backend="torch", enforce_eager=True)),
              ("torch path, float32", reference_model, dict(attention_backend="torch", enforce_eager=True,
                                                            dtype="float32"))]
@@ -1073,6 +1076,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quantization", default="none",
                         help="comma-separated, of none (bf16 weights) and fp8 (the same weights quantized as "
                              "`quantization: fp8` does), run in that order over one model")
+    parser.add_argument("--attention-backend", default="auto", choices=["auto", "triton", "flash_attn"],
+                        help="the engines' attention_backend (the torch paths' rows keep torch)")
     parser.add_argument("--batches", help="comma-separated batches of every section (default: the plan's)")
     parser.add_argument("--contexts", help="comma-separated cached contexts of the forward section")
     args = parser.parse_args(argv)
@@ -1082,7 +1087,8 @@ def main(argv: list[str] | None = None) -> None:
     if list(quantizations) != sorted(set(quantizations), key=QUANTIZATIONS.index):
         raise SystemExit(f"--quantization {args.quantization}: each at most once, in the order {QUANTIZATIONS}")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    plan = dataclasses.replace(SMOKE if args.smoke else FULL, kv_cache_dtype=args.kv_cache_dtype)
+    plan = dataclasses.replace(SMOKE if args.smoke else FULL, kv_cache_dtype=args.kv_cache_dtype,
+                               attention_backend=args.attention_backend)
     if args.batches:
         batches = parse_list(args.batches, cast=int)
         plan = dataclasses.replace(plan, batches=batches, decode_batches=batches, diffulex_batches=batches)

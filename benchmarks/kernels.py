@@ -51,6 +51,7 @@ class ModelShape:
 FULL_MODELS = [
     ModelShape("LLaDA-8B", heads=32, kv_heads=32, head_dim=128, hidden=4096, vocab=126464),
     ModelShape("Dream-7B", heads=28, kv_heads=4, head_dim=128, hidden=3584, vocab=152064),
+    ModelShape("SDAR-8B", heads=32, kv_heads=8, head_dim=128, hidden=4096, vocab=151936),
 ]
 SMOKE_MODELS = [ModelShape("tiny", heads=4, kv_heads=2, head_dim=64, hidden=96, vocab=1000)]
 BLOCK_LEN = 32  # query tokens per request: one diffusion block
