@@ -211,7 +211,8 @@ class ModelRunner:
         self.device = device
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
         attention_fn = model.layers[0].attn.attention_fn
-        self.dense_prompts = isinstance(attention_fn, FlashAttention)  # prompts' forwards (and some contexts) go to flash-attn
+        # Prompts' forwards, and the cached contexts of wide GQA groups, go to flash-attn.
+        self.dense_prompts = isinstance(attention_fn, FlashAttention)
         self.shift = 1 if model.arch.shifted else 0
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; forget() drops an entry.
@@ -246,7 +247,8 @@ class ModelRunner:
                        for layer in model.layers}
             kv_fp8 = config.kv_cache_dtype == "fp8"
             for heads, kv_heads, head_dim, window in layouts:
-                flash_context = self.dense_prompts and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
+                flash_context = self.dense_prompts and attention_fn.takes_context_of(heads, kv_heads, cache_dtype,
+                                                                                     dtype)
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
                                   kv_fp8=kv_fp8, prior=flash_context)
                 if self.dense_prompts:

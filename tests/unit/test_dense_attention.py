@@ -219,8 +219,8 @@ def forward_over_a_context(heads: int, kv_heads: int, seed: int, cache_dtype=tor
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32), context_lens=torch.tensor(contexts, dtype=torch.int32),
         page_tables=tables, slot_mapping=slot_mapping, block_ids=torch.tensor(block_ids, dtype=torch.int32),
-        max_seqlen_q=max(q for q, _ in sequences), max_context_len=tables.shape[1] * page_size, cu_seqlens_q_host=tuple(cu),
-        context_lens_host=tuple(contexts))
+        max_seqlen_q=max(q for q, _ in sequences), max_context_len=tables.shape[1] * page_size,
+        cu_seqlens_q_host=tuple(cu), context_lens_host=tuple(contexts))
     tokens = cu[-1]
     q = torch.randn(tokens, heads, head_dim, dtype=torch.float64, generator=gen)
     k, v = (torch.randn(tokens, kv_heads, head_dim, dtype=torch.float64, generator=gen) for _ in range(2))
