@@ -212,7 +212,7 @@ class ModelRunner:
         self.pin_memory = device.type == "cuda"  # host inputs upload without waiting for the device
         attention_fn = model.layers[0].attn.attention_fn
         # Prompts' forwards, and the cached contexts of wide GQA groups, go to flash-attn.
-        self.dense_prompts = isinstance(attention_fn, FlashAttention)
+        self.flash_attn = isinstance(attention_fn, FlashAttention)
         self.shift = 1 if model.arch.shifted else 0
         # Shifted models: the hidden state of each request's last committed position, which predicts the first
         # position after it once that position is no longer fed. By request id; forget() drops an entry.
@@ -238,7 +238,7 @@ class ModelRunner:
                 held, mask_column = shard_columns(columns, model.vocab_start, model.arch.vocab_size,
                                                   acceptance.mask_token_id)
                 compile_shard_launches(columns, model.vocab_start, held, mask_column, model.tp.size, dtype, device)
-        blocks_attention = attention_fn.blocks if self.dense_prompts else attention_fn
+        blocks_attention = attention_fn.blocks if self.flash_attn else attention_fn
         if blocks_attention not in (None, paged_attention_reference):  # the Triton kernel
             from diffulex_kernels.attention import compile_launches as compile_attention
 
@@ -247,11 +247,10 @@ class ModelRunner:
                        for layer in model.layers}
             kv_fp8 = config.kv_cache_dtype == "fp8"
             for heads, kv_heads, head_dim, window in layouts:
-                flash_context = self.dense_prompts and attention_fn.takes_context_of(heads, kv_heads, cache_dtype,
-                                                                                     dtype)
+                flash_context = self.flash_attn and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
                                   kv_fp8=kv_fp8, prior=flash_context)
-                if self.dense_prompts:
+                if self.flash_attn:
                     attention_fn.compile(heads, kv_heads, head_dim, dtype, device, config.page_size, cache_dtype)
 
     @torch.inference_mode()
@@ -322,7 +321,7 @@ class ModelRunner:
 
     def build_batch(self, plans: list[SeqPlan]) -> ForwardBatch:
         return build_forward_batch(plans, self.config.page_size, self.config.max_model_len, self.pin_memory,
-                                   find_dense=self.dense_prompts)
+                                   find_dense=self.flash_attn)
 
     def forward(self, batch: ForwardBatch, lora: LoraBatch | None = None,
                 inputs: tuple[torch.Tensor, torch.Tensor, AttentionMetadata] | None = None,
