@@ -27,6 +27,10 @@ server needs. The stub's parent changes the moment the server dies, so the watch
 POLL_S seconds; once it is no longer the server, the watchdog gives the stub SERVER_GONE_GRACE_S seconds to exit,
 then kills it and removes its shared-memory region, which the dead server can no longer remove.
 
+The reloads at start are counted in a file of the temp folder per server and model (`reloads_file`), which outlives
+each watchdog, since each lives for one load only. A watchdog that sees its server gone removes its server's files,
+and every watchdog removes, as it starts, the files of servers that are gone, however they ended.
+
 It runs as a script, importing nothing but the standard library, so it costs a few megabytes.
 
     python stub_watchdog.py --stub-pid PID --server-pid PID --model NAME [--host HOST --port PORT]
@@ -57,9 +61,21 @@ SERVER_GONE_GRACE_S = 1.0  # the time a stub gets to exit by itself once its ser
 SHM_REGION_PREFIX = "triton_python_backend_shm_region_"  # the stub's second argument names its region
 
 
-def reloads_file(server_pid: int, model: str) -> Path:
+RELOADS_PREFIX = "diffulex-watchdog-"
+
+
+def reloads_file(server_pid: int, model: str, folder: Path | None = None) -> Path:
     """Where the reloads at start of one model of one server are kept: each watchdog lives for one load only."""
-    return Path(tempfile.gettempdir()) / f"diffulex-watchdog-{server_pid}-{model}.json"
+    return Path(folder or tempfile.gettempdir()) / f"{RELOADS_PREFIX}{server_pid}-{model}.json"
+
+
+def forget_gone_servers(folder: Path | None = None, server_pid: int | None = None) -> None:
+    """Remove the reloads files of servers that are gone (of `server_pid` alone, when given): a server's pid names
+    its files, and nothing counts its reloads once it has ended."""
+    for path in Path(folder or tempfile.gettempdir()).glob(f"{RELOADS_PREFIX}*.json"):
+        pid = path.name[len(RELOADS_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and (server_pid is None or int(pid) == server_pid) and process_is_gone(int(pid)):
+            path.unlink(missing_ok=True)
 
 
 def recent_reloads_at_start(path: Path, now: float) -> list[float]:
@@ -234,14 +250,18 @@ def act_on(word: bytes, stub: Stub, model: str, server_pid: int, endpoint: tuple
 
 def watch(stub_pid: int, model: str, server_pid: int, endpoint: tuple[str, int] | None) -> None:
     """Wait for the stub's word (or the end of the pipe) and act on it; end the stub if the server dies first, or
-    while the stub finishes."""
+    while the stub finishes. Whatever the end, the reloads files of a server that is gone go with it."""
+    forget_gone_servers()
     stub = Stub(stub_pid)
-    word = next_word(stub, server_pid)
-    if word is None:
-        end_orphaned_stub(stub, model, server_pid)
-        return
-    act_on(word, stub, model, server_pid, endpoint)
-    watch_until_gone(stub, model, server_pid)
+    try:
+        word = next_word(stub, server_pid)
+        if word is None:
+            end_orphaned_stub(stub, model, server_pid)
+            return
+        act_on(word, stub, model, server_pid, endpoint)
+        watch_until_gone(stub, model, server_pid)
+    finally:
+        forget_gone_servers(server_pid=server_pid)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import tritonclient.grpc as grpcclient
+from diffulex_backend.serving.stub_watchdog import reloads_file
 from processes import alive, kill_with_children, live_children
 from served import generate, post, reference, stub_pids, wait_for
 from triton_server import STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer, add_model
@@ -90,9 +91,13 @@ def test_the_stub_of_a_crashed_server_ends_with_its_request_open_and_frees_its_s
         region = Path("/dev/shm") / Path(f"/proc/{stub}/cmdline").read_bytes().split(b"\0")[2].decode()
         assert region.name.startswith("triton_python_backend_shm_region_") and region.exists()
         assert open_stream(server).wait(60), "the stream never started"
+        # As a model that failed at start and was reloaded leaves it: the count goes with the server.
+        reloads = reloads_file(server.process.pid, "diffulex")
+        reloads.write_text("[]")
         os.kill(server.process.pid, crash)
         wait_for(lambda: not alive(stub) and not alive(watchdog), timeout_s=10)
         assert not region.exists()
+        assert not reloads.exists()
         assert server.process.returncode is None  # never reaped while the stub ended
         assert f"the stub of model 'diffulex' (pid {stub}) outlived it" in server.log_path.read_text()
     finally:
