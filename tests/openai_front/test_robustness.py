@@ -2,6 +2,7 @@
 Triton stream and frees its KV pages, and 64 streams at once all finish with every page back."""
 
 import asyncio
+import json
 import socket
 import subprocess
 import sys
@@ -160,3 +161,31 @@ def test_a_client_that_leaves_after_one_choice_ended_frees_the_others_pages(fron
                 break  # the short choice ended; the long one decodes on
     assert wait_for_kv_pages_used(server, 0) == 0
     assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # the long one was cancelled
+
+
+def test_a_client_that_stops_reading_a_stream_and_then_leaves_frees_its_kv_pages_at_once(front, server):
+    """A client that stops reading with a window of 2 KB: the front's writes to it wait once the sockets' and the
+    server's buffers are full (under 200 KB). When it then closes its connection, the streams' Triton calls are
+    cancelled at once, not when the response is collected, and their pages come back."""
+    assert wait_for_kv_pages_used(server, 0) == 0
+    sent_before = generation_tokens(server)
+    prompts = ["hello", "goodbye", "again", "once more"]
+    body = json.dumps({**LONG, "prompt": prompts, "stream": True, "logprobs": 5}).encode()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 2048)  # before connecting: the window it offers
+        sock.settimeout(30)
+        sock.connect(("127.0.0.1", front.port))
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: "
+                     + str(len(body)).encode() + b"\r\n\r\n" + body)
+        assert sock.recv(1024).startswith(b"HTTP/1.1 200")
+        # Nothing more is read while half the tokens decode: with 5 alternatives each, some 280 KB of events (the
+        # whole stream is 560 KB).
+        deadline = time.monotonic() + 30
+        while generation_tokens(server) - sent_before < len(prompts) * LONG["max_tokens"] // 2:
+            assert time.monotonic() < deadline, "the streams never got that far"
+            time.sleep(0.02)
+    left = time.monotonic()
+    assert wait_for_kv_pages_used(server, 0, timeout_s=5) == 0
+    assert time.monotonic() - left < 2.0, "the pages came back only after the streams would have ended anyway"
+    assert generation_tokens(server) - sent_before < len(prompts) * LONG["max_tokens"]  # cancelled, not run out
