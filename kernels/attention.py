@@ -15,6 +15,10 @@ Head sizes up to 128 take tiles of up to 128 rows by 64 keys (128 keys for an un
 and 512 (Gemma's two) take narrower tiles, so that a program's accumulator stays in registers and its K/V buffers in
 shared memory.
 
+A prior (`paged_attention(prior=...)`) stands for the context: each row's attention over it, computed by another
+kernel (flash-attn's paged one) as an output and a log-sum-exp, which the program takes as its starting state
+before the in-forward keys.
+
 Split-KV: when (q tiles x sequences x kv heads) cannot fill the GPU and contexts are long, the cached context
 is cut into `num_splits` chunks, each program writes an unnormalised partial (acc, max, sum) per row, and a
 second kernel merges the partials. Split 0 also takes the in-forward keys. The number of splits depends only on
@@ -108,7 +112,10 @@ def _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head, strid
 
 
 # Token and split counts change with every batch: specialized on them, each new length class would compile again.
-@triton.jit(do_not_specialize=["num_tokens", "num_splits", "window"])
+# What varies with a batch is not specialized on, so that the launches compiled ahead (`compile_launches`, over one
+# token and a page table of one column) are the ones every batch takes: the token count, the splits, the window, the
+# page table's row stride (its columns) and the prior lse's head stride (the token count).
+@triton.jit(do_not_specialize=["num_tokens", "num_splits", "window", "stride_page_table", "stride_lse_h"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
     cu_seqlens_q_ptr, context_lens_ptr, page_tables_ptr, block_ids_ptr,
@@ -459,13 +466,13 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
     key = torch.zeros(1, num_kv_heads, head_dim, dtype=dtype, device=device)
     cache = (torch.zeros(1, page_size, num_kv_heads, fp8_row_bytes(head_dim), dtype=torch.uint8, device=device)
              if kv_fp8 else torch.zeros(1, page_size, num_kv_heads, head_dim, dtype=dtype, device=device))
+    no_context = torch.full((num_heads, 1), float("-inf"), dtype=torch.float32, device=device)  # a prior's lse
     for launch in launch_variants(head_dim, query.element_size()):
         if launch.num_splits == 1:
             paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, window=window)
             paged_attention(query, key, key, cache, cache, batch, 1.0, launch=launch, window=window)
             if prior:
-                lse = torch.full((num_heads, 1), float("-inf"), dtype=torch.float32, device=device)
-                paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, prior=(query, lse))
+                paged_attention(query, key, key, None, None, batch, 1.0, launch=launch, prior=(query, no_context))
             continue
         splits = 2
         while splits <= max_splits(head_dim):

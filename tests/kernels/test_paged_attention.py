@@ -12,8 +12,9 @@ import torch
 import diffulex_kernels
 from diffulex_kernels import kv_store
 from diffulex_backend.attention import AttentionMetadata, context_attention_reference, paged_attention_reference
-from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, choose_num_splits,
-                                        compile_launches, launch_variants, plan_launch, shared_memory_bytes)
+from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, _merge_splits_kernel,
+                                        _paged_attention_kernel, choose_num_splits, compile_launches, launch_variants,
+                                        plan_launch, shared_memory_bytes)
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, poisoned_like, randn, relative_error
 
 # Per sequence: (query tokens, cached context). A sequence may feed no query this step, contexts may be
@@ -506,16 +507,20 @@ def test_a_window_below_one_is_refused():
                                          batch.meta, 1.0, window=0)
 
 
-@pytest.mark.parametrize("pattern", ["one_block", "blocks", "causal"])
-@pytest.mark.parametrize("group", [1, 7])
-def test_a_prior_over_the_context_and_the_in_forward_keys_give_the_attention_over_both(pattern, group):
+@pytest.mark.parametrize("pattern, group, head_dim, dtype", [
+    ("one_block", 1, 128, torch.bfloat16), ("blocks", 1, 128, torch.bfloat16), ("causal", 1, 128, torch.bfloat16),
+    ("one_block", 7, 128, torch.bfloat16), ("blocks", 7, 128, torch.bfloat16), ("causal", 7, 128, torch.bfloat16),
+    ("blocks", 7, 64, torch.float16), ("blocks", 4, 64, torch.float32),
+], ids=str)
+def test_a_prior_over_the_context_and_the_in_forward_keys_give_the_attention_over_both(pattern, group, head_dim,
+                                                                                      dtype):
     """flash-attn computes a block's attention over its cached context (out and lse); the kernel goes on from it over
     the in-forward keys under the block mask. Together they give the attention over the whole, with every sequence
     kind of the batch: no query, no context, a context that ends mid-page."""
     heads, kv_heads = HEAD_SHAPES[group]
-    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=16, dtype=torch.bfloat16,
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=head_dim, page_size=16, dtype=dtype,
                        pattern=pattern, seed=40 + group)
-    scale = 128 ** -0.5
+    scale = head_dim ** -0.5
     k_cache_ref, v_cache_ref = batch.k_cache.clone(), batch.v_cache.clone()
     ref = paged_attention_reference(batch.query, batch.key, batch.value, k_cache_ref, v_cache_ref, batch.meta, scale)
     meta = batch.meta  # the reference stored the in-forward K/V, as the engine's RoPE launch does before both
@@ -524,10 +529,24 @@ def test_a_prior_over_the_context_and_the_in_forward_keys_give_the_attention_ove
     out = diffulex_kernels.paged_attention(batch.query, batch.key, batch.value, None, None, meta, scale,
                                            out=poisoned_like(batch.query), prior=prior)
     assert torch.isfinite(out).all(), "the kernel left output rows unwritten"
-    assert relative_error(out, ref) < REL_TOL[torch.bfloat16]
+    assert relative_error(out, ref) < REL_TOL[dtype]
     # The torch reference composes the same way.
     composed = paged_attention_reference(batch.query, batch.key, batch.value, None, None, meta, scale, prior=prior)
-    assert relative_error(composed, ref) < REL_TOL[torch.bfloat16]
+    assert relative_error(composed, ref) < REL_TOL[dtype]
+
+
+def test_a_prior_row_whose_lse_is_nan_or_minus_infinity_starts_empty_whatever_its_output():
+    heads, kv_heads = HEAD_SHAPES[7]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=8, sequences=[(q, 0) for q, _ in SEQUENCES])
+    tokens = batch.query.shape[0]
+    lse = torch.full((heads, tokens), float("-inf"), dtype=torch.float32, device=DEVICE)
+    lse[:, ::2] = float("nan")
+    garbage = torch.full_like(batch.query, float("nan"))
+    args = (batch.query, batch.key, batch.value, None, None, batch.meta, 0.125)
+    want = diffulex_kernels.paged_attention(*args)  # the in-forward keys alone
+    got = diffulex_kernels.paged_attention(*args, out=poisoned_like(batch.query), prior=(garbage, lse))
+    assert torch.isfinite(got).all() and relative_error(got, want) < 1e-3
 
 
 def test_a_prior_with_a_cache_or_of_another_shape_is_refused():
@@ -541,3 +560,35 @@ def test_a_prior_with_a_cache_or_of_another_shape_is_refused():
         diffulex_kernels.paged_attention(*args, batch.k_cache, batch.v_cache, batch.meta, 1.0, prior=prior)
     with pytest.raises(ValueError, match=rf"prior must be \(out .*lse \({heads}, {tokens}\) float32\)"):
         diffulex_kernels.paged_attention(*args, None, None, batch.meta, 1.0, prior=(prior[0], prior[1][:, :-1]))
+
+
+def test_compiling_the_launches_that_go_on_from_a_prior_ahead_runs_each_one():
+    compile_launches(num_heads=7, num_kv_heads=1, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                     device=torch.device(DEVICE), prior=True)
+
+
+def compiled_kernels() -> int:
+    return sum(len(caches[0]) for kernel in (_paged_attention_kernel, _merge_splits_kernel)
+               for caches in kernel.device_caches.values())
+
+
+@pytest.mark.skipif(DEVICE.type != "cuda", reason="counts compiled GPU kernels; the interpreter compiles none")
+def test_the_launches_compiled_ahead_are_those_an_engine_s_batches_take():
+    """After compile_launches, batches of any token count over page tables as wide as an engine's (max_model_len's
+    pages), with a cache, and going on from a prior, compile nothing more: no request waits on a compile."""
+    heads, kv_heads, page_size, columns = 28, 4, 16, 140
+    for prior in (False, True):
+        compile_launches(heads, kv_heads, 128, page_size, torch.bfloat16, torch.device(DEVICE), prior=prior)
+    compiled = compiled_kernels()
+    for seed, sequences in enumerate(([(32, 700), (32, 40)], [(33, 100)], [(1, 2000)])):
+        batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=128, page_size=page_size, dtype=torch.bfloat16,
+                           pattern="blocks", seed=seed, sequences=sequences)
+        tables = torch.full((len(sequences), columns), -1, dtype=torch.int32, device=DEVICE)
+        tables[:, :batch.meta.page_tables.shape[1]] = batch.meta.page_tables
+        meta = dataclasses.replace(batch.meta, page_tables=tables, max_context_len=columns * page_size)
+        args = (batch.query, batch.key, batch.value)
+        diffulex_kernels.paged_attention(*args, batch.k_cache, batch.v_cache, meta, 0.1)
+        prior = context_attention_reference(batch.query, batch.k_cache, batch.v_cache, meta.cu_seqlens_q,
+                                            meta.context_lens, meta.page_tables, 0.1)
+        diffulex_kernels.paged_attention(*args, None, None, meta, 0.1, prior=prior)
+    assert compiled_kernels() == compiled
