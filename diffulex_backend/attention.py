@@ -193,7 +193,7 @@ def paged_attention_reference(
     *,
     kv_stored: bool = False,  # the caller already stored the in-forward K/V
     # Each row's attention over its cached context, computed elsewhere: (out [T, heads, head_dim], lse [heads, T],
-    # natural log, -inf where a row saw no key), as flash-attn returns them; then there is no cache (k_cache None).
+    # natural log, -inf or NaN where a row saw no key), as flash-attn returns them; then there is no cache.
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
     """Store, then attend. One loop over sequences; everything inside is batched over tokens and heads."""
@@ -226,11 +226,14 @@ def paged_attention_reference(
         if prior is None:
             o = F.scaled_dot_product_attention(qa, ka, va, attn_mask=visible, scale=scale)
         else:
-            # The context is one more key per row, whose score is the row's lse and whose value its output.
-            prior_out, prior_lse = prior
+            # The context is one more key per row, whose score is the row's lse and whose value its output; a row
+            # whose lse is -inf or NaN saw no cached key.
+            lse, context_out = prior[1][:, rows, None].to(acc), prior[0][rows].transpose(0, 1).to(acc)
+            seen = lse > -1.0e30
+            lse, context_out = lse.where(seen, float("-inf")), context_out.where(seen, 0.0)
             scores = (qa @ ka.transpose(1, 2) * scale).masked_fill(~visible, float("-inf"))
-            weights = torch.softmax(torch.cat([prior_lse[:, rows, None].to(acc), scores], dim=-1), dim=-1)
-            o = weights[..., :1] * prior_out[rows].transpose(0, 1).to(acc) + weights[..., 1:] @ va
+            weights = torch.softmax(torch.cat([lse, scores], dim=-1), dim=-1)
+            o = weights[..., :1] * context_out + weights[..., 1:] @ va
         out[rows] = o.transpose(0, 1).to(out.dtype)
     return out
 

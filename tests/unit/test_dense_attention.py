@@ -1,9 +1,10 @@
-"""The dense path of attention on the CPU: how the host takes a forward apart (attention.DenseAttention), the two
-dense varlen attentions that FlashAttention computes from it, and whole engines that take it, token for token.
+"""flash_attn's paths of attention on the CPU: how the host takes a forward apart (attention.DenseAttention), the two
+dense varlen attentions that FlashAttention computes from it, the paged call over a wide group's cached context that
+the blocks kernel goes on from, and whole engines that take both, token for token.
 
 flash-attn's kernel runs on a GPU only (tests/kernels/test_flash_attention_gpu.py holds it to the Triton kernel
 there). Here `varlen_reference` computes what its `flash_attn_varlen_func` computes, by its documented semantics,
-so that everything around the kernel runs as the engine runs it.
+dense and paged, so that everything around the kernel runs as the engine runs it.
 """
 from __future__ import annotations
 
@@ -56,11 +57,11 @@ class CountingReference:
     """varlen_reference, counting its dense and its paged calls: a test that means either path shows that it ran."""
 
     def __init__(self):
-        self.calls = self.paged_calls = 0
+        self.dense_calls = self.paged_calls = 0
 
     def __call__(self, *args, **kwargs):
         if kwargs.get("page_table") is None:
-            self.calls += 1
+            self.dense_calls += 1
         else:
             self.paged_calls += 1
         return varlen_reference(*args, **kwargs)
@@ -141,7 +142,7 @@ def compare_with_the_paged_reference(block_ids: list[np.ndarray], heads: int, kv
     got = attention(q, k, v, got_k, got_v, meta, 0.3)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
     assert torch.equal(got_k, want_k) and torch.equal(got_v, want_v)
-    return varlen.calls
+    return varlen.dense_calls
 
 
 @pytest.mark.parametrize("block_ids", [
@@ -192,7 +193,7 @@ def test_a_forward_that_is_not_dense_goes_to_the_blocks_kernel():
                              page_tables=torch.zeros(1, 2), slot_mapping=torch.full((2,), -1),
                              block_ids=torch.zeros(2), max_seqlen_q=2, max_context_len=4)
     assert attention(None, None, None, None, None, meta, 1.0, kv_stored=True) == "blocks"
-    assert calls == [{"kv_stored": True}] and attention.varlen.calls == 0
+    assert calls == [{"kv_stored": True}] and attention.varlen.dense_calls == 0
 
 
 def forward_over_a_context(heads: int, kv_heads: int, seed: int, cache_dtype=torch.float64):
@@ -242,7 +243,7 @@ def test_a_wide_group_s_cached_context_goes_to_the_paged_kernel_and_gives_the_pa
     # flash-attn's lse is float32, which bounds the composition's agreement with float64's whole softmax.
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
     assert all(torch.equal(got_cache, want_cache) for got_cache, want_cache in zip(caches, want_caches))
-    assert (varlen.paged_calls, varlen.calls) == (1, 0)
+    assert (varlen.paged_calls, varlen.dense_calls) == (1, 0)
 
 
 @pytest.mark.parametrize("heads, kv_heads, cache_dtype", [(3, 1, torch.float64), (7, 1, torch.float32)],
@@ -261,14 +262,14 @@ def test_a_narrow_group_or_a_cache_flash_attn_cannot_read_goes_to_the_blocks_ker
     assert calls == [{"kv_stored": False}] and attention.varlen.paged_calls == 0
 
 
-def dense_engine(path: str, dense: CountingReference, **overrides) -> Diffulex:
-    """An engine whose attention is FlashAttention over the reference, with `dense` for flash-attn, dense and paged:
+def flash_engine(path: str, varlen: CountingReference, **overrides) -> Diffulex:
+    """An engine whose attention is FlashAttention over the reference, with `varlen` for flash-attn, dense and paged:
     every group takes the paged call for its cached context (the tiny models' groups are narrower than Dream's)."""
 
     class DenseEngine(Diffulex):
         def _load_model(self, tp):
             model, lora_slots = super()._load_model(tp)
-            attention = FlashAttention(paged_attention_reference, varlen=dense, store_kv=store_kv,
+            attention = FlashAttention(paged_attention_reference, varlen=varlen, store_kv=store_kv,
                                        min_context_group=1)
             for layer in model.layers:
                 layer.attn.attention_fn = attention
@@ -291,13 +292,13 @@ def test_an_engine_on_the_dense_path_decodes_the_tokens_of_the_paged_one(tiny_ch
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     settings = dict(decoding_strategy=strategy, **settings)
     want = run_requests(Diffulex(tiny_checkpoints[family], **{**TINY_LIMITS, **settings}), prompts, params)
-    dense = CountingReference()
-    engine = dense_engine(tiny_checkpoints[family], dense, **settings)
+    varlen = CountingReference()
+    engine = flash_engine(tiny_checkpoints[family], varlen, **settings)
     got = run_requests(engine, prompts, params)
     assert [s.token_ids for s in got] == [s.token_ids for s in want]
-    assert dense.calls > 0  # the prompts' forwards took the dense path
+    assert varlen.dense_calls > 0  # the prompts' forwards took the dense path
     # The blocks' contexts took the paged one; vanilla feeds whole sequences, and caches nothing.
-    assert (dense.paged_calls > 0) == (strategy != "vanilla")
+    assert (varlen.paged_calls > 0) == (strategy != "vanilla")
     assert engine.metrics().kv_pages_used == 0  # every page back in the pool
 
 
@@ -326,3 +327,17 @@ def test_flash_attn_without_its_cute_kernels_is_not_installed(flash_attn_package
     (flash_attn_package / "__init__.py").write_text("")  # flash-attn 2 alone: no flash_attn.cute
     assert refusal((9, 0), torch.bfloat16, (128,), False).startswith(
         "whose package flash-attn-4 (flash_attn.cute) cannot be imported (ModuleNotFoundError: ")
+
+
+def test_a_context_row_whose_lse_is_nan_or_minus_infinity_counts_as_having_seen_no_key():
+    """The kernel starts such a row empty, whatever its output holds; so does the reference it is held to."""
+    q, k, v, caches, meta = forward_over_a_context(7, 1, seed=5)
+    meta = dataclasses.replace(meta, context_lens=torch.zeros_like(meta.context_lens),
+                               context_lens_host=(0,) * meta.num_seqs)
+    want = paged_attention_reference(q, k, v, None, None, meta, 0.3)  # the in-forward keys alone
+    tokens = q.shape[0]
+    lse = torch.full((7, tokens), float("-inf"), dtype=torch.float32)
+    lse[:, ::2] = float("nan")
+    garbage = torch.full_like(q, float("nan"))
+    got = paged_attention_reference(q, k, v, None, None, meta, 0.3, prior=(garbage, lse))
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
