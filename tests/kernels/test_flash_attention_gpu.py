@@ -120,22 +120,25 @@ def first_difference(a: list[int], b: list[int]) -> int | None:
 
 def decode_with_each_backend(path, strategy: str) -> dict[str, int]:
     """Engines with attention_backend triton and flash_attn decode two prompts, 64 greedy tokens each, with every
-    page back; returns flash_attn's launches of flash-attn, dense and paged, counted (every layer shares one
-    attention function). bf16: the two kernels round differently, and a random model's near-ties may then decode
-    apart later on, so the tokens' first difference is printed, not asserted."""
+    page back; returns flash_attn's launches of flash-attn counted: dense, paged, and paged while a CUDA graph
+    captured (every layer shares one attention function; no warm-up, so that every graph is captured after the
+    count starts). bf16: the two kernels round differently, and a random model's near-ties may then decode apart
+    later on, so the tokens' first difference is printed, not asserted."""
     prompts = ["a prompt long enough to fill a few pages of the cache " * 8, "hi"]
     params = SamplingParams(max_tokens=64, ignore_eos=True)
-    outputs, calls = {}, {"dense": 0, "paged": 0}
+    outputs, calls = {}, {"dense": 0, "paged": 0, "paged_captured": 0}
     for backend in ("triton", "flash_attn"):
         engine = Diffulex(str(path), attention_backend=backend, decoding_strategy=strategy, num_kv_pages=64,
-                          max_model_len=512)
+                          max_model_len=512, warm_up=False)
         assert engine.resolved_settings()["attention_backend"] == backend
         if backend == "flash_attn":
             attention = engine.model.layers[0].attn.attention_fn
             varlen = attention.varlen
 
             def counted(*args, **kwargs):
-                calls["paged" if kwargs.get("page_table") is not None else "dense"] += 1
+                paged = kwargs.get("page_table") is not None
+                calls["paged" if paged else "dense"] += 1
+                calls["paged_captured"] += paged and torch.cuda.is_current_stream_capturing()
                 return varlen(*args, **kwargs)
 
             attention.varlen = counted
@@ -168,6 +171,8 @@ def blocks_over_contexts(heads: int, kv_heads: int, contexts: list[int], in_flig
     num_pages = columns * len(contexts)
     order = torch.randperm(num_pages, generator=torch.Generator().manual_seed(seed))
     tables = order.view(len(contexts), columns).to(torch.int32)
+    for b, (context, n) in enumerate(zip(contexts, in_flight)):  # -1 past each sequence's pages, as an engine's
+        tables[b, -(-(context + block * n) // PAGE_SIZE):] = -1
     lengths = [block * n for n in in_flight]
     cu = [0, *np.cumsum(lengths).tolist()]
     block_ids = np.concatenate([context + np.arange(n) // block * block for context, n in zip(contexts, lengths)])
@@ -216,4 +221,4 @@ def test_an_engine_whose_wide_groups_read_their_context_with_flash_attn_decodes_
     kernel reads the cached contexts, and the Triton kernel goes on over the blocks."""
     path = write_random_checkpoint(tmp_path / "dream", "dream", hidden_size=1024, num_layers=2, num_heads=8,
                                    num_kv_heads=2, intermediate_size=768, head_dim=128)
-    assert decode_with_each_backend(path, "d2f")["paged"] > 0
+    assert decode_with_each_backend(path, "d2f")["paged_captured"] > 0
