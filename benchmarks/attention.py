@@ -183,12 +183,14 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
         results["triton_fp8_kv"] = (time_eager_ms(lambda: diffulex_kernels.paged_attention(*fp8_args)),
                                     diffulex_kernels.paged_attention(*fp8_args), "")
     results["flashinfer"] = flashinfer_result(model, t, meta, phase, flashinfer_pair, scale, flashinfer_backend)
+    on_gpu = t["query"].is_cuda
+    if phase == "block" and on_gpu:
+        results["triton_graph"] = (time_graph_ms(lambda: diffulex_kernels.paged_attention(*args, kv_stored=True)),
+                                   diffulex_kernels.paged_attention(*args, kv_stored=True), "")
     if fa4 is None:
         results["flash_attn_4"] = (float("nan"), None, missing)
         return results
-    if phase == "block" and query_is_cuda(t):
-        results["triton_graph"] = (time_graph_ms(lambda: diffulex_kernels.paged_attention(*args, kv_stored=True)),
-                                   diffulex_kernels.paged_attention(*args, kv_stored=True), "")
+    if phase == "block" and on_gpu:
         try:
             engine_way = FlashAttention(diffulex_kernels.paged_attention, varlen=fa4, min_context_group=1)
             call = lambda: engine_way(*args, kv_stored=True)  # noqa: E731
@@ -216,10 +218,6 @@ def run_backends(model: ModelShape, t: dict, meta: AttentionMetadata, batch: int
     except Exception as error:  # a shape or layout the package refuses: the row says which
         results["flash_attn_4"] = (float("nan"), None, f"failed: {type(error).__name__}: {str(error)[:120]}")
     return results
-
-
-def query_is_cuda(t: dict) -> bool:
-    return t["query"].is_cuda
 
 
 def relative_error(out: torch.Tensor | None, ref: torch.Tensor) -> float:

@@ -47,8 +47,8 @@ class Config:
     gpu_memory_utilization: float = 0.9
     enable_prefix_caching: bool | None = None  # None: on where the strategy allows it (multi_bd)
     enforce_eager: bool = False
-    # "auto": on a GPU the Triton kernels where they take the model's head sizes, with flash-attn for prompts where
-    # it is installed and serves the model (flash_attention.py); else torch
+    # "auto": on a GPU the Triton kernels where they take the model's head sizes, with flash-attn for prompts and
+    # wide GQA groups' cached contexts where it is installed and serves the model (flash_attention.py); else torch
     attention_backend: str = "auto"
     device: str = "auto"
     dtype: str = "auto"  # "auto": bfloat16 on GPU, float32 on CPU

@@ -7,9 +7,9 @@ bucket's sizes:
   * page tables are -1 past each sequence's pages.
 build_forward_batch already writes it so, into one flat host buffer laid out for its bucket (FlatLayout); a
 replay copies that buffer as it is into one static device buffer, of which the bucket's inputs are views.
-The Triton kernels read lengths, pages and slots from those device buffers and size their grids from the
-bucket's host bounds (its tokens per sequence, and max_model_len for the context), so one graph serves every
-batch that fits its bucket. Padded rows compute values that no real row reads: outside attention every op of
+The Triton kernels, and flash-attn's paged kernel where it takes a wide group's context, read lengths, pages and
+slots from those device buffers and size their grids from the bucket's host bounds (its tokens per sequence, and
+max_model_len for the context), so one graph serves every batch that fits its bucket. Padded rows compute values that no real row reads: outside attention every op of
 the forward is row by row. Graphs are captured on first use, into one memory pool.
 
 With LoRA adapters attached, a step with adapter rows replays a second graph of its bucket, whose forward adds
@@ -173,8 +173,9 @@ class PaddedForward:
 
 
 class CUDAGraphForward(PaddedForward):
-    """Captures the padded forward per bucket on first use and replays it. Needs the Triton attention, which
-    reads only device metadata; the torch attention loops over host lengths that a graph would freeze."""
+    """Captures the padded forward per bucket on first use and replays it. Needs the Triton attention (with
+    flash-attn's paged kernel or without), which reads only device metadata; the torch attention loops over host
+    lengths that a graph would freeze."""
 
     def __init__(self, model, kv_cache: torch.Tensor, config: Config, device: torch.device,
                  merge: TokenMerge | None = None):

@@ -142,6 +142,7 @@ class FlashAttention:
 
     def takes_context_of(self, num_heads: int, num_kv_heads: int, cache_dtype: torch.dtype,
                          dtype: torch.dtype) -> bool:
+        """Whether a layer of this layout, over a cache of `cache_dtype`, gives its context to the paged kernel."""
         return cache_dtype == dtype and num_heads // num_kv_heads >= self.min_context_group
 
     def compile(self, num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, device: torch.device,

@@ -84,9 +84,9 @@ def load_model_with_adapters(config: Config, device: torch.device, dtype: torch.
 
 
 def select_attention(model, attention_backend: str, device: torch.device, dtype: torch.dtype) -> None:
-    """Every layer's attention function for `attention_backend`. "flash_attn" takes flash-attn for prompts and
-    the Triton kernel for the rest (flash_attention.py), or refuses the model by name; "auto" takes it too where
-    the model's Triton path is taken and nothing refuses it."""
+    """Every layer's attention function for `attention_backend`. "flash_attn" takes flash-attn for prompts and for
+    the cached context of wide GQA groups, and the Triton kernel for the rest (flash_attention.py), or refuses the
+    model by name; "auto" takes it too where the model's Triton path is taken and nothing refuses it."""
     head_dims = tuple(sorted({layer.attn.head_dim for layer in model.layers}))
     windowed = any(layer.attn.window is not None for layer in model.layers)
     capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
