@@ -108,3 +108,18 @@ def test_each_honoured_chat_field_changes_the_answer_as_it_says(demo_client, fie
         model=DEMO_MODEL, messages=[{"role": "user", "content": "12+34="}], temperature=0, **fields)
     assert [(c.index, c.message.content, c.finish_reason) for c in completion.choices] == [
         (i, content, reason) for i in range(choices)]
+
+
+def test_temperature_seed_and_top_p_each_change_the_chat_answer_as_they_say(demo_client):
+    """The greedy demo answers 12+34= with 46. At temperature 5 its answers follow the seed: the same seed gives the
+    same answer, and eight seeds give more than one; a top_p that keeps only the likeliest token gives 46 again
+    whatever the seed and temperature."""
+    def answer(**fields) -> str:
+        return demo_client.chat.completions.create(
+            model=DEMO_MODEL, messages=[{"role": "user", "content": "12+34="}], max_tokens=4, **fields,
+        ).choices[0].message.content
+
+    hot = [answer(temperature=5, seed=seed) for seed in range(8)]
+    assert answer(temperature=5, seed=3) == hot[3]
+    assert len(set(hot)) > 1
+    assert {answer(temperature=5, top_p=1e-6, seed=seed) for seed in range(3)} == {"46"}
