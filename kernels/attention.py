@@ -111,10 +111,10 @@ def _row_scales(page_row, k_scale_ptr, v_scale_ptr, pos, ctx_end, kv_head, strid
             tl.load(v_scale_ptr + offset, mask=valid, other=0.0))
 
 
-# Token and split counts change with every batch: specialized on them, each new length class would compile again.
-# What varies with a batch is not specialized on, so that the launches compiled ahead (`compile_launches`, over one
-# token and a page table of one column) are the ones every batch takes: the token count, the splits, the window, the
-# page table's row stride (its columns) and the prior lse's head stride (the token count).
+# What varies with a batch is not specialized on (each new length class would compile again), so that the launches
+# compiled ahead (`compile_launches`, over one token and a page table of one column) are the ones every batch
+# takes: the token count, the splits, the window, the page table's row stride (its columns) and the prior lse's
+# head stride (the token count).
 @triton.jit(do_not_specialize=["num_tokens", "num_splits", "window", "stride_page_table", "stride_lse_h"])
 def _paged_attention_kernel(
     q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr,
@@ -524,7 +524,7 @@ def paged_attention(
     # window of the earliest row.
     window: int | None = None,
     # Each query row's attention over its cached context, computed by another kernel: (out [T, heads, head_dim],
-    # lse [heads, T] float32, natural log, -inf where a row saw no key), as flash-attn returns them. The kernel
+    # lse [heads, T] float32, natural log, -inf or NaN where a row saw no key), as flash-attn returns them. The kernel
     # then attends to the in-forward keys alone, going on from it; there is no cache to read (k_cache None).
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:  # [T, heads, head_dim]
