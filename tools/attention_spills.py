@@ -8,6 +8,7 @@ compiler cannot vectorize a load, and the same launch compiles to other register
     python tools/attention_spills.py                                  # float32 and bfloat16, every head size
     python tools/attention_spills.py --dtypes float32 --head-dims 128 --extra 128,64,4,2   # and one more tile
     python tools/attention_spills.py --dtypes bfloat16 --head-dims 128 --kv-fp8           # over FP8 rows
+    python tools/attention_spills.py --dtypes bfloat16 --head-dims 128 --prior            # going on from a prior
 
 `--extra M,N,WARPS,STAGES` adds a tile of your own (unsplit, cached context) to each dtype and head size.
 """
@@ -66,12 +67,15 @@ def signature(dtype: torch.dtype, constants: dict) -> dict[str, str]:
     return kinds
 
 
-def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work: Path, kv_fp8: bool = False) -> str:
+def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work: Path, kv_fp8: bool = False,
+                prior: bool = False) -> str:
+    """One launch's row. With `prior`, the launch that goes on from another kernel's attention over the context
+    (flash-attn's): no cache, the prior's output and lse loaded first."""
     dot = triton_dtype(dtype)
-    constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=True, SPLIT=launch.num_splits > 1,
+    constants = dict(GROUP=1, HEAD_DIM=head_dim, PAGE_SIZE=32, HAS_CACHE=not prior, SPLIT=launch.num_splits > 1,
                      BLOCK_M=launch.block_m, BLOCK_N=launch.block_n, DOT_DTYPE=dot, HAS_WINDOW=False,
                      **fp8_row_constants(dtype, dot, launch, kv_fp8, on_gpu=True),
-                     PRECISION=_precision(torch.empty(0, dtype=dtype)), HAS_PRIOR=False, USE_PDL=False)
+                     PRECISION=_precision(torch.empty(0, dtype=dtype)), HAS_PRIOR=prior, USE_PDL=False)
     names = _paged_attention_kernel.arg_names
     attrs = {(names.index(name),): [["tt.divisibility", 16]] for name in DIVISIBLE_BY_16}
     source = triton.compiler.ASTSource(fn=_paged_attention_kernel, signature=signature(dtype, constants),
@@ -85,7 +89,8 @@ def compile_one(dtype: torch.dtype, head_dim: int, launch: AttentionLaunch, work
     sass = subprocess.run([str(NVDISASM), "-c", str(work / "kernel.cubin")], capture_output=True, text=True).stdout
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", report)
-    return (f"| {dtype}{' over FP8 rows' if kv_fp8 else ''} | {head_dim} | {launch.block_m} x {launch.block_n}, {launch.num_warps} warps, "
+    over = " over FP8 rows" if kv_fp8 else " after a prior" if prior else ""
+    return (f"| {dtype}{over} | {head_dim} | {launch.block_m} x {launch.block_n}, {launch.num_warps} warps, "
             f"{launch.num_stages} stages, {launch.num_splits} split(s) | {registers.group(1) if registers else '?'} | "
             f"{' / '.join(spills.groups()) if spills else '?'} | {kernel.metadata.shared} | "
             f"{len(BYTE_LOAD.findall(sass)) if sass else '?'} |")
@@ -97,6 +102,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head-dims", default=",".join(map(str, HEAD_DIMS)))
     parser.add_argument("--extra", help="M,N,WARPS,STAGES: one more tile for every dtype and head size")
     parser.add_argument("--kv-fp8", action="store_true", help="the launches over a cache of FP8 rows")
+    parser.add_argument("--prior", action="store_true",
+                        help="the unsplit launches that go on from a prior over the context (flash-attn's)")
     args = parser.parse_args(argv)
     os.environ.setdefault("TRITON_CACHE_DIR", tempfile.mkdtemp(prefix="attention-spills-"))
     print("| dtype | head size | launch | registers | spill stores / loads, bytes | shared bytes | byte loads from "
@@ -110,8 +117,10 @@ def main(argv: list[str] | None = None) -> int:
                 if args.extra:
                     m, n, warps, stages = (int(x) for x in args.extra.split(","))
                     launches.append(AttentionLaunch(m, n, 1, warps, stages))
+                if args.prior:
+                    launches = [launch for launch in launches if launch.num_splits == 1]
                 for launch in launches:
-                    print(compile_one(dtype, head_dim, launch, Path(work), args.kv_fp8), flush=True)
+                    print(compile_one(dtype, head_dim, launch, Path(work), args.kv_fp8, args.prior), flush=True)
     return 0
 
 

@@ -1,6 +1,7 @@
 """tools/attention_spills.py compiles the attention kernel for sm_90a without a GPU: the float32 launches the runner
-compiles spill under a kilobyte a thread, as docs/kernels.md says, each fits shared memory, and the launches over
-FP8 rows compile and read no FP8 tile from shared memory a byte at a time."""
+compiles spill under a kilobyte a thread, as docs/kernels.md says, each fits shared memory, the launches over
+FP8 rows compile and read no FP8 tile from shared memory a byte at a time, and those that go on from a prior spill no
+more than the same tiles over a cache."""
 import os
 import subprocess
 import sys
@@ -38,3 +39,23 @@ def test_the_launches_over_fp8_rows_compile_for_hopper_fit_shared_memory_and_loa
     for row in rows:
         assert int(row[5]) <= SHARED_MEMORY_BYTES, row
         assert int(row[6].rstrip(" |")) == 0, row
+
+
+def test_the_launches_that_go_on_from_a_prior_compile_for_hopper_and_spill_no_more_than_those_over_a_cache():
+    """The launches flash_attn's wide groups take after flash-attn's context (no context loop, the prior loaded
+    first) compile for sm_90a, fit shared memory, and spill no more than the same tiles over a cached context."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    tool = [sys.executable, str(REPO / "tools" / "attention_spills.py"), "--dtypes", "bfloat16", "--head-dims", "128"]
+    runs = [subprocess.run(tool + extra, capture_output=True, text=True, env=env, timeout=600)
+            for extra in ([], ["--prior"])]
+    assert all(done.returncode == 0 for done in runs), [done.stderr[-3000:] for done in runs]
+
+    def unsplit(done) -> dict[str, tuple[int, int]]:  # tile -> (spill stores, shared bytes)
+        rows = [line.split(" | ") for line in done.stdout.splitlines() if ", 1 split(s) | " in line]
+        return {row[2]: (int(row[4].split(" / ")[0]), int(row[5])) for row in rows}
+
+    over_cache, after_prior = unsplit(runs[0]), unsplit(runs[1])
+    assert after_prior.keys() == over_cache.keys() and len(after_prior) == 5  # 16 to 128 rows, and the 256-row tile
+    for tile, (stores, shared) in after_prior.items():
+        assert shared <= SHARED_MEMORY_BYTES, tile
+        assert stores <= over_cache[tile][0], tile
