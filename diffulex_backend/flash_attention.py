@@ -107,18 +107,16 @@ class FlashAttention:
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor | None,
                  v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float, *,
                  kv_stored: bool = False) -> torch.Tensor:
-        dense = meta.dense
-        if dense is None:  # as in every CUDA graph
-            if not self.takes_context(query, key, k_cache, meta):
-                return self.blocks(query, key, value, k_cache, v_cache, meta, scale, kv_stored=kv_stored)
-            if not kv_stored:
-                self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        dense = meta.dense  # None in every CUDA graph
+        if dense is None and not self.takes_context(query, key, k_cache, meta):
+            return self.blocks(query, key, value, k_cache, v_cache, meta, scale, kv_stored=kv_stored)
+        if k_cache is not None and not kv_stored:
+            self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
+        if dense is None:  # flash-attn's context, then the blocks kernel over the in-forward keys
             prior = self.varlen(query, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.context_lens,
                                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_context_len,
                                 page_table=meta.page_tables, softmax_scale=scale, causal=False, return_lse=True)
             return self.blocks(query, key, value, None, None, meta, scale, prior=prior)
-        if k_cache is not None and not kv_stored:
-            self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         causal = dense.head_mask is HeadMask.CAUSAL
         if dense.tail_rows is None:  # every row is a head row
             return self._varlen(query, key, value, dense.cu_head, dense.cu_head, dense.max_head, dense.max_head,
