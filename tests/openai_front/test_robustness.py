@@ -189,3 +189,6 @@ def test_a_client_that_stops_reading_a_stream_and_then_leaves_frees_its_kv_pages
     assert wait_for_kv_pages_used(server, 0, timeout_s=5) == 0
     assert time.monotonic() - left < 2.0, "the pages came back only after the streams would have ended anyway"
     assert generation_tokens(server) - sent_before < len(prompts) * LONG["max_tokens"]  # cancelled, not run out
+    # The next client is served whole.
+    after = post(front, "/v1/completions", {**LONG, "max_tokens": 8}, API_KEY)
+    assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
