@@ -50,6 +50,27 @@ def _staging(staging_ptr, staging_offsets, rank, half):
 
 
 @triton.jit
+def _share(x_ptr, index, mask, n, NUM_PARTIALS: tl.constexpr):
+    """This rank's share at `index`: x's values, or with NUM_PARTIALS > 1 the sum of x's NUM_PARTIALS split sums
+    (each n long), in order and in float32, as the residual-add norm adds them up on one rank."""
+    share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
+    for part in tl.static_range(1, NUM_PARTIALS):
+        share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
+    return share
+
+
+@triton.jit
+def _sum_over_ranks(staging_ptr, staging_offsets, half, index, mask, WORLD: tl.constexpr):
+    """Step 3's sum at `index` over every rank's staging half, in float32 and in rank order, so every rank rounds
+    the same sum."""
+    total = tl.zeros(index.shape, dtype=tl.float32)
+    for peer in tl.static_range(WORLD):
+        staging = _staging(staging_ptr, staging_offsets, peer, half)
+        total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+    return total
+
+
+@triton.jit
 def _arrive_and_wait(counts_ptr, flag_ptrs, program, rank, count, timeout_ns, WORLD: tl.constexpr,
                      TIMED: tl.constexpr):
     """Step 2: this program's call `count` staged here, raised in every rank's flags, and waited for from every
@@ -95,10 +116,7 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
         index = chunk * BLOCK + offsets
         mask = index < n
         if NUM_PARTIALS > 1:
-            # In order, in float32: the sum the residual-add norm takes of them on one rank.
-            share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-            for part in tl.static_range(1, NUM_PARTIALS):
-                share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
+            share = _share(x_ptr, index, mask, n, NUM_PARTIALS)
             tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
         else:
             tl.store(staging_ptr + half + index, tl.load(x_ptr + index, mask=mask), mask=mask)
@@ -111,10 +129,7 @@ def _one_shot_collective(x_ptr, out_ptr, staging_ptr, staging_offsets, flag_ptrs
                 staging = _staging(staging_ptr, staging_offsets, peer, half)
                 tl.store(out_ptr + peer * n + index, tl.load(staging + index, mask=mask), mask=mask)
         else:
-            total = tl.zeros([BLOCK], dtype=tl.float32)
-            for peer in tl.static_range(WORLD):
-                staging = _staging(staging_ptr, staging_offsets, peer, half)
-                total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+            total = _sum_over_ranks(staging_ptr, staging_offsets, half, index, mask, WORLD)
             tl.store(out_ptr + index, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -141,17 +156,12 @@ def _one_shot_add_rmsnorm(x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out
     n = num_rows * hidden_size
     for row in range(program, num_rows, programs):
         index = row * hidden_size + cols
-        share = tl.load(x_ptr + index, mask=mask, other=0.0).to(tl.float32)
-        for part in tl.static_range(1, NUM_PARTIALS):  # in order, in float32, as one_shot_sum_partials adds them
-            share += tl.load(x_ptr + part * n + index, mask=mask, other=0.0).to(tl.float32)
+        share = _share(x_ptr, index, mask, n, NUM_PARTIALS)
         tl.store(staging_ptr + half + index, share.to(staging_ptr.dtype.element_ty), mask=mask)
     _arrive_and_wait(counts_ptr, flag_ptrs, program, rank, count, timeout_ns, WORLD, TIMED)
     for row in range(program, num_rows, programs):
         index = row * hidden_size + cols
-        total = tl.zeros([BLOCK], dtype=tl.float32)
-        for peer in tl.static_range(WORLD):
-            staging = _staging(staging_ptr, staging_offsets, peer, half)
-            total += tl.load(staging + index, mask=mask, other=0.0).to(tl.float32)
+        total = _sum_over_ranks(staging_ptr, staging_offsets, half, index, mask, WORLD)
         # Rounded to x's dtype, as the all-reduce writes its sum for the norm after it.
         add_rmsnorm_row(total.to(x_ptr.dtype.element_ty), row, cols, mask, residual_ptr, weight_ptr, out_ptr,
                         residual_out_ptr, scale_ptr, stride_residual=hidden_size, stride_out=hidden_size,
@@ -178,7 +188,9 @@ def one_shot_sum_add_rmsnorm(partials: torch.Tensor, residual: torch.Tensor, wei
         partials, residual, residual if weight is None else weight, out, residual_out, scale, staging,
         staging_offsets, flag_ptrs, counts, num_rows, hidden_size, half_size, rank, timeout_ns, eps,
         WORLD=staging_offsets.numel(), BLOCK=triton.next_power_of_2(hidden_size), NUM_PARTIALS=num_partials,
-        FP8_OUT=fp8, ACT_DTYPE=triton_dtype(residual.dtype), HAS_WEIGHT=weight is not None,
+        FP8_OUT=fp8,
+        # What the norm kernel passes: the dtype is read only to round the rows before their cast.
+        ACT_DTYPE=triton_dtype(residual.dtype) if fp8 else tl.float32, HAS_WEIGHT=weight is not None,
         TIMED=partials.is_cuda and timeout_ns > 0, USE_PDL=pdl, launch_pdl=pdl,
         # The norm kernel's warps, which order a row's sums: the same bits as the all-reduce, then the norm.
         num_warps=norm_warps(hidden_size, fp8, num_rows))
