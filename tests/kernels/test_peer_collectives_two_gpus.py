@@ -1,7 +1,7 @@
 """The one-shot collectives over peer memory (kernels/peer_collectives.py) on two GPUs: the ranks connect as an
 engine's do (workers.connect), and the kernels are held to NCCL's sums and gathers bit for bit, eagerly, replayed in
 a CUDA graph, and many back to back in one graph; a product's split sums, to their in-order sum's, and ending in the
-norm, to the norm kernel's. `make gpu-check` runs it in its two-GPU section;
+norm, to the norm kernel's, eagerly and back to back in that graph between the sums and gathers. `make gpu-check` runs it in its two-GPU section;
 tests/unit/test_peer_collectives_interpreted.py is its twin under the interpreter."""
 from __future__ import annotations
 
@@ -10,6 +10,11 @@ import datetime
 import pytest
 import torch
 import torch.multiprocessing as mp
+
+
+# What a rank checks: 7 for each of three sizes eagerly, 6 for each of two split sums' sizes, and in the back-to-back
+# graph the counts, then 8 sums and gathers, 5 norms writing float rows (2 each) and 2 writing fp8 rows (3 each).
+N_CHECKS = 3 * 7 + 2 * 6 + 1 + 8 + 5 * 2 + 2 * 3
 
 
 def gpu_rank(rank, port, results):
@@ -72,34 +77,67 @@ def gpu_rank(rank, port, results):
         (q, scale), _ = tp.peer.sum_add_rmsnorm(partials, residual, weight, 1e-6, fp8=True)
         (want_q, want_scale), _ = fused_add_rmsnorm_fp8(summed, residual, weight, 1e-6)
         agree += [torch.equal(scale, want_scale), torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))]
-    # Calls back to back in one graph, as a step makes them: sums and gathers, of mixed sizes and dtypes, with no
-    # host work between them, so that a rank may run calls ahead of the other.
-    shapes = [(32, 4096), (1, 4096), (1024, 4096), (32, 7), (7, 4096), (32, 7)] * 3
-    statics = [torch.randn(shape, generator=generator, device=device).to(torch.float32 if shape[1] == 7
-                                                                         else torch.bfloat16) for shape in shapes]
-    inputs = [t.clone() for t in statics]
-    for t in statics:  # every launch compiled before the capture; the calls count alike on both ranks
-        tp.gather(t) if t.dtype == torch.float32 else tp.all_reduce(t.clone())
-    gathered = {}
+    # Calls back to back in one graph, as a step makes them: sums, gathers and sums that end in the norm, of mixed
+    # sizes and dtypes, with no host work between them, so that a rank may run calls ahead of the other. The norm's
+    # calls own whole rows and the others chunks of 2048 values, and all write the same two staging halves in turn:
+    # each call here writes the half its call-before-last read, by other programs than its own.
+    def norm_call(splits, rows, dtype=torch.float32, residual_dtype=torch.bfloat16, fp8=False, weighted=True):
+        partials = torch.randn(splits, rows, 4096, generator=generator, device=device).to(dtype)
+        residual = torch.randn(rows, 4096, generator=shared, device=device).to(residual_dtype)
+        weight = ((1 + torch.randn(4096, generator=shared, device=device) / 4).to(residual_dtype) if weighted
+                  else None)
+        return ("norm", (partials, residual, weight, fp8))
+
+    def tensor_call(shape):
+        dtype = torch.float32 if shape[1] == 7 else torch.bfloat16
+        return ("gather" if shape[1] == 7 else "sum", torch.randn(shape, generator=generator, device=device).to(dtype))
+
+    calls = [tensor_call((32, 4096)), norm_call(4, 32), tensor_call((1, 4096)), tensor_call((1024, 4096)),
+             norm_call(2, 32, dtype=torch.bfloat16), tensor_call((32, 7)), norm_call(4, 32, fp8=True),
+             tensor_call((7, 4096)), norm_call(1, 1024, dtype=torch.bfloat16),  # a whole staging half
+             norm_call(4, 32, residual_dtype=torch.float32), tensor_call((32, 7)), norm_call(4, 64, weighted=False),
+             tensor_call((32, 4096)), norm_call(4, 32, fp8=True), tensor_call((1, 4096))]
+
+    def make(kind, inputs):
+        if kind == "norm":
+            partials, residual, weight, fp8 = inputs
+            return tp.peer.sum_add_rmsnorm(partials, residual, weight, 1e-6, fp8)
+        return tp.gather(inputs) if kind == "gather" else tp.all_reduce(inputs)
+
+    originals = [(kind, inputs if kind == "norm" else inputs.clone()) for kind, inputs in calls]
+    for kind, inputs in calls:  # every launch compiled before the capture; the calls count alike on both ranks
+        make(kind, inputs if kind == "norm" else inputs.clone())
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i, t in enumerate(statics):
-            if t.dtype == torch.float32:
-                gathered[i] = tp.gather(t)
-            else:
-                tp.all_reduce(t)
+        outputs = [make(kind, inputs) for kind, inputs in calls]
     before = tp.peer.counts.clone()
     graph.replay()
-    agree.append(torch.equal(tp.peer.counts, before + len(statics)))  # every call of the graph over peer memory
-    for i, (t, x) in enumerate(zip(statics, inputs)):
-        if x.dtype == torch.float32:
+    agree.append(torch.equal(tp.peer.counts, before + len(calls)))  # every call of the graph over peer memory
+    for (kind, x), output in zip(originals, outputs):
+        if kind == "gather":
             reference = torch.empty(2 * x.shape[0], x.shape[1], device=device)
             tp.group._allgather_base(reference, x).wait()
-            agree.append(torch.equal(gathered[i], reference.view(2, *x.shape)))
-        else:
+            agree.append(torch.equal(output, reference.view(2, *x.shape)))
+        elif kind == "sum":
             reference = x.clone()
             tp.group.allreduce([reference]).wait()
-            agree.append(torch.equal(t, reference))
+            agree.append(torch.equal(output, reference))
+        else:
+            partials, residual, weight, fp8 = x
+            summed = partials[0].float()
+            for part in partials[1:]:  # in order, in float32, then rounded to the partials' dtype, as staged
+                summed += part.float()
+            summed = summed.to(partials.dtype)
+            tp.group.allreduce([summed]).wait()
+            if fp8:
+                (want_q, want_scale), want_residual = fused_add_rmsnorm_fp8(summed, residual, weight, 1e-6)
+                (q, scale), residual_out = output
+                agree += [torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)), torch.equal(scale, want_scale)]
+            else:
+                want_rows, want_residual = fused_add_rmsnorm(summed, residual, weight, 1e-6)
+                rows_out, residual_out = output
+                agree.append(torch.equal(rows_out, want_rows))
+            agree.append(torch.equal(residual_out, want_residual))
     results[rank] = agree
 
 
@@ -110,4 +148,4 @@ def test_two_gpus_sum_and_gather_as_nccl_does_eagerly_and_in_graphs():
     store = dist.TCPStore("127.0.0.1", 0, None, True, timeout=datetime.timedelta(minutes=2), wait_for_workers=False)
     results = mp.get_context("spawn").Manager().dict()
     mp.spawn(gpu_rank, args=(store.port, results), nprocs=2)
-    assert dict(results) == {0: [True] * 52, 1: [True] * 52}
+    assert dict(results) == {0: [True] * N_CHECKS, 1: [True] * N_CHECKS}
