@@ -9,7 +9,8 @@ picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strate
 `diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (a LoRA
 adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
 engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
-`diffulex_bad_path`, `diffulex_failing` (an engine that fails at every step) and `diffulex_dying_*` (a thread of the
+`diffulex_bad_path`, `diffulex_host_inputs` and `diffulex_device_inputs` (the Python backend's
+FORCE_CPU_ONLY_INPUT_TENSORS, taken and refused), `diffulex_failing` (an engine that fails at every step) and `diffulex_dying_*` (a thread of the
 engine loop that ends; tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
 server runs with explicit model control. Stopping the server is checked when the session ends.
 
@@ -107,6 +108,11 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
               instance_group=data_parallel_group(torch.cuda.device_count())[0], **DATA_PARALLEL_SETTINGS)
     add_model(repository, "diffulex_tensor_parallel", model=checkpoint, **TENSOR_PARALLEL_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
+    # The Python backend's own parameters beside the engine's: taken, or refused by the model where it cannot run.
+    add_model(repository, "diffulex_host_inputs", model=checkpoint, backend_parameters={
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "yes"}, **TEST_SETTINGS)
+    add_model(repository, "diffulex_device_inputs", model=checkpoint, backend_parameters={
+        "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}, **TEST_SETTINGS)
     add_model(repository, "diffulex_failing", Path(__file__).parent / "server" / "failing_model.py", model=checkpoint,
               **TEST_SETTINGS)
     for name in ("diffulex_dying_at_start", "diffulex_dying_decoder", "diffulex_dying_responder"):

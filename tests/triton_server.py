@@ -63,11 +63,21 @@ def with_instance_group(config_text: str, instance_group: str) -> str:
     return config_text
 
 
+def with_backend_parameters(config_text: str, values: dict[str, str]) -> str:
+    """The config with parameters the shipped one does not list (the Python backend's own) added to its list."""
+    added = "".join(f'  {{ key: "{key}", value: {{ string_value: "{value}" }} }},\n' for key, value in values.items())
+    config_text, count = re.subn(r"^parameters \[\n", lambda match: match.group(0) + added, config_text, flags=re.M)
+    assert count == 1, "config.pbtxt has no `parameters [` list"
+    return config_text
+
+
 def add_model(repository: Path, name: str, model_file: Path = SHIPPED_MODEL / "1" / "model.py", *,
-              instance_group: str | None = None, **values) -> None:
+              instance_group: str | None = None, backend_parameters: dict[str, str] | None = None, **values) -> None:
     (repository / name / "1").mkdir(parents=True)
     shutil.copy(model_file, repository / name / "1" / "model.py")
     config_text = with_parameters((SHIPPED_MODEL / "config.pbtxt").read_text(), name, **values)
     if instance_group is not None:
         config_text = with_instance_group(config_text, instance_group)
+    if backend_parameters:
+        config_text = with_backend_parameters(config_text, backend_parameters)
     (repository / name / "config.pbtxt").write_text(config_text)

@@ -19,11 +19,19 @@ from ..config import Config
 from .text_values import field_types, from_text, optional_fields
 
 
+# The Python backend's own parameters, which share the `parameters` section with the engine's: the packed Python
+# environment the model runs in, and where the backend hands the model its input tensors.
+BACKEND_PARAMETERS = ("EXECUTION_ENV_PATH", "FORCE_CPU_ONLY_INPUT_TENSORS")
+
+
 def engine_settings(parameters: Mapping[str, Mapping[str, str]], model_dir: str | Path) -> dict:
     """Config keyword arguments from a model config's `parameters` section."""
     types_by_field, optional = field_types(Config), optional_fields(Config)
     settings = {}
     for name, holder in parameters.items():
+        if name in BACKEND_PARAMETERS:
+            _check_backend_parameter(name, holder.get("string_value", ""))
+            continue
         if name not in types_by_field:
             raise ValueError(f"unknown parameter '{name}' in config.pbtxt; known parameters: {Config.field_names()}")
         value = _convert(name, holder.get("string_value", ""), types_by_field[name], name in optional)
@@ -58,6 +66,13 @@ def on_instance_device(settings: dict, instance_kind: str, device_id: int) -> di
             f"on GPU {device_id} ({placed!r}): set 'device' to 'auto' to run each instance on the GPU Triton gives "
             f"it, or use KIND_MODEL to choose the device with 'device'")
     return {**settings, "device": placed}
+
+
+def _check_backend_parameter(name: str, text: str) -> None:
+    """The backend reads these itself; the model only refuses what it could not run with."""
+    if name == "FORCE_CPU_ONLY_INPUT_TENSORS" and text != "yes":
+        raise ValueError(f"parameter 'FORCE_CPU_ONLY_INPUT_TENSORS' in config.pbtxt must be 'yes', got {text!r}: the "
+                         "model reads its inputs (text, token ids, settings) on the host")
 
 
 def _resolved(path: str, model_dir: str | Path) -> str:

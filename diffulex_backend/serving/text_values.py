@@ -3,11 +3,15 @@
 
 from __future__ import annotations
 
+import re
 import types
 import typing
 
 TRUE_WORDS = ("true", "1", "yes", "on")
 FALSE_WORDS = ("false", "0", "no", "off")
+INTEGER = re.compile(r"[+-]?[0-9]+")
+DECIMAL = re.compile(r"[+-]?(?:[0-9]+\.?[0-9]*|\.[0-9]+)(?:[eE][+-]?[0-9]+)?")
+NAMED = ("inf", "infinity", "nan")
 
 
 def field_types(cls) -> dict[str, object]:
@@ -28,8 +32,14 @@ def from_text(text: str, base) -> object:
         if word not in TRUE_WORDS + FALSE_WORDS:
             raise ValueError(f"not true or false: {text!r}")
         return word in TRUE_WORDS
+    # Python's int() and float() also take digit separators ("1_000") and other scripts' digits ("٣"): a typo or
+    # a lookalike would pass as a number.
+    if base is int and INTEGER.fullmatch(text):
+        return int(text)
+    if base is float and (INTEGER.fullmatch(text) or DECIMAL.fullmatch(text) or text.lower().lstrip("+-") in NAMED):
+        return float(text)  # inf and nan are numbers here; the setting then refuses them by name
     if base in (int, float):
-        return base(text)
+        raise ValueError(f"not {'an integer' if base is int else 'a number'}: {text!r}")
     return text
 
 

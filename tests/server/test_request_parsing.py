@@ -232,8 +232,20 @@ def test_adapter_paths_resolve_against_the_model_directory_like_the_model(tmp_pa
     assert settings["lora_modules"] == f"math={tmp_path / 'adapters/math'},code=/abs/code"
 
 
+def test_the_python_backends_own_parameters_pass_beside_the_engine_settings(tmp_path):
+    settings = engine_settings(parameters(model="demo", EXECUTION_ENV_PATH="$$TRITON_MODEL_DIRECTORY/env.tar.gz",
+                                          FORCE_CPU_ONLY_INPUT_TENSORS="yes"), tmp_path)
+    assert settings == {"model": str(tmp_path / "demo")}
+
+
 @pytest.mark.parametrize("values, message", [
     ({"model": "m", "blok_size": "8"}, "unknown parameter 'blok_size' in config.pbtxt; known parameters: "),
+    ({"model": "m", "FORCE_CPU_ONLY_INPUT_TENSORS": "no"},
+     "parameter 'FORCE_CPU_ONLY_INPUT_TENSORS' in config.pbtxt must be 'yes', got 'no'"),
+    ({"model": "m", "block_size": "1_000"}, "parameter 'block_size' in config.pbtxt must be an integer, got '1_000'"),
+    ({"model": "m", "block_size": "\u0663"}, "parameter 'block_size' in config.pbtxt must be an integer, got '\u0663'"),
+    ({"model": "m", "accept_threshold": "0_5"}, "parameter 'accept_threshold' in config.pbtxt must be a number, got "
+                                                "'0_5'"),
     ({"model": "m", "block_size": "eight"}, "parameter 'block_size' in config.pbtxt must be an integer, got 'eight'"),
     ({"model": "m", "enforce_eager": "maybe"}, "parameter 'enforce_eager' in config.pbtxt must be true or false, "
                                                "got 'maybe'"),

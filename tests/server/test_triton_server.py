@@ -332,6 +332,26 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert client.is_model_ready("diffulex")
 
 
+def test_the_python_backends_own_parameters_are_taken_beside_the_engines_or_refused_by_name(server, engine):
+    """FORCE_CPU_ONLY_INPUT_TENSORS shares config.pbtxt's parameters with the engine's settings: "yes" (the
+    backend's default, the model's inputs on the host) loads and serves; "no" fails the load with the model's
+    reason, and the model already loaded keeps serving."""
+    (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_host_inputs")
+        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_host_inputs")
+        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+        client.unload_model("diffulex_host_inputs")
+        wait_for(lambda: model_state(client, "diffulex_host_inputs") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model("diffulex_device_inputs")
+        assert ("parameter 'FORCE_CPU_ONLY_INPUT_TENSORS' in config.pbtxt must be 'yes', got 'no': the model reads "
+                "its inputs (text, token ids, settings) on the host") in caught.value.message()
+        assert not client.is_model_ready("diffulex_device_inputs")
+    output = generate(server, {"text_input": PROMPTS[0], "parameters": GREEDY, "exclude_input_in_output": True})
+    assert ids(output["output_ids"]) == expected.token_ids
+
+
 def test_an_engine_failure_ends_open_requests_and_the_model_comes_back_until_it_fails_at_start_too_often(
         server, engine):
     """No request causes an engine failure (each is checked before it joins a step), so the model is reloaded: a new
