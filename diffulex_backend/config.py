@@ -10,17 +10,25 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
 from .registry import STRATEGIES, default_strategy
 from .sampling import SamplingMode
 
+# The settings that decide when the next block joins (add_block_threshold) and when a block is complete enough for
+# the one after it to decode (semi_complete_threshold): read by every strategy built on BlockDiffusionRequest.
+BLOCK_THRESHOLDS = frozenset({"add_block_threshold", "semi_complete_threshold"})
 QUANTIZATIONS = ("fp8",)  # the weight quantizations `quantization` names (quantization.py)
 KV_CACHE_DTYPES = ("auto", "fp8")  # the model's dtype, or FP8 rows with a scale each (diffulex_kernels.kv_store)
 
 
 MAX_TENSOR_PARALLEL = 64
+# Sizes and counts (tokens, pages, requests, ids): the device tensors that hold them, and the kernels' offsets, are
+# int32.
+MAX_SIZE = 2**31 - 1
+PATHS = ("model", "lora_path", "profile_dir")  # fields that take a path; os.PathLike values become their text
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
 DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
@@ -92,6 +100,9 @@ class Config:
     profile_dir: str | None = None
 
     def __post_init__(self):
+        for name in PATHS:  # one form from here on: the text config.pbtxt gives
+            if isinstance(getattr(self, name), os.PathLike):
+                object.__setattr__(self, name, os.fspath(getattr(self, name)))
         if isinstance(self.lora_modules, Mapping):  # one form from here on: the text config.pbtxt gives
             object.__setattr__(self, "lora_modules", _module_text(self.lora_modules))
         if self.decoding_strategy is None:  # a model_name of the wrong type is refused below, by name
@@ -106,6 +117,7 @@ class Config:
         if self.enable_prefix_caching is None:
             object.__setattr__(self, "enable_prefix_caching", strategy.supports_prefix_caching)
         self._refuse_other_strategies_options(strategy)
+        self._refuse_thresholds_past_one_block(strategy)
         strategy.validate(self)
 
     @classmethod
@@ -137,10 +149,11 @@ class Config:
         def fail(name, allowed):
             raise ValueError(f"config field '{name}' must be {allowed}, got {getattr(self, name)!r}")
 
-        def check_int(name, low):
+        def check_int(name, low, high=MAX_SIZE):
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                fail(name, f"an integer >= {low}")
+            if (not isinstance(value, int) or isinstance(value, bool) or value < low
+                    or (high is not None and value > high)):
+                fail(name, f"an integer >= {low}" + (f" and <= {high}" if high is not None else ""))
 
         def check_fraction(name):
             value = getattr(self, name)
@@ -159,9 +172,10 @@ class Config:
         if self.sampling_mode is not None and self.sampling_mode not in [m.value for m in SamplingMode]:
             fail("sampling_mode", f"one of {[m.value for m in SamplingMode]}")
         for name, low in (("block_size", 1), ("buffer_size", 1), ("page_size", 1), ("max_num_batched_tokens", 1),
-                          ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1), ("seed", 0),
+                          ("max_num_reqs", 1), ("cache_refresh_interval", 0), ("tensor_parallel_size", 1),
                           ("sub_block_size", 1), ("token_merge_top_k", 1)):
             check_int(name, low)
+        check_int("seed", 0, high=None)  # any size: the noise key hashes it
         for name, low in (("max_model_len", 2), ("num_kv_pages", 1), ("mask_token_id", 0)):
             if getattr(self, name) is not None:
                 check_int(name, low)
@@ -223,6 +237,21 @@ class Config:
                 raise ValueError(f"config field '{name}' applies to decoding_strategy {names} only, not "
                                  f"'{strategy.name}'; leave it at its default ({defaults[name]!r})")
 
+    def _refuse_thresholds_past_one_block(self, strategy) -> None:
+        """Where a request predicts one block a step, the thresholds that act on the blocks after the first keep
+        their defaults, or are refused by name."""
+        request_cls = strategy.request_cls
+        if request_cls.blocks_in_flight(self) > 1:
+            return
+        setting = request_cls.BLOCKS_IN_FLIGHT_SETTING
+        why = f" at {setting} 1" if setting else ""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name in ("remask_threshold", *sorted(BLOCK_THRESHOLDS & strategy.options)):
+            if getattr(self, name) != defaults[name]:
+                raise ValueError(f"config field '{name}' must be {defaults[name]!r} for decoding_strategy "
+                                 f"'{strategy.name}'{why}: it acts on the blocks after the first in flight, and a "
+                                 "request predicts one block a step")
+
     def _validate_lora(self):
         for name in ("max_loras", "max_lora_rank"):
             value = getattr(self, name)
@@ -266,4 +295,4 @@ def _valid_device(device) -> bool:
         return False
     if device in ("auto", "cpu", "cuda"):
         return True
-    return device.startswith("cuda:") and device[5:].isdigit()
+    return re.fullmatch(r"cuda:(0|[1-9][0-9]*)", device) is not None

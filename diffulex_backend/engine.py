@@ -78,6 +78,13 @@ class DiffulexEngine:
         self.config = config = dataclasses.replace(config, model_name=arch.model_name, max_model_len=max_model_len,
                                                    mask_token_id=mask_token_id)
         self.eos_token_ids = list(resolve_eos_token_ids(arch, self.tokenizer))
+        if mask_token_id in self.eos_token_ids:  # never predicted (runner.py), so no request could ever stop
+            raise ValueError(f"config field 'mask_token_id' is {mask_token_id}, an end-of-sequence token of this "
+                             f"model (eos ids {self.eos_token_ids}); the mask token must be one the model never "
+                             "outputs")
+        if config.token_merge_top_k > arch.vocab_size:
+            raise ValueError(f"config field 'token_merge_top_k' must be <= vocab_size ({arch.vocab_size}), "
+                             f"got {config.token_merge_top_k}")
         self.max_token_chars = longest_token_chars(self.tokenizer)
 
         strategy = STRATEGIES.get(config.decoding_strategy)

@@ -4,6 +4,8 @@ the tensor-parallel workers build theirs through these same functions (`load_ran
 so every rank agrees on them."""
 from __future__ import annotations
 
+import os
+
 import torch
 
 from .attention import paged_attention_reference
@@ -38,6 +40,9 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name == "float64" and device.type == "cuda":
+        raise ValueError("config field 'dtype' is 'float64', which is for reference checks on the CPU; on a GPU use "
+                         "'bfloat16', 'float16' or 'float32'")
     return getattr(torch, name)
 
 
@@ -116,11 +121,16 @@ def attention_backend_name(model) -> str:
 def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype, runner_cls) -> int:
     """KV pages of page_size tokens: config.num_kv_pages, else as many as max_num_reqs requests of max_model_len
     take on the CPU, else what gpu_memory_utilization leaves on the GPU."""
-    if config.num_kv_pages is not None:
-        return config.num_kv_pages
     per_request = -(-config.max_model_len // config.page_size)
+    shape, cache_dtype = kv_cache_layout(model, 1, config.page_size, dtype, config.kv_cache_dtype)
+    page_bytes = torch.empty(shape, dtype=cache_dtype).nbytes
+    if config.num_kv_pages is not None:  # a pool smaller than one max_model_len sequence refuses longer requests
+        return _fits_memory(config.num_kv_pages, page_bytes, device,
+                            f"config field 'num_kv_pages' ({config.num_kv_pages})")
     if device.type != "cuda":
-        return config.max_num_reqs * per_request
+        return _fits_memory(config.max_num_reqs * per_request, page_bytes, device,
+                            f"config fields 'max_num_reqs' ({config.max_num_reqs}) and 'max_model_len' "
+                            f"({config.max_model_len}) size the KV cache where 'num_kv_pages' is unset")
     # Whatever gpu_memory_utilization leaves after the weights and the largest step, measured by running it: its
     # forward, or its output with the logits and the sampler (runner_cls's), whichever peaks higher. The forward
     # counts once more where CUDA graphs replay it: their memory pool holds its activations, and the caching
@@ -131,13 +141,25 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
         activation_bytes += forward_bytes
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
-    shape, cache_dtype = kv_cache_layout(model, 1, config.page_size, dtype, config.kv_cache_dtype)
-    page_bytes = torch.empty(shape, dtype=cache_dtype).nbytes
     budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
     if budget < page_bytes * per_request:
         raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
                          f"for one max_model_len sequence of KV cache after the weights")
     return int(budget // page_bytes)
+
+
+def _fits_memory(pages: int, page_bytes: int, device: torch.device, setting: str) -> int:
+    """`pages`, refused by the `setting` that asks for them where their cache is larger than the device's memory
+    (the GPU's free memory now; the CPU's physical memory), before anything is allocated."""
+    if device.type == "cuda":
+        room = torch.cuda.mem_get_info(device)[0]
+    else:
+        room = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if pages * page_bytes > room:
+        raise ValueError(f"{setting}: {pages} KV pages of {page_bytes} bytes ({pages * page_bytes / 2**30:.3g} GiB) "
+                         f"do not fit the {room / 2**30:.3g} GiB {'free on' if device.type == 'cuda' else 'of'} "
+                         f"{device}")
+    return pages
 
 
 def load_rank_model(config: Config, device: torch.device, dtype: torch.dtype, tp: TensorParallel):

@@ -43,6 +43,15 @@ class Request:
     def check_prompt(cls, num_prompt_tokens: int, config: "Config") -> None:
         """Raise ValueError if a prompt of this length could never be scheduled."""
 
+    # The config field that says how many blocks a request predicts in one step, or None: one. A remask threshold
+    # acts on all but the first, and the thresholds that join and enable blocks (add_block_threshold,
+    # semi_complete_threshold) on a second.
+    BLOCKS_IN_FLIGHT_SETTING: str | None = None
+
+    @classmethod
+    def blocks_in_flight(cls, config: "Config") -> int:
+        return 1 if cls.BLOCKS_IN_FLIGHT_SETTING is None else getattr(config, cls.BLOCKS_IN_FLIGHT_SETTING)
+
     @classmethod
     def check_strategy_params(cls, params: SamplingParams, config: "Config") -> None:
         """Raise Refusal for sampling parameters this strategy cannot honour, beyond the checks every strategy

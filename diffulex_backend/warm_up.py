@@ -71,11 +71,18 @@ def warm_up(engine) -> WarmUpReport:
     token = (config.mask_token_id + 1) % engine.model.arch.vocab_size  # any token but the mask
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=0)
     sizes = warm_up_batch_sizes(engine)
+    lengths = prefill_lengths(config, max_tokens) if engine.model.fused_kernels else []
+    longest = max([prompt_len, *lengths]) + max_tokens
+    # Only a num_kv_pages set by hand is so small; a strategy that caches nothing (vanilla) has no pages at all.
+    if engine.kv_cache.num_pages and -(-longest // config.page_size) > engine.kv_cache.num_pages:
+        raise ValueError(f"config field 'num_kv_pages' ({engine.kv_cache.num_pages}) holds fewer pages than the "
+                         f"warm-up's longest request takes ({-(-longest // config.page_size)} of {longest} tokens): "
+                         "raise it (the offline API also loads with warm_up=False)")
     if engine.model.fused_kernels:
         # A token of its own per prompt: a prefix shared with an earlier one would shorten this prefill.
         vocab = engine.model.arch.vocab_size
         tokens = (t % vocab for t in range(token, token + vocab) if t % vocab != config.mask_token_id)
-        for length, own in zip(prefill_lengths(config, max_tokens), tokens):
+        for length, own in zip(lengths, tokens):
             engine.add_request([own] * length, params, request_id=f"warm-up-prefill-{length}")
             run_to_completion(engine, length + max_tokens)
     for size in sizes:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..acceptance import AcceptanceRule
-from ..config import Config
+from ..config import BLOCK_THRESHOLDS, Config
 from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..registry import Strategy, register_strategy
@@ -27,6 +27,7 @@ from .checks import check_batched_tokens, check_buffer_size, refuse_prefix_cachi
 class BlockDiffusionRequest(Request):
     causal_prompt = True
     SUPPORTS_PAGE_RETENTION = True
+    BLOCKS_IN_FLIGHT_SETTING = "buffer_size"
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -107,9 +108,6 @@ class D2FRequest(BlockDiffusionRequest):
                              f"one forward, so it must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
 
 
-# The settings that decide when the next block joins (add_block_threshold) and when a block is complete enough
-# for the one after it to decode (semi_complete_threshold): read by every strategy built on BlockDiffusionRequest.
-BLOCK_THRESHOLDS = frozenset({"add_block_threshold", "semi_complete_threshold"})
 
 
 def validate_multi_bd(config: Config) -> None:

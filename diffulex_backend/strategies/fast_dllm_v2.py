@@ -53,9 +53,6 @@ class FastDLLMv2Request(Request):
             error = sub_block_size_error(params.sub_block_size, config.block_size, "sampling parameter")
             if error:
                 raise Refusal(error, "sub_block_size")
-        if params.remask_threshold:  # accepted tokens are final here: a remask threshold would reach no code
-            raise Refusal("sampling parameter 'remask_threshold' must be 0 or null for decoding_strategy "
-                          f"'fast_dllm_v2', which never remasks, got {params.remask_threshold!r}", "remask_threshold")
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -152,9 +149,6 @@ def validate_fast_dllm_v2(config: Config) -> None:
     if config.mode != SamplingMode.THRESHOLD:
         raise ValueError("config field 'sampling_mode' must be 'threshold' for decoding_strategy 'fast_dllm_v2' "
                          f"(it decodes each sub-block by threshold), got '{config.sampling_mode}'")
-    if config.remask_threshold:
-        raise ValueError("config field 'remask_threshold' must be 0 for decoding_strategy 'fast_dllm_v2': "
-                         "it never remasks a decoded token")
     check_batched_tokens(config, config.block_size + 1, "the block being committed and the next block's first position")
 
 

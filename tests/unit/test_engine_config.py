@@ -10,7 +10,7 @@ import torch
 
 from diffulex_backend import Config, Diffulex, SamplingParams
 from diffulex_backend.loader import CheckpointError
-from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
+from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID as EOS_ID, MASK_TOKEN_ID
 from engine_driver import run_requests, tiny_engine
 
 # One invalid value per field, and the message it must give.
@@ -19,13 +19,13 @@ INVALID = {
     "model_name": (5, "a registered model name or null"),
     "decoding_strategy": ("nope", "one of ['d2f', 'diffusion_gemma', 'dmax', 'fast_dllm', 'fast_dllm_v2', 'multi_bd', 'vanilla']"),
     "sampling_mode": ("greedy", "one of ['threshold', 'topk']"),
-    "block_size": (0, "an integer >= 1"),
-    "buffer_size": (0, "an integer >= 1"),
-    "page_size": (2.0, "an integer >= 1"),
-    "max_model_len": (1, "an integer >= 2"),
-    "max_num_batched_tokens": (0, "an integer >= 1"),
-    "max_num_reqs": (0, "an integer >= 1"),
-    "num_kv_pages": (0, "an integer >= 1"),
+    "block_size": (0, "an integer >= 1 and <= 2147483647"),
+    "buffer_size": (0, "an integer >= 1 and <= 2147483647"),
+    "page_size": (2.0, "an integer >= 1 and <= 2147483647"),
+    "max_model_len": (1, "an integer >= 2 and <= 2147483647"),
+    "max_num_batched_tokens": (0, "an integer >= 1 and <= 2147483647"),
+    "max_num_reqs": (0, "an integer >= 1 and <= 2147483647"),
+    "num_kv_pages": (0, "an integer >= 1 and <= 2147483647"),
     "gpu_memory_utilization": (0.0, "a number in (0, 1]"),
     "enable_prefix_caching": ("yes", "true or false"),
     "enforce_eager": (1, "true or false"),
@@ -36,12 +36,12 @@ INVALID = {
     "remask_threshold": (-0.1, "a number in [0, 1]"),
     "add_block_threshold": ("0.5", "a number in [0, 1]"),
     "semi_complete_threshold": (True, "a number in [0, 1]"),
-    "mask_token_id": (-1, "an integer >= 0"),
+    "mask_token_id": (-1, "an integer >= 0 and <= 2147483647"),
     "dual_cache": ("no", "true or false"),
-    "cache_refresh_interval": (-1, "an integer >= 0"),
-    "sub_block_size": (0, "an integer >= 1"),
+    "cache_refresh_interval": (-1, "an integer >= 0 and <= 2147483647"),
+    "sub_block_size": (0, "an integer >= 1 and <= 2147483647"),
     "token_merge_mode": ("soft", "one of ['dmax_topk', 'iter_smooth_topk']"),
-    "token_merge_top_k": (0, "an integer >= 1"),
+    "token_merge_top_k": (0, "an integer >= 1 and <= 2147483647"),
     "token_merge_renormalize": ("yes", "true or false"),
     "token_merge_weight": (1.5, "a number in [0, 1]"),
     "edit_threshold": (-0.1, "a number in [0, 1]"),
@@ -109,6 +109,21 @@ def test_every_config_field_has_an_invalid_value_case():
     (dict(decoding_strategy="vanilla", max_model_len=128, max_num_batched_tokens=64),
      "config field 'max_num_batched_tokens' must be >= 128 for decoding_strategy 'vanilla' (tokens of one "
      "request's largest forward), got 64"),
+    (dict(block_size=2**63),
+     "config field 'block_size' must be an integer >= 1 and <= 2147483647, got 9223372036854775808"),
+    (dict(max_num_batched_tokens=2**31), "config field 'max_num_batched_tokens' must be an integer >= 1 and <= "
+                                         "2147483647, got 2147483648"),
+    (dict(device="cuda:01"), "config field 'device' must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:01'"),
+    (dict(device="cuda:\u0663"), "config field 'device' must be 'auto', 'cpu', 'cuda' or 'cuda:N', got 'cuda:\u0663'"),
+    (dict(remask_threshold=0.5),
+     "config field 'remask_threshold' must be 0.0 for decoding_strategy 'multi_bd' at buffer_size 1: it acts on the "
+     "blocks after the first in flight, and a request predicts one block a step"),
+    (dict(decoding_strategy="vanilla", remask_threshold=0.5),
+     "config field 'remask_threshold' must be 0.0 for decoding_strategy 'vanilla': it acts on the blocks after the "
+     "first in flight, and a request predicts one block a step"),
+    (dict(decoding_strategy="d2f", semi_complete_threshold=0.5),
+     "config field 'semi_complete_threshold' must be 0.9 for decoding_strategy 'd2f' at buffer_size 1: it acts on "
+     "the blocks after the first in flight, and a request predicts one block a step"),
 ])
 def test_impossible_combinations_are_refused(llada_checkpoint, fields, message):
     with raises_exactly(message):
@@ -131,6 +146,14 @@ WITHOUT_CUDA = pytest.mark.skipif(torch.cuda.is_available(), reason="states what
      "config field 'max_model_len' must be <= the model's max_position_embeddings (512), got 1024"),
     (dict(device="cpu", max_model_len=64, mask_token_id=258),
      "config field 'mask_token_id' must be < vocab_size (258), got 258"),
+    (dict(device="cpu", mask_token_id=EOS_ID),
+     f"config field 'mask_token_id' is {EOS_ID}, an end-of-sequence token of this model (eos ids [{EOS_ID}]); the "
+     "mask token must be one the model never outputs"),
+    (dict(device="cpu", decoding_strategy="dmax", token_merge_top_k=259),
+     "config field 'token_merge_top_k' must be <= vocab_size (258), got 259"),
+    (dict(device="cpu", num_kv_pages=2),
+     "config field 'num_kv_pages' (2) holds fewer pages than the warm-up's longest request takes (3 of 96 tokens): "
+     "raise it (the offline API also loads with warm_up=False)"),
 ])
 def test_settings_the_machine_or_checkpoint_cannot_honour_are_refused(llada_checkpoint, fields, message):
     with raises_exactly(message):
@@ -239,3 +262,30 @@ def test_flash_attn_is_refused_by_name_where_it_cannot_serve_the_model():
     assert refusal((9, 0), bf16, (128,), True) == ("which takes no sliding window here; this model has windowed "
                                                     "layers")
 
+
+
+def test_a_path_setting_takes_a_path_object_as_its_text(llada_checkpoint, tmp_path):
+    from pathlib import Path
+
+    config = Config(model=Path(llada_checkpoint), profile_dir=tmp_path)
+    assert (config.model, config.profile_dir) == (llada_checkpoint, str(tmp_path))
+    assert Diffulex(Path(llada_checkpoint), warm_up=False, device="cpu").config.model == llada_checkpoint
+
+
+def test_float64_is_refused_on_a_gpu_by_name():
+    """float64 is a reference dtype: the GPU's kernels take none of it (the check needs no GPU to run)."""
+    from diffulex_backend.model_setup import resolve_dtype
+
+    assert resolve_dtype("float64", torch.device("cpu")) == torch.float64
+    with raises_exactly("config field 'dtype' is 'float64', which is for reference checks on the CPU; on a GPU use "
+                        "'bfloat16', 'float16' or 'float32'"):
+        resolve_dtype("float64", torch.device("cuda", 0))
+
+
+def test_a_kv_cache_larger_than_the_machine_is_refused_before_it_is_allocated(llada_checkpoint):
+    with pytest.raises(ValueError, match=r"^config field 'num_kv_pages' \(2147483647\): 2147483647 KV pages of \d+ "
+                                         r"bytes \(.* GiB\) do not fit the .* GiB of cpu$"):
+        Diffulex(llada_checkpoint, warm_up=False, device="cpu", num_kv_pages=2**31 - 1)
+    with pytest.raises(ValueError, match=r"^config fields 'max_num_reqs' \(2147483647\) and 'max_model_len' \(512\) "
+                                         r"size the KV cache where 'num_kv_pages' is unset: "):
+        Diffulex(llada_checkpoint, warm_up=False, device="cpu", max_num_reqs=2**31 - 1)

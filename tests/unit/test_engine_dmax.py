@@ -26,7 +26,9 @@ def tokens(llm, prompts=PROMPTS, params=PARAMS):
 @pytest.mark.parametrize("buffer_size", [1, 2])
 def test_without_token_merge_or_editing_dmax_is_multi_bd(tiny_checkpoints, model_name, buffer_size):
     path = tiny_checkpoints[model_name]
-    extra = dict(buffer_size=buffer_size, add_block_threshold=0.25, semi_complete_threshold=0.5)
+    # The thresholds that join and enable blocks act with a second block in flight only, and are refused without.
+    thresholds = dict(add_block_threshold=0.25, semi_complete_threshold=0.5) if buffer_size > 1 else {}
+    extra = dict(buffer_size=buffer_size, **thresholds)
     expected = tokens(tiny_engine(path, decoding_strategy="multi_bd", accept_threshold=0.3, **extra))
     assert tokens(dmax(path, token_merge_weight=0.0, edit_threshold=0.0, **extra)) == expected
     # Soft inputs change what the model sees, so the default settings decode differently on a random model.

@@ -138,9 +138,11 @@ def checkpoints(tmp_path_factory):
 def test_multi_bd_paged_matches_full_recompute(checkpoints, model_name, buffer_size, page_size):
     path = checkpoints[model_name]
     block_size, max_tokens, accept = 8, 20, 0.05
+    # The thresholds that join and enable blocks act with a second block in flight only, and are refused without.
+    thresholds = dict(add_block_threshold=0.25, semi_complete_threshold=0.5) if buffer_size > 1 else {}
     llm = Diffulex(path, decoding_strategy="multi_bd", block_size=block_size, buffer_size=buffer_size,
                    page_size=page_size, max_model_len=128, max_num_batched_tokens=128, accept_threshold=accept, dtype="float64",
-                   add_block_threshold=0.25, semi_complete_threshold=0.5, enable_prefix_caching=False)
+                   enable_prefix_caching=False, **thresholds)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     dense = DenseModel(path)
     for prompt, out in zip(PROMPTS, outs):

@@ -42,9 +42,12 @@ def checkpoints(tmp_path_factory):
 
 
 def make_engine(path, strategy, **kwargs):
+    # The thresholds that join and enable blocks act with a second block in flight only, and are refused without.
+    several = kwargs.get("buffer_size", 1) > 1 and strategy in ("multi_bd", "d2f", "dmax")
+    thresholds = dict(add_block_threshold=0.25, semi_complete_threshold=0.5) if several else {}
     return Diffulex(path, decoding_strategy=strategy, block_size=8, page_size=4, max_model_len=128,
                     max_num_batched_tokens=128, max_num_reqs=8, accept_threshold=0.9, dtype="float64",
-                    add_block_threshold=0.25, semi_complete_threshold=0.5, **kwargs)
+                    **thresholds, **kwargs)
 
 
 def generate(engine, padded: bool):

@@ -285,7 +285,8 @@ def test_greedy_steps_sample_from_each_ranks_share_of_the_logits(checkpoints, mo
         checkpoint = checkpoints(family, shape)
         out = {}
         for size in (1, 2):
-            engine = Diffulex(checkpoint, **SETTINGS, tensor_parallel_size=size)
+            # Two blocks in flight, where a remask threshold acts on the second.
+            engine = Diffulex(checkpoint, **SETTINGS, buffer_size=2, tensor_parallel_size=size)
             try:
                 out[size] = [o.token_ids for o in engine.generate(PROMPTS[:2], params)]
             finally:
