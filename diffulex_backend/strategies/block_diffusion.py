@@ -108,8 +108,6 @@ class D2FRequest(BlockDiffusionRequest):
                              f"one forward, so it must fit max_num_batched_tokens ({config.max_num_batched_tokens})")
 
 
-
-
 def validate_multi_bd(config: Config) -> None:
     check_buffer_size(config, 64)
     check_batched_tokens(config, (config.buffer_size + 1) * config.block_size,
