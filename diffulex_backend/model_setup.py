@@ -40,21 +40,22 @@ def resolve_device(name: str) -> torch.device:
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name == "float64" and device.type == "cuda":
-        raise ValueError("config field 'dtype' is 'float64', which is for reference checks on the CPU; on a GPU use "
-                         "'bfloat16', 'float16' or 'float32'")
     return getattr(torch, name)
 
 
 def resolve_attention(name: str, device: torch.device, head_dims: tuple[int, ...],
-                      kernel_head_dims: tuple[int, ...] = (64, 128)):
+                      kernel_head_dims: tuple[int, ...] = (64, 128), dtype: torch.dtype = torch.bfloat16):
     """The attention function for `attention_backend`: "auto" takes the Triton kernels on a GPU when they serve
     every head size of the model's layers (`head_dims`): those its family's Triton path is built for
-    (`kernel_head_dims`), else the torch reference."""
-    if name == "torch" or (name == "auto" and device.type != "cuda"):
+    (`kernel_head_dims`), and the engine's dtype (float64, a reference dtype, is torch's only); else the torch
+    reference."""
+    if name == "torch" or (name == "auto" and (device.type != "cuda" or dtype == torch.float64)):
         return paged_attention_reference
     if device.type != "cuda":
         raise ValueError("config field 'attention_backend' is 'triton', which needs a CUDA device; use 'torch' on CPU")
+    if dtype == torch.float64:
+        raise ValueError("config field 'attention_backend' is 'triton', whose kernels take float32, bfloat16 and "
+                         "float16; dtype 'float64' runs on 'torch' or 'auto'")
     from diffulex_kernels.attention import paged_attention
 
     if set(head_dims) <= set(kernel_head_dims):
@@ -100,7 +101,7 @@ def select_attention(model, attention_backend: str, device: torch.device, dtype:
     if attention_backend == "flash_attn" and why_not_flash is not None:
         raise ValueError(f"config field 'attention_backend' is 'flash_attn', {why_not_flash}")
     blocks_backend = "triton" if attention_backend == "flash_attn" else attention_backend
-    attention_fn = resolve_attention(blocks_backend, device, head_dims, model.KERNEL_HEAD_DIMS)
+    attention_fn = resolve_attention(blocks_backend, device, head_dims, model.KERNEL_HEAD_DIMS, dtype)
     if why_not_flash is None and attention_fn is not paged_attention_reference:
         attention_fn = FlashAttention(attention_fn)
     for layer in model.layers:

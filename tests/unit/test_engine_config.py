@@ -272,14 +272,17 @@ def test_a_path_setting_takes_a_path_object_as_its_text(llada_checkpoint, tmp_pa
     assert Diffulex(Path(llada_checkpoint), warm_up=False, device="cpu").config.model == llada_checkpoint
 
 
-def test_float64_is_refused_on_a_gpu_by_name():
-    """float64 is a reference dtype: the GPU's kernels take none of it (the check needs no GPU to run)."""
-    from diffulex_backend.model_setup import resolve_dtype
+def test_float64_takes_the_torch_attention_on_a_gpu_and_the_triton_backend_refuses_it_by_name():
+    """float64 is a reference dtype that no kernel takes: "auto" gives it the torch path on a GPU too (the choice
+    needs no GPU to run)."""
+    from diffulex_backend.attention import paged_attention_reference
+    from diffulex_backend.model_setup import resolve_attention
 
-    assert resolve_dtype("float64", torch.device("cpu")) == torch.float64
-    with raises_exactly("config field 'dtype' is 'float64', which is for reference checks on the CPU; on a GPU use "
-                        "'bfloat16', 'float16' or 'float32'"):
-        resolve_dtype("float64", torch.device("cuda", 0))
+    cuda = torch.device("cuda")
+    assert resolve_attention("auto", cuda, (128,), dtype=torch.float64) is paged_attention_reference
+    with raises_exactly("config field 'attention_backend' is 'triton', whose kernels take float32, bfloat16 and "
+                        "float16; dtype 'float64' runs on 'torch' or 'auto'"):
+        resolve_attention("triton", cuda, (128,), dtype=torch.float64)
 
 
 def test_a_kv_cache_larger_than_the_machine_is_refused_before_it_is_allocated(llada_checkpoint):
