@@ -220,12 +220,8 @@ def test_a_moe_family_picked_by_model_name_streams_the_engine_outputs(server, ll
     reference_engine = Diffulex(str(llada2_checkpoint), model_name="llada2_mini", **TEST_SETTINGS)
     assert reference_engine.model.arch.num_experts > 1
     (expected,) = reference(reference_engine, [PROMPTS[0]], **GREEDY)
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.load_model("diffulex_llada2")
-        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_llada2")
-        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
-        client.unload_model("diffulex_llada2")
-        wait_for(lambda: model_state(client, "diffulex_llada2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    results = stream_from_a_model_loaded_for_it(server, "diffulex_llada2", PROMPTS[0], GREEDY)
+    assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
 
 
 @pytest.mark.parametrize("name, strategy", [("diffucoder", "d2f"), ("dream_reasoner", "multi_bd"),
@@ -237,23 +233,15 @@ def test_coder_and_reasoner_families_stream_the_engine_outputs(server, coder_and
     reference_engine = Diffulex(str(coder_and_reasoner_checkpoints[name]), model_name=model_name, **TEST_SETTINGS)
     assert (reference_engine.config.model_name, reference_engine.config.decoding_strategy) == (name, strategy)
     (expected,) = reference(reference_engine, [PROMPTS[3]], **GREEDY)
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.load_model(f"diffulex_{name}")
-        results = grpc_stream(server, grpc_inputs(PROMPTS[3], GREEDY, stream=True), model=f"diffulex_{name}")
-        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
-        assert len(results) >= 2
-        client.unload_model(f"diffulex_{name}")
-        wait_for(lambda: model_state(client, f"diffulex_{name}") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    results = stream_from_a_model_loaded_for_it(server, f"diffulex_{name}", PROMPTS[3], GREEDY)
+    assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
+    assert len(results) >= 2
 
 
 def test_a_config_key_no_family_lists_loads_and_the_server_log_names_it(server, engine, unknown_key_checkpoint):
     (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)  # the same weights, without the key
-    with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.load_model("diffulex_unknown_key")
-        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_unknown_key")
-        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
-        client.unload_model("diffulex_unknown_key")
-        wait_for(lambda: model_state(client, "diffulex_unknown_key") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    results = stream_from_a_model_loaded_for_it(server, "diffulex_unknown_key", PROMPTS[0], GREEDY)
+    assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
     assert (f"{unknown_key_checkpoint / 'config.json'}: config keys ['newly_added_key'] are unknown to model 'llada'"
             in server.log_tail(200_000))
 
@@ -318,6 +306,16 @@ def test_dmax_streams_a_response_per_block_with_a_per_request_edit_threshold(ser
         wait_for(lambda: model_state(client, "diffulex_dmax") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
+def stream_from_a_model_loaded_for_it(server, name: str, prompt: str, params: dict) -> list:
+    """Loads model `name`, streams one request from it, and unloads it again; returns the stream's results."""
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model(name)
+        results = grpc_stream(server, grpc_inputs(prompt, params, stream=True), model=name)
+        client.unload_model(name)
+        wait_for(lambda: model_state(client, name) == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+    return results
+
+
 def model_state(client, name: str) -> tuple[str, str]:
     (entry,) = [model for model in client.get_model_repository_index(as_json=True)["models"] if model["name"] == name]
     return entry.get("state", ""), entry.get("reason", "")
@@ -337,12 +335,9 @@ def test_the_python_backends_own_parameters_are_taken_beside_the_engines_or_refu
     backend's default, the model's inputs on the host) loads and serves; "no" fails the load with the model's
     reason, and the model already loaded keeps serving."""
     (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)
+    results = stream_from_a_model_loaded_for_it(server, "diffulex_host_inputs", PROMPTS[0], GREEDY)
+    assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
-        client.load_model("diffulex_host_inputs")
-        results = grpc_stream(server, grpc_inputs(PROMPTS[0], GREEDY, stream=True), model="diffulex_host_inputs")
-        assert np.concatenate([r.as_numpy("output_ids").reshape(-1) for r in results]).tolist() == expected.token_ids
-        client.unload_model("diffulex_host_inputs")
-        wait_for(lambda: model_state(client, "diffulex_host_inputs") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
         with pytest.raises(InferenceServerException) as caught:
             client.load_model("diffulex_device_inputs")
         assert ("parameter 'FORCE_CPU_ONLY_INPUT_TENSORS' in config.pbtxt must be 'yes', got 'no': the model reads "
