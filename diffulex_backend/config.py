@@ -30,7 +30,7 @@ MAX_TENSOR_PARALLEL = 64
 MAX_SIZE = 2**31 - 1
 PATHS = ("model", "lora_path", "profile_dir")  # fields that take a path; os.PathLike values become their text
 DEVICES_HELP = "'auto', 'cpu', 'cuda' or 'cuda:N'"
-DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: for reference checks on CPU
+DTYPES = ("auto", "float32", "bfloat16", "float16", "float64")  # float64: reference checks, torch attention only
 ATTENTION_BACKENDS = ("auto", "torch", "triton", "flash_attn")
 # dmax_topk: DMax's mixture of the top-k tokens and the mask embedding; iter_smooth_topk: the token's own
 # embedding plus the weighted top-k embeddings (Diffulex's second token-merge mode).
