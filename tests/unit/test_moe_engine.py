@@ -48,9 +48,11 @@ def test_llada2_vanilla_matches_reference_llada_sampler(moe_checkpoints, steps):
 def test_multi_bd_matches_block_causal_full_recompute(moe_checkpoints, family, buffer_size):
     path = moe_checkpoints[family]
     block_size, max_tokens, accept = 8, 16, 0.05
+    # The thresholds that join and enable blocks act with a second block in flight only, and are refused without.
+    thresholds = dict(add_block_threshold=0.25, semi_complete_threshold=0.5) if buffer_size > 1 else {}
     llm = Diffulex(path, decoding_strategy="multi_bd", block_size=block_size, buffer_size=buffer_size, page_size=4,
                    max_model_len=128, max_num_batched_tokens=128, accept_threshold=accept, dtype="float64",
-                   device="cpu", add_block_threshold=0.25, semi_complete_threshold=0.5, enable_prefix_caching=False)
+                   device="cpu", enable_prefix_caching=False, **thresholds)
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     reference = MoEReference(path, llm.config.mask_token_id)
     for prompt, out in zip(PROMPTS, outs):
