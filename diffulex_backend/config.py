@@ -240,11 +240,9 @@ class Config:
     def _refuse_thresholds_past_one_block(self, strategy) -> None:
         """Where a request predicts one block a step, the thresholds that act on the blocks after the first keep
         their defaults, or are refused by name."""
-        request_cls = strategy.request_cls
-        if request_cls.blocks_in_flight(self) > 1:
+        why = strategy.request_cls.one_block_in_flight(self)
+        if why is None:
             return
-        setting = request_cls.BLOCKS_IN_FLIGHT_SETTING
-        why = f" at {setting} 1" if setting else ""
         defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("remask_threshold", *sorted(BLOCK_THRESHOLDS & strategy.options)):
             if getattr(self, name) != defaults[name]:

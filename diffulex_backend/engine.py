@@ -178,10 +178,9 @@ class DiffulexEngine:
         if params.profile_steps is not None and self.config.profile_dir is None:
             raise Refusal(f"sampling parameter 'profile_steps' is {params.profile_steps}, but config field "
                           "'profile_dir' is not set: this engine records no traces", "profile_steps")
-        pages = -(-(n + m) // self.config.page_size)
-        if self.kv_cache.num_pages and pages > self.kv_cache.num_pages:
-            raise Refusal(f"request needs up to {pages} KV pages but the cache has {self.kv_cache.num_pages}",
-                          "max_tokens")
+        if not self.kv_cache.holds(n + m):
+            raise Refusal(f"request needs up to {self.kv_cache.pages_for(n + m)} KV pages but the cache has "
+                          f"{self.kv_cache.num_pages}", "max_tokens")
         return resolve(prompt_ids, params, self.config, self.req_cls, draw_seed=lambda: self._seeds.getrandbits(32),
                        lora_index=-1 if params.lora_name is None else self.lora_slots[params.lora_name],
                        eos_token_ids=self.eos_token_ids, vocab_size=vocab)

@@ -42,8 +42,16 @@ class KVCacheManager:
     def num_used_pages(self) -> int:
         return self.num_pages - self.num_free_pages
 
+    def pages_for(self, num_tokens: int) -> int:
+        """The pages a sequence of num_tokens takes."""
+        return -(-num_tokens // self.page_size)
+
+    def holds(self, num_tokens: int) -> bool:
+        """Whether the pool holds a sequence of num_tokens (one without pages, which caches nothing, holds any)."""
+        return not self.num_pages or self.pages_for(num_tokens) <= self.num_pages
+
     def pages_needed(self, req: "Request", num_slots: int) -> int:
-        return max(0, -(-num_slots // self.page_size) - len(req.page_table))
+        return max(0, self.pages_for(num_slots) - len(req.page_table))
 
     def can_allocate(self, req: "Request", num_slots: int) -> bool:
         return self.pages_needed(req, num_slots) <= self.num_free_pages

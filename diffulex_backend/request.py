@@ -49,8 +49,13 @@ class Request:
     BLOCKS_IN_FLIGHT_SETTING: str | None = None
 
     @classmethod
-    def blocks_in_flight(cls, config: "Config") -> int:
-        return 1 if cls.BLOCKS_IN_FLIGHT_SETTING is None else getattr(config, cls.BLOCKS_IN_FLIGHT_SETTING)
+    def one_block_in_flight(cls, config: "Config") -> str | None:
+        """None where a step may predict several blocks; else the condition that keeps it to one, as a phrase to
+        follow the strategy's name in a refusal (" at buffer_size 1", or nothing for a strategy of one block)."""
+        setting = cls.BLOCKS_IN_FLIGHT_SETTING
+        if setting is None:
+            return ""
+        return f" at {setting} 1" if getattr(config, setting) == 1 else None
 
     @classmethod
     def check_strategy_params(cls, params: SamplingParams, config: "Config") -> None:

@@ -51,20 +51,15 @@ def check_params(params: SamplingParams, config: "Config", request_cls) -> None:
         if getattr(params, name) is not None and config.decoding_strategy != strategy:
             raise Refusal(f"sampling parameter '{name}' applies to decoding_strategy '{strategy}' only, "
                           f"not '{config.decoding_strategy}'", name)
-    if params.remask_threshold and request_cls.blocks_in_flight(config) == 1:
+    one_block = request_cls.one_block_in_flight(config)
+    if params.remask_threshold and one_block is not None:
         raise Refusal(f"sampling parameter 'remask_threshold' must be 0 or null for decoding_strategy "
-                      f"'{config.decoding_strategy}'{one_block_in_flight(config, request_cls)}, got "
+                      f"'{config.decoding_strategy}'{one_block}, where a request predicts one block a step, got "
                       f"{params.remask_threshold!r}", "remask_threshold")
     if params.retention_ratio not in (None, 1, 1.0) and not request_cls.SUPPORTS_PAGE_RETENTION:
         raise Refusal(f"sampling parameter 'retention_ratio' must be 1 or null for decoding_strategy "
                       f"'{config.decoding_strategy}', which does not drop pages", "retention_ratio")
     request_cls.check_strategy_params(params, config)
-
-
-def one_block_in_flight(config: "Config", request_cls) -> str:
-    """Why a setting that acts past the first block in flight reaches no code under this strategy."""
-    setting = request_cls.BLOCKS_IN_FLIGHT_SETTING
-    return f"{f' at {setting} 1' if setting else ''}, where a request predicts one block a step"
 
 
 def resolve(prompt_ids: list[int], params: SamplingParams, config: "Config", request_cls, *,

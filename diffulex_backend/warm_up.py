@@ -73,11 +73,10 @@ def warm_up(engine) -> WarmUpReport:
     sizes = warm_up_batch_sizes(engine)
     lengths = prefill_lengths(config, max_tokens) if engine.model.fused_kernels else []
     longest = max([prompt_len, *lengths]) + max_tokens
-    # Only a num_kv_pages set by hand is so small; a strategy that caches nothing (vanilla) has no pages at all.
-    if engine.kv_cache.num_pages and -(-longest // config.page_size) > engine.kv_cache.num_pages:
+    if not engine.kv_cache.holds(longest):  # only a num_kv_pages set by hand is so small
         raise ValueError(f"config field 'num_kv_pages' ({engine.kv_cache.num_pages}) holds fewer pages than the "
-                         f"warm-up's longest request takes ({-(-longest // config.page_size)} of {longest} tokens): "
-                         "raise it (the offline API also loads with warm_up=False)")
+                         f"warm-up's longest request takes ({engine.kv_cache.pages_for(longest)} of {longest} "
+                         "tokens): raise it (the offline API also loads with warm_up=False)")
     if engine.model.fused_kernels:
         # A token of its own per prompt: a prefix shared with an earlier one would shorten this prefill.
         vocab = engine.model.arch.vocab_size

@@ -36,7 +36,7 @@ def from_text(text: str, base) -> object:
     # a lookalike would pass as a number.
     if base is int and INTEGER.fullmatch(text):
         return int(text)
-    if base is float and (INTEGER.fullmatch(text) or DECIMAL.fullmatch(text) or text.lower().lstrip("+-") in NAMED):
+    if base is float and (DECIMAL.fullmatch(text) or text.lower().lstrip("+-") in NAMED):
         return float(text)  # inf and nan are numbers here; the setting then refuses them by name
     if base in (int, float):
         raise ValueError(f"not {'an integer' if base is int else 'a number'}: {text!r}")
