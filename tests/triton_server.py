@@ -10,8 +10,8 @@ import torch
 from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
 
-__all__ = ["LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S", "TEST_SETTINGS",
-           "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS", "TritonServer", "add_model",
+__all__ = ["BAD_SETTINGS", "LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S",
+           "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS", "TritonServer", "add_model",
            "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
@@ -30,6 +30,20 @@ DATA_PARALLEL_SETTINGS = {**TEST_SETTINGS, "num_kv_pages": 1024}
 # The tensor-parallel model's: the test model's over two ranks, in float64 on the CPU so that its tokens equal one
 # rank's (float32 sums in another order could flip a near tie).
 TENSOR_PARALLEL_SETTINGS = {**TEST_SETTINGS, "tensor_parallel_size": 2, "dtype": "float64", "device": "cpu"}
+
+# A setting of each class the model's load refuses by name, as config.pbtxt gives it, over the shipped settings
+# (buffer_size 1), and the message's start.
+BAD_SETTINGS = {
+    "digit_separator": ({"block_size": "1_000"}, "parameter 'block_size' in config.pbtxt must be an integer, got '1_000'"),
+    "other_digits": ({"page_size": "\u0663"}, "parameter 'page_size' in config.pbtxt must be an integer, got '\u0663'"),
+    "past_int32": ({"max_num_batched_tokens": "2147483648"},
+                   "config field 'max_num_batched_tokens' must be an integer >= 1 and <= 2147483647, got 2147483648"),
+    "not_finite": ({"accept_threshold": "nan"}, "config field 'accept_threshold' must be a number in [0, 1], got nan"),
+    "reaches_no_code": ({"remask_threshold": "0.5"},
+                        "config field 'remask_threshold' must be 0.0 for decoding_strategy 'multi_bd' at buffer_size 1"),
+    "pool_past_memory": ({"num_kv_pages": "2147483647"},
+                         "config field 'num_kv_pages' (2147483647): 2147483647 KV pages of "),
+}
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
 

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
-from triton_server import FAST_DLLM_V2_SETTINGS, TEST_SETTINGS
+from triton_server import BAD_SETTINGS, FAST_DLLM_V2_SETTINGS, TEST_SETTINGS
 from served import (decoded, generate, generate_stream, grpc_inputs, grpc_stream, ids, is_final, metrics, post,
                     reference, stub_pids, tensor, wait_for)
 from tritonclient.utils import InferenceServerException
@@ -328,6 +328,19 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert f"{missing_checkpoint}: checkpoint directory not found" in caught.value.message()
         assert not client.is_model_ready("diffulex_bad_path")
         assert client.is_model_ready("diffulex")
+
+
+@pytest.mark.parametrize("name", sorted(BAD_SETTINGS))
+def test_a_bad_setting_fails_the_load_by_its_name_and_the_loaded_model_keeps_serving(server, engine, name):
+    _, message = BAD_SETTINGS[name]
+    (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        with pytest.raises(InferenceServerException) as caught:
+            client.load_model(f"diffulex_bad_{name}")
+        assert message in caught.value.message()
+        assert not client.is_model_ready(f"diffulex_bad_{name}")
+    output = generate(server, {"text_input": PROMPTS[0], "parameters": GREEDY, "exclude_input_in_output": True})
+    assert ids(output["output_ids"]) == expected.token_ids
 
 
 def test_the_python_backends_own_parameters_are_taken_beside_the_engines_or_refused_by_name(server, engine):
