@@ -11,8 +11,9 @@ from diffulex_client.perf.tritonserver import (
     LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
 
 __all__ = ["BAD_SETTINGS", "LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S",
-           "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS", "TritonServer", "add_model",
-           "data_parallel_group", "free_ports", "with_instance_group", "with_parameters"]
+           "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS", "TritonServer",
+           "add_model", "data_parallel_group", "free_ports", "with_backend_parameters", "with_instance_group",
+           "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same. On a GPU the KV cache has a fixed size (sized from free memory, the first engine on
@@ -34,13 +35,16 @@ TENSOR_PARALLEL_SETTINGS = {**TEST_SETTINGS, "tensor_parallel_size": 2, "dtype":
 # A setting of each class the model's load refuses by name, as config.pbtxt gives it, over the shipped settings
 # (buffer_size 1), and the message's start.
 BAD_SETTINGS = {
-    "digit_separator": ({"block_size": "1_000"}, "parameter 'block_size' in config.pbtxt must be an integer, got '1_000'"),
-    "other_digits": ({"page_size": "\u0663"}, "parameter 'page_size' in config.pbtxt must be an integer, got '\u0663'"),
+    "digit_separator": ({"block_size": "1_000"},
+                        "parameter 'block_size' in config.pbtxt must be an integer, got '1_000'"),
+    "other_digits": ({"page_size": "\u0663"},
+                     "parameter 'page_size' in config.pbtxt must be an integer, got '\u0663'"),
     "past_int32": ({"max_num_batched_tokens": "2147483648"},
                    "config field 'max_num_batched_tokens' must be an integer >= 1 and <= 2147483647, got 2147483648"),
     "not_finite": ({"accept_threshold": "nan"}, "config field 'accept_threshold' must be a number in [0, 1], got nan"),
     "reaches_no_code": ({"remask_threshold": "0.5"},
-                        "config field 'remask_threshold' must be 0.0 for decoding_strategy 'multi_bd' at buffer_size 1"),
+                        "config field 'remask_threshold' must be 0.0 for decoding_strategy 'multi_bd' at "
+                        "buffer_size 1"),
     "pool_past_memory": ({"num_kv_pages": "2147483647"},
                          "config field 'num_kv_pages' (2147483647): 2147483647 KV pages of "),
 }
