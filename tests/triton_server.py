@@ -12,8 +12,8 @@ from diffulex_client.perf.tritonserver import (
 
 __all__ = ["BAD_SETTINGS", "LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S",
            "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS",
-           "TritonServer", "add_model", "data_parallel_group", "free_ports", "with_backend_parameters", "with_instance_group",
-           "with_parameters"]
+           "TritonServer", "add_model", "data_parallel_group", "free_ports", "with_backend_parameters",
+           "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same. On a GPU the KV cache has a fixed size (sized from free memory, the first engine on
