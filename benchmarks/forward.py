@@ -30,8 +30,11 @@ One run measures, and prints as it goes:
 With --quantization none,fp8 every section runs twice per model, in one process: over the bf16 weights, then over
 the same weights quantized to fp8 at load's rule (`quantization: fp8`, quantization.py), as MODEL-fp8. Its floors
 count the weights as they are held (fp8 projections at one byte with their scales, the embedding and output head
-in bf16) and its compute floor takes the fp8 matmul rate (cuBLASLt, a square product) measured at the start; a
-`fp8_vs_float_weights` row gives the logits' difference at one forward over the same inputs and cache.
+in bf16) and its compute floor takes the fp8 matmul rate (cuBLASLt, a square product) measured at the start.
+Check rows hold it to the float weights over one forward's inputs and cache: `fp8_layer_N`, each layer fed the float
+forward's input, against the float layer's update (FP8_LAYER_BOUND, stated before a GPU measured it);
+`fp8_output_layers_fed`, the logits of that forward (FP8_OUTPUT_BOUND); `fp8_vs_float_weights`, the engine's whole
+forward, each layer's difference compounded.
 It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
 
     python benchmarks/forward.py --out DIR                     # GPU: LLaDA-8B
@@ -43,6 +46,7 @@ It writes forward.csv, forward.md and a plot per model (time versus batch agains
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import csv
@@ -88,7 +92,7 @@ FIELDS = ["section", "model", "case", "batch", "context", "k", "tokens", "engine
           "step_outside_forward_ms", "plain_ms",
           "plain_graph_ms", "weight_floor_ms", "compute_floor_ms", "memory_floor_ms", "engine_vs_weight_floor",
           "engine_vs_compute_floor", "engine_vs_plain", "engine_tokens_per_s", "plain_tokens_per_s",
-          "experts_touched", "experts_touched_uniform", "weight_floor_uniform_ms", "note"]
+          "experts_touched", "experts_touched_uniform", "weight_floor_uniform_ms", "error", "bound", "within", "note"]
 
 
 @dataclass(frozen=True)
@@ -1029,27 +1033,117 @@ def quantized(model, quantization: str):
     return model
 
 
-def check_forward_logits(model, model_dir: str, device, plan: Plan) -> torch.Tensor:
-    """The logits of one forward of 4 blocks over the same random cache, whatever the weights: what fp8 weights
-    are compared by with the bf16 weights they were quantized from."""
+# How far fp8 weights may move a forward from the float weights they were quantized from, stated before the first
+# measurement on a GPU. Rounding to e4m3 (3 mantissa bits) with a scale at each row's absolute maximum leaves a
+# Gaussian row an RMS relative error of 2.65%, and a product of two such operands (the activations' per-token cast,
+# the weight's per-channel one) 3.75%. A layer's update chains two products in each of its sublayers (qkv then
+# o_proj, gate_up then down), about 5.3%; the bound is about twice that, for the softmax's and SiLU's sensitivity.
+# With every layer fed the float forward's input, the output's error is the last layer's and the head's alone.
+# A MoE layer has no bound: its router stays in bf16 but takes an input the fp8 attention moved, and a token whose
+# top-k experts change on a near tie takes other experts' outputs, a difference no rounding bounds.
+FP8_LAYER_BOUND = 0.10  # |fp8 layer output - float layer output| / |float layer's update (output - input)|
+FP8_OUTPUT_BOUND = 0.10  # |fp8 logits - float logits| / |float logits|, every layer fed the float input
+
+
+class LayerTap:
+    """Hooks on every decoder layer that record each layer's input and output. With `feed` (another forward's
+    inputs), each layer takes the input it had there instead of the one the layers before it gave it, so a layer's
+    difference from that forward is its own and not the sum of those before it."""
+
+    def __init__(self, layers, feed: list[torch.Tensor] | None = None):
+        self.layers, self.feed = layers, feed
+        self.inputs: list[torch.Tensor] = []
+        self.outputs: list[torch.Tensor] = []
+
+    def __enter__(self):
+        def before(module, args):
+            index = len(self.inputs)
+            x = args[0] if self.feed is None else self.feed[index]
+            self.inputs.append(x.clone())
+            return (x, *args[1:])
+
+        def after(module, args, output):
+            self.outputs.append(output.clone())
+
+        self.handles = [h for layer in self.layers
+                        for h in (layer.register_forward_pre_hook(before), layer.register_forward_hook(after))]
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self.handles:
+            handle.remove()
+
+
+@dataclass
+class CheckForward:
+    """One forward of 4 blocks over the same random cache, whatever the weights: what fp8 weights are held to the
+    float weights they were quantized from by."""
+    logits: torch.Tensor  # the engine's forward (kernels and graphs where the engine takes them)
+    module_logits: torch.Tensor  # the torch modules' forward, layer by layer
+    layer_inputs: list[torch.Tensor]
+    layer_outputs: list[torch.Tensor]
+
+
+def check_logits(model, model_dir: str, device, plan: Plan, tap: LayerTap | None = None, **settings) -> torch.Tensor:
+    """The logits of one forward of 4 blocks over the same random cache, whatever the weights; `tap` on the
+    forward alone, not on the engine's warm-up."""
     engine = make_engine(model, model_dir, device, plan, max_model_len=plan.decode_context + 2 * BLOCK,
-                         max_num_reqs=4, num_kv_pages=4 * -(-(plan.decode_context + 2 * BLOCK) // PAGE_SIZE))
+                         max_num_reqs=4, num_kv_pages=4 * -(-(plan.decode_context + 2 * BLOCK) // PAGE_SIZE),
+                         **settings)
     fill_cache(engine, seed=4)
-    logits = engine_logits(engine, cached_context_plans(engine, 4, plan.decode_context,
-                                                        torch.Generator().manual_seed(5))).float()
+    plans = cached_context_plans(engine, 4, plan.decode_context, torch.Generator().manual_seed(5))
+    with tap or contextlib.nullcontext():
+        logits = engine_logits(engine, plans).float()
     del engine
     free_memory(device)
     return logits
 
 
-def fp8_against_float(report: Report, name: str, fp8_logits: torch.Tensor, float_logits: torch.Tensor,
-                      context: int, float_dtype: torch.dtype) -> None:
-    rel = float((fp8_logits - float_logits).norm() / float_logits.norm())
-    argmax = float((fp8_logits.argmax(-1) == float_logits.argmax(-1)).float().mean())
+def check_forward(model, model_dir: str, device, plan: Plan, feed: list[torch.Tensor] | None = None) -> CheckForward:
+    """The engine's logits, then the torch modules' with each layer's input and output (each layer fed `feed`'s
+    input when given). The torch modules run the fp8 projections as the fused forward does (the W8A8 kernels on
+    CUDA, the float32 reference elsewhere); only they have layers to hook."""
+    logits = check_logits(model, model_dir, device, plan)
+    tap = LayerTap(model.layers, feed)
+    module_logits = check_logits(model, model_dir, device, plan, tap, attention_backend="torch", enforce_eager=True)
+    return CheckForward(logits, module_logits, tap.inputs, tap.outputs)
+
+
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def fp8_against_float(report: Report, name: str, model, fp8: CheckForward, float_: CheckForward, context: int,
+                      float_dtype: torch.dtype) -> None:
+    """Rows of the fp8 weights' forward against the float weights': each layer fed the float forward's input and
+    held to FP8_LAYER_BOUND (a dense one), the output so fed held to FP8_OUTPUT_BOUND (after a dense last layer),
+    and the engine's whole forward, whose difference each layer's compounds (a random model many layers deep
+    amplifies any rounding, which the check section shows of bf16 against float32), with no bound."""
     dtype = str(float_dtype).removeprefix("torch.")
+    dense = [not isinstance(layer.mlp, MoE) for layer in model.layers]
+
+    def bounded(error: float, bound: float, holds: bool) -> dict:
+        return dict(error=error, bound=bound, within=error <= bound) if holds else dict(error=error)
+
+    for index, (out, ref_in, ref_out) in enumerate(zip(fp8.layer_outputs, float_.layer_inputs,
+                                                       float_.layer_outputs)):
+        out, ref_in, ref_out = out.float(), ref_in.float(), ref_out.float()
+        error = float((out - ref_out).norm() / (ref_out - ref_in).norm())
+        report.add(section="check", model=name, case=f"fp8_layer_{index}", batch=4, context=context,
+                   **bounded(error, FP8_LAYER_BOUND, dense[index]),
+                   note=f"{'dense' if dense[index] else 'MoE'} layer {index} over the {dtype} forward's input: its "
+                        f"output against the {dtype} layer's, relative to that layer's update (output - input)")
+    argmax = float((fp8.module_logits.argmax(-1) == float_.module_logits.argmax(-1)).float().mean())
+    report.add(section="check", model=name, case="fp8_output_layers_fed", batch=4, context=context,
+               **bounded(relative(fp8.module_logits, float_.module_logits), FP8_OUTPUT_BOUND, dense[-1]),
+               note=f"logits with every layer fed the {dtype} forward's input, against the {dtype} weights': argmax "
+                    f"agrees on {100 * argmax:.1f}% of rows")
+    argmax = float((fp8.logits.argmax(-1) == float_.logits.argmax(-1)).float().mean())
     report.add(section="check", model=name, case="fp8_vs_float_weights", batch=4, context=context,
-               note=f"logits of fp8 weights against the {dtype} weights they were quantized from, one forward over "
-                    f"the same cache and blocks: rel diff {rel:.3e}, argmax agrees on {100 * argmax:.1f}% of rows")
+               error=relative(fp8.logits, float_.logits),
+               note=f"the engine's logits of fp8 weights against the {dtype} weights they were quantized from, one "
+                    f"forward over the same cache and blocks, each layer's difference compounded: argmax agrees on "
+                    f"{100 * argmax:.1f}% of rows")
 
 
 # The sections that read the float weights themselves (the float32 reference copy).
@@ -1115,11 +1209,11 @@ def main(argv: list[str] | None = None) -> None:
         for model_name, shape in models.items():
             dtype = torch.float32 if device.type == "cpu" else torch.bfloat16
             model, model_dir = build_model(shape, pathlib.Path(tmp) / model_name, dtype, device, args.smoke)
-            float_logits = None
+            float_forward = None
             for quantization in quantizations:
                 name = model_name if quantization == "none" else f"{model_name}-{quantization}"
                 if quantization == "fp8" and "none" in quantizations:
-                    float_logits = check_forward_logits(model, model_dir, device, plan)
+                    float_forward = check_forward(model, model_dir, device, plan)
                 model = quantized(model, quantization)
                 for section in sections:
                     if (section in CANVAS_SECTIONS) != is_canvas_model(shape):
@@ -1137,10 +1231,10 @@ def main(argv: list[str] | None = None) -> None:
                         traceback.print_exc()
                         free_memory(device)
                     print(f"{name} {section}: {time.perf_counter() - start:.0f} s", flush=True)
-                if float_logits is not None:
-                    fp8_against_float(report, name, check_forward_logits(model, model_dir, device, plan),
-                                      float_logits, plan.decode_context, dtype)
-                    float_logits = None
+                if float_forward is not None:
+                    fp8_forward = check_forward(model, model_dir, device, plan, feed=float_forward.layer_inputs)
+                    fp8_against_float(report, name, model, fp8_forward, float_forward, plan.decode_context, dtype)
+                    float_forward = None
                 plot(report, name)
             del model
             free_memory(device)
