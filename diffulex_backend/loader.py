@@ -200,6 +200,9 @@ def load_model(
     projections at load (quantization.py), and `fp8_lm_head` its output head too."""
     if quantization not in (None, *QUANTIZATIONS):
         raise ValueError(f"config field 'quantization' must be one of {[None, *QUANTIZATIONS]}, got {quantization!r}")
+    if model_name is not None and model_name not in AutoModelForDiffusionLM:
+        raise ValueError(f"config field 'model_name' must be one of {AutoModelForDiffusionLM.keys()} or null, got "
+                         f"{model_name!r}")
     directory = Path(path)
     config = read_config(directory)
     config_path = directory / CONFIG_FILE
@@ -210,10 +213,8 @@ def load_model(
         config = {k: v for k, v in config.items() if k != QUANTIZATION_CONFIG}
         family = AutoModelForDiffusionLM.get(name)
         arch = family.parse_config(config, config_path)
-    except CheckpointError:
-        raise
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
+    except (CheckpointError, ValueError) as e:
+        raise _read_as(e, name, model_name) from e
     if arch.unrecognized_config_keys:
         logger.warning("%s: config keys %s are unknown to model %r and were not read; the model loads without them",
                        config_path, list(arch.unrecognized_config_keys), arch.model_name)
@@ -226,15 +227,21 @@ def load_model(
             _prepare_fp8(model, scheme, config_path)
         load_weights(model, directory, scheme)
     except CheckpointError as e:
-        if model_name is not None:
-            raise
-        # Some families share a config.json model_type (Dream, DiffuCoder, Dream-reasoner): weights that do not
-        # fit the detected one are most often another's.
-        raise CheckpointError(f"{e} (model_name {name!r} was detected from config.json; set model_name to load the"
-                              f" checkpoint as another family: {AutoModelForDiffusionLM.keys()})") from e
+        raise _read_as(e, name, model_name) from e
     if quantization or scheme is not None:
         quantize_model(model, lm_head=fp8_lm_head)
     return model.eval()
+
+
+def _read_as(error: Exception, name: str, model_name: str | None) -> CheckpointError:
+    """A checkpoint's error, saying which family it was read as and why. Some families share a config.json
+    model_type (Dream, DiffuCoder, Dream-reasoner), so a checkpoint that does not fit the detected family is most
+    often another's; one that does not fit the family the settings name may not be of that family."""
+    if model_name is not None:
+        return CheckpointError(f"{error} (read as model_name {name!r}, which the settings name; leave model_name "
+                               "unset to detect the family from config.json)")
+    return CheckpointError(f"{error} (model_name {name!r} was detected from config.json; set model_name to load the "
+                           f"checkpoint as another family: {AutoModelForDiffusionLM.keys()})")
 
 
 def _prepare_fp8(model: DecoderLM, scheme: Fp8Scheme, config_path: Path) -> None:

@@ -88,6 +88,18 @@ def test_explicit_model_name_is_used_over_detection(broken):
     assert load_model(broken, model_name="llada").arch.model_name == "llada"
 
 
+def test_an_unknown_model_name_is_refused_by_name_before_the_checkpoint_is_read(tmp_path):
+    with pytest.raises(ValueError, match=re.escape("config field 'model_name' must be one of ['diffucoder', ") +
+                       ".*" + re.escape(" or null, got 'gpt2'")):
+        load_model(tmp_path / "nope", model_name="gpt2")
+
+
+def test_a_checkpoint_that_does_not_fit_the_family_the_settings_name_says_they_named_it(llada_dir):
+    with raises(f"{llada_dir / 'config.json'}: missing required config key 'hidden_size' (read as model_name "
+                "'dream', which the settings name; leave model_name unset to detect the family from config.json)"):
+        load_model(llada_dir, model_name="dream")
+
+
 def test_missing_directory(tmp_path):
     with raises(f"{tmp_path / 'nope'}: checkpoint directory not found"):
         load_model(tmp_path / "nope")
