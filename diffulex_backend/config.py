@@ -118,6 +118,7 @@ class Config:
             object.__setattr__(self, "enable_prefix_caching", strategy.supports_prefix_caching)
         self._refuse_other_strategies_options(strategy)
         self._refuse_thresholds_past_one_block(strategy)
+        self._refuse_settings_no_request_reads(strategy)
         strategy.validate(self)
 
     @classmethod
@@ -209,7 +210,7 @@ class Config:
         check_bool("expert_parallel")
         if self.expert_parallel and self.tensor_parallel_size == 1:
             fail("expert_parallel", "false unless tensor_parallel_size is above 1 (it splits experts over ranks)")
-        if self.model_name is not None and not isinstance(self.model_name, str):
+        if self.model_name is not None and (not isinstance(self.model_name, str) or not self.model_name):
             fail("model_name", "a registered model name or null")
         self._validate_lora()
         if self.quantization is not None and self.quantization not in QUANTIZATIONS:
@@ -249,6 +250,19 @@ class Config:
                 raise ValueError(f"config field '{name}' must be {defaults[name]!r} for decoding_strategy "
                                  f"'{strategy.name}'{why}: it acts on the blocks after the first in flight, and a "
                                  "request predicts one block a step")
+
+    def _refuse_settings_no_request_reads(self, strategy) -> None:
+        """accept_threshold under top-k sampling, which accepts the positions `steps` schedules, and head_select under
+        a strategy that keeps every page keep their defaults, or are refused by name."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        if self.mode is SamplingMode.TOPK and self.accept_threshold != defaults["accept_threshold"]:
+            raise ValueError(f"config field 'accept_threshold' must be {defaults['accept_threshold']!r} with "
+                             f"sampling_mode 'topk' (decoding_strategy '{strategy.name}'), which accepts the number "
+                             f"of positions a request's 'steps' schedules; got {self.accept_threshold!r}")
+        if not strategy.request_cls.SUPPORTS_PAGE_RETENTION and self.head_select != defaults["head_select"]:
+            raise ValueError(f"config field 'head_select' must be {defaults['head_select']!r} for decoding_strategy "
+                             f"'{strategy.name}', which keeps every page (it ranks the pages page retention keeps, "
+                             f"in {page_retention_strategies()}); got {self.head_select!r}")
 
     def _validate_lora(self):
         for name in ("max_loras", "max_lora_rank"):

@@ -132,8 +132,17 @@ def too_long_message(engine: Diffulex) -> str:
     return str(caught.value)
 
 
+def refusal_message(engine: Diffulex, **param) -> str:
+    """The in-process engine's refusal of a request with this one parameter, which names it."""
+    (name,) = param
+    with pytest.raises(ValueError, match=f"^sampling parameter '{name}' ") as caught:
+        engine.add_request("hi", SamplingParams(max_tokens=4, **param))
+    return str(caught.value)
+
+
 @pytest.mark.parametrize("case", ["missing prompt", "invalid JSON", "unknown key", "negative max_tokens",
-                                  "over-long prompt", "wrong value type"])
+                                  "over-long prompt", "wrong value type", "a parameter the sampling mode never reads",
+                                  "head_select with every page kept"])
 def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served(server, engine, case):
     body, message = {
         "missing prompt": ({"stream": False, "parameters": {"max_tokens": 4}},
@@ -151,6 +160,11 @@ def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served
         "wrong value type": ({"text_input": "hi", "sampling_parameters": '{"temperature": "warm"}'},
                              "input 'sampling_parameters': sampling parameter 'temperature' must be a finite number "
                              "in [0, 3.402823e+38], got 'warm'"),
+        # The served model samples by threshold: `steps` (top-k's schedule) would change nothing.
+        "a parameter the sampling mode never reads": ({"text_input": "hi", "parameters": {"max_tokens": 4, "steps": 2}},
+                                                      refusal_message(engine, steps=2)),
+        "head_select with every page kept": ({"text_input": "hi", "parameters": {"max_tokens": 4, "head_select": False}},
+                                             refusal_message(engine, head_select=False)),
     }[case]
     status, payload = post(f"{server.http_url}/v2/models/diffulex/generate", body)
     assert (status, json.loads(payload)) == (400, {"error": message})

@@ -7,7 +7,8 @@ import pytest
 from diffulex_backend import SamplingParams
 from diffulex_backend.config import Config
 from diffulex_backend.registry import STRATEGIES
-from diffulex_backend.resolve import check_params
+from diffulex_backend.resolve import check_mode_params, check_params
+from diffulex_backend.sampling import SamplingMode
 
 # A setting that only some strategies honour -> (a value that asks for it, whether a strategy's request honours it).
 SETTINGS = {
@@ -68,3 +69,62 @@ def test_settings_past_the_first_block_act_only_where_a_step_predicts_several_bl
         config = Config(model="unused", decoding_strategy=name, block_size=8, buffer_size=2)
         check_params(SamplingParams(remask_threshold=0.5), config, strategy.request_cls)
         assert name in ("multi_bd", "d2f", "dmax")  # the strategies with blocks in flight (buffer_size)
+
+
+def modes_of(name: str) -> list[Config]:
+    """config_for(name) in each sampling mode the strategy takes (fast_dllm_v2 and diffusion_gemma take the
+    threshold only)."""
+    configs = []
+    for mode in SamplingMode:
+        try:
+            configs.append(Config(**{**config_for(name).__dict__, "sampling_mode": mode.value}))
+        except ValueError as e:
+            assert "'sampling_mode'" in str(e)
+    assert configs
+    return configs
+
+
+# Each mode -> (the parameter it never reads, the one it reads), each with a value that asks for it.
+MODE_PARAMETERS = {SamplingMode.TOPK: (("accept_threshold", 0.5), ("steps", 4)),
+                   SamplingMode.THRESHOLD: (("steps", 4), ("accept_threshold", 0.5))}
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES.keys()))
+def test_a_request_s_parameter_its_sampling_mode_never_reads_is_refused_by_name(name):
+    for config in modes_of(name):
+        (unread, value), (read, read_value) = MODE_PARAMETERS[config.mode]
+        with pytest.raises(ValueError, match=f"'{unread}'") as caught:
+            check_params(SamplingParams(**{unread: value}), config, STRATEGIES.get(name).request_cls)
+        assert caught.value.field == unread
+        check_mode_params(SamplingParams(**{read: read_value}), config)  # the mode reads it: taken
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES.keys()))
+def test_the_accept_threshold_setting_is_refused_by_name_under_top_k_sampling(name):
+    for config in modes_of(name):
+        settings = {**config.__dict__, "accept_threshold": 0.5}
+        if config.mode is SamplingMode.THRESHOLD:
+            assert Config(**settings).accept_threshold == 0.5
+            continue
+        with pytest.raises(ValueError, match="config field 'accept_threshold' must be 0.9 with sampling_mode 'topk' "
+                                             f"\\(decoding_strategy '{name}'\\), which accepts the number of positions "
+                                             "a request's 'steps' schedules; got 0.5"):
+            Config(**settings)
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES.keys()))
+def test_head_select_is_refused_by_name_where_a_request_keeps_every_page(name):
+    strategy = STRATEGIES.get(name)
+    config = config_for(name)
+    with pytest.raises(ValueError, match="sampling parameter 'head_select' ranks the pages a request keeps, and "
+                                         "applies with a retention_ratio below 1 only") as caught:
+        check_params(SamplingParams(head_select=False), config, strategy.request_cls)
+    assert caught.value.field == "head_select"
+    if strategy.request_cls.SUPPORTS_PAGE_RETENTION:  # with a ratio below 1, the request's or the engine's: taken
+        check_params(SamplingParams(head_select=False, retention_ratio=0.5), config, strategy.request_cls)
+        engine_ratio = Config(**{**config.__dict__, "retention_ratio": 0.5, "head_select": False})
+        check_params(SamplingParams(head_select=True), engine_ratio, strategy.request_cls)
+    else:
+        with pytest.raises(ValueError, match=f"config field 'head_select' must be True for decoding_strategy "
+                                             f"'{name}', which keeps every page"):
+            Config(**{**config.__dict__, "head_select": False})
