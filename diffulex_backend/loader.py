@@ -206,14 +206,19 @@ def load_model(
     directory = Path(path)
     config = read_config(directory)
     config_path = directory / CONFIG_FILE
-    name = model_name or detect_model_name(config, config_path)
+    name = detect_model_name(config, config_path) if model_name is None else model_name
     try:
         scheme = read_scheme(config, config_path)
-        # The family parses the architecture; the scheme is the loader's.
-        config = {k: v for k, v in config.items() if k != QUANTIZATION_CONFIG}
-        family = AutoModelForDiffusionLM.get(name)
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    # The family parses the architecture; the scheme is the loader's.
+    config = {k: v for k, v in config.items() if k != QUANTIZATION_CONFIG}
+    family = AutoModelForDiffusionLM.get(name)
+    try:
         arch = family.parse_config(config, config_path)
-    except (CheckpointError, ValueError) as e:
+    except ValueError as e:  # CheckpointError among them
         raise _read_as(e, name, model_name) from e
     if arch.unrecognized_config_keys:
         logger.warning("%s: config keys %s are unknown to model %r and were not read; the model loads without them",
@@ -234,14 +239,12 @@ def load_model(
 
 
 def _read_as(error: Exception, name: str, model_name: str | None) -> CheckpointError:
-    """A checkpoint's error, saying which family it was read as and why. Some families share a config.json
-    model_type (Dream, DiffuCoder, Dream-reasoner), so a checkpoint that does not fit the detected family is most
-    often another's; one that does not fit the family the settings name may not be of that family."""
-    if model_name is not None:
-        return CheckpointError(f"{error} (read as model_name {name!r}, which the settings name; leave model_name "
-                               "unset to detect the family from config.json)")
-    return CheckpointError(f"{error} (model_name {name!r} was detected from config.json; set model_name to load the "
-                           f"checkpoint as another family: {AutoModelForDiffusionLM.keys()})")
+    """A checkpoint's error, saying which family it was read as and where that name came from. Some families share
+    a config.json model_type (Dream, DiffuCoder, Dream-reasoner), so a checkpoint that does not fit the family it
+    was read as is most often another's."""
+    source = "the settings' model_name" if model_name is not None else "detected from config.json"
+    return CheckpointError(f"{error} (read as model_name {name!r}, {source}; set model_name to load the checkpoint as "
+                           f"another family: {AutoModelForDiffusionLM.keys()})")
 
 
 def _prepare_fp8(model: DecoderLM, scheme: Fp8Scheme, config_path: Path) -> None:

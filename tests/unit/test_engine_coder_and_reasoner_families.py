@@ -76,8 +76,8 @@ def test_dream_reasoner_has_per_head_qk_norm_and_is_not_shifted(checkpoints):
 def test_dream_reasoner_loaded_as_the_detected_dream_names_the_weight_and_model_name(checkpoints):
     path = checkpoints["dream_reasoner"]
     with pytest.raises(CheckpointError, match=re.escape(
-            "unexpected weight 'model.layers.0.self_attn.k_norm.weight' for model 'dream' (model_name 'dream' was"
-            " detected from config.json; set model_name to load the checkpoint as another family: [")):
+            "unexpected weight 'model.layers.0.self_attn.k_norm.weight' for model 'dream' (read as model_name "
+            "'dream', detected from config.json; set model_name to load the checkpoint as another family: [")):
         load_model(path)
 
 

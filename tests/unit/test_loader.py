@@ -10,6 +10,7 @@ from safetensors.torch import load_file, save_file
 
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
 from diffulex_backend.loader import CheckpointError, detect_model_name, load_model
+from diffulex_backend.registry import AutoModelForDiffusionLM
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +97,14 @@ def test_an_unknown_model_name_is_refused_by_name_before_the_checkpoint_is_read(
 
 def test_a_checkpoint_that_does_not_fit_the_family_the_settings_name_says_they_named_it(llada_dir):
     with raises(f"{llada_dir / 'config.json'}: missing required config key 'hidden_size' (read as model_name "
-                "'dream', which the settings name; leave model_name unset to detect the family from config.json)"):
+                "'dream', the settings' model_name; set model_name to load the checkpoint as another family: ["):
         load_model(llada_dir, model_name="dream")
+
+
+def test_a_model_name_may_be_an_alias(tmp_path):
+    assert "llada2_mini" in AutoModelForDiffusionLM and "llada2_mini" not in AutoModelForDiffusionLM.keys()
+    with raises(f"{tmp_path / 'nope'}: checkpoint directory not found"):  # past the name, to the checkpoint
+        load_model(tmp_path / "nope", model_name="llada2_mini")
 
 
 def test_missing_directory(tmp_path):
