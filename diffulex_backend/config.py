@@ -13,9 +13,10 @@ import os
 import re
 from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 from .registry import STRATEGIES, default_strategy
-from .sampling import SamplingMode
+from .sampling import UNREAD_IN_MODE, SamplingMode
 
 # The settings that decide when the next block joins (add_block_threshold) and when a block is complete enough for
 # the one after it to decode (semi_complete_threshold): read by every strategy built on BlockDiffusionRequest.
@@ -118,8 +119,8 @@ class Config:
             object.__setattr__(self, "enable_prefix_caching", strategy.supports_prefix_caching)
         self._refuse_other_strategies_options(strategy)
         self._refuse_thresholds_past_one_block(strategy)
-        self._refuse_settings_no_request_reads(strategy)
         strategy.validate(self)
+        self._refuse_settings_never_read(strategy)
 
     @classmethod
     def field_names(cls) -> list[str]:
@@ -231,12 +232,11 @@ class Config:
         for other in STRATEGIES.values():
             for name in other.options:
                 readers.setdefault(name, []).append(other.name)
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in sorted(set(readers) - strategy.options):
-            if getattr(self, name) != defaults[name]:
+            if getattr(self, name) != DEFAULTS[name]:
                 names = " and ".join(f"'{reader}'" for reader in sorted(readers[name]))
                 raise ValueError(f"config field '{name}' applies to decoding_strategy {names} only, not "
-                                 f"'{strategy.name}'; leave it at its default ({defaults[name]!r})")
+                                 f"'{strategy.name}'; leave it at its default ({DEFAULTS[name]!r})")
 
     def _refuse_thresholds_past_one_block(self, strategy) -> None:
         """Where a request predicts one block a step, the thresholds that act on the blocks after the first keep
@@ -244,25 +244,24 @@ class Config:
         why = strategy.request_cls.one_block_in_flight(self)
         if why is None:
             return
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
         for name in ("remask_threshold", *sorted(BLOCK_THRESHOLDS & strategy.options)):
-            if getattr(self, name) != defaults[name]:
-                raise ValueError(f"config field '{name}' must be {defaults[name]!r} for decoding_strategy "
+            if getattr(self, name) != DEFAULTS[name]:
+                raise ValueError(f"config field '{name}' must be {DEFAULTS[name]!r} for decoding_strategy "
                                  f"'{strategy.name}'{why}: it acts on the blocks after the first in flight, and a "
                                  "request predicts one block a step")
 
-    def _refuse_settings_no_request_reads(self, strategy) -> None:
-        """accept_threshold under top-k sampling, which accepts the positions `steps` schedules, and head_select under
-        a strategy that keeps every page keep their defaults, or are refused by name."""
-        defaults = {f.name: f.default for f in dataclasses.fields(self)}
-        if self.mode is SamplingMode.TOPK and self.accept_threshold != defaults["accept_threshold"]:
-            raise ValueError(f"config field 'accept_threshold' must be {defaults['accept_threshold']!r} with "
-                             f"sampling_mode 'topk' (decoding_strategy '{strategy.name}'), which accepts the number "
-                             f"of positions a request's 'steps' schedules; got {self.accept_threshold!r}")
-        if not strategy.request_cls.SUPPORTS_PAGE_RETENTION and self.head_select != defaults["head_select"]:
-            raise ValueError(f"config field 'head_select' must be {defaults['head_select']!r} for decoding_strategy "
-                             f"'{strategy.name}', which keeps every page (it ranks the pages page retention keeps, "
-                             f"in {page_retention_strategies()}); got {self.head_select!r}")
+    def _refuse_settings_never_read(self, strategy) -> None:
+        """accept_threshold under top-k sampling, and head_select under a strategy that keeps every page, keep their
+        defaults, or are refused by name."""
+        unread, reads = UNREAD_IN_MODE[self.mode]
+        if unread == "accept_threshold" and self.accept_threshold != DEFAULTS[unread]:
+            raise ValueError(f"config field 'accept_threshold' must be {DEFAULTS[unread]!r} with sampling_mode "
+                             f"'{self.sampling_mode}' (decoding_strategy '{strategy.name}'): {reads}; got "
+                             f"{self.accept_threshold!r}")
+        if not strategy.request_cls.SUPPORTS_PAGE_RETENTION and self.head_select != DEFAULTS["head_select"]:
+            raise ValueError(f"config field 'head_select' must be true for decoding_strategy '{strategy.name}', which "
+                             f"keeps every page (it ranks the pages that page retention keeps, in "
+                             f"{page_retention_strategies()}); got {self.head_select!r}")
 
     def _validate_lora(self):
         for name in ("max_loras", "max_lora_rank"):
@@ -284,6 +283,9 @@ class Config:
             if count > self.max_loras:
                 raise ValueError(f"config field 'lora_modules' registers {count} adapters, more than "
                                  f"'max_loras' ({self.max_loras})")
+
+
+DEFAULTS = MappingProxyType({f.name: f.default for f in dataclasses.fields(Config)})
 
 
 def _module_text(modules: Mapping) -> str | None:

@@ -16,14 +16,10 @@ from typing import TYPE_CHECKING, Callable
 from .plan import RequestSampling
 from .refusal import Refusal
 from .retention import Retention
-from .sampling import GREEDY_TEMPERATURE, SamplingMode, SamplingParams
+from .sampling import GREEDY_TEMPERATURE, UNREAD_IN_MODE, SamplingParams
 
 if TYPE_CHECKING:
     from .config import Config
-
-# What each sampling mode reads to decide how many positions a step accepts.
-MODE_READS = {SamplingMode.TOPK: "each step accepts the number of positions that 'steps' schedules",
-              SamplingMode.THRESHOLD: "each step accepts the positions whose confidence clears 'accept_threshold'"}
 
 # Sampling parameters that one strategy reads -> that strategy.
 STRATEGY_PARAMS = {"sub_block_size": "fast_dllm_v2", "edit_threshold": "dmax"}
@@ -65,23 +61,23 @@ def check_params(params: SamplingParams, config: "Config", request_cls) -> None:
                       f"'{config.decoding_strategy}', which does not drop pages", "retention_ratio")
     request_cls.check_strategy_params(params, config)
     check_mode_params(params, config)
-    if params.head_select is not None and retention_ratio(params, config) == 1:
-        raise Refusal("sampling parameter 'head_select' ranks the pages a request keeps, and applies with a "
-                      "retention_ratio below 1 only (the request's, else the engine's setting, "
-                      f"{config.retention_ratio!r}); got {params.head_select!r}", "head_select")
+    if params.head_select is not None and effective_retention_ratio(params, config) == 1:
+        where = ("the request's, else the engine's setting" if request_cls.SUPPORTS_PAGE_RETENTION else
+                 f"which decoding_strategy '{config.decoding_strategy}' keeps at 1: it does not drop pages")
+        raise Refusal(f"sampling parameter 'head_select' ranks the pages a request keeps, and applies with a "
+                      f"retention_ratio below 1 only ({where}); got {params.head_select!r}", "head_select")
 
 
 def check_mode_params(params: SamplingParams, config: "Config") -> None:
-    """Refuse the parameter that the configured sampling mode never reads: accept_threshold under top-k, where each
-    step accepts the number of tokens `steps` schedules, and steps under the threshold."""
-    unread = {SamplingMode.TOPK: "accept_threshold", SamplingMode.THRESHOLD: "steps"}[config.mode]
+    """Refuse the parameter that the configured sampling mode never reads (UNREAD_IN_MODE)."""
+    unread, reads = UNREAD_IN_MODE[config.mode]
     if getattr(params, unread) is not None:
         raise Refusal(f"sampling parameter '{unread}' does not apply in sampling_mode '{config.sampling_mode}' (of "
-                      f"decoding_strategy '{config.decoding_strategy}'): {MODE_READS[config.mode]}; got "
-                      f"{getattr(params, unread)!r}", unread)
+                      f"decoding_strategy '{config.decoding_strategy}'): {reads}; got {getattr(params, unread)!r}",
+                      unread)
 
 
-def retention_ratio(params: SamplingParams, config: "Config") -> float:
+def effective_retention_ratio(params: SamplingParams, config: "Config") -> float:
     """The share of its prompt's pages a request keeps: its own retention_ratio, else the engine's setting."""
     return config.retention_ratio if params.retention_ratio is None else params.retention_ratio
 
@@ -116,7 +112,7 @@ def resolve(prompt_ids: list[int], params: SamplingParams, config: "Config", req
         logprobs=-1 if params.logprobs is None else params.logprobs,
         banned_until=len(prompt_ids) + params.min_tokens if banned else 0, banned_ids=banned,
     )
-    ratio = retention_ratio(params, config)
+    ratio = effective_retention_ratio(params, config)
     head_select = config.head_select if params.head_select is None else params.head_select
     retention = Retention(ratio, head_select, -(-len(prompt_ids) // config.page_size)) if ratio < 1 else None
     return ResolvedRequest(prompt_ids=prompt_ids, params=params, sampling=sampling, stop=stop, retention=retention)

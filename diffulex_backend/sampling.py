@@ -21,6 +21,13 @@ class SamplingMode(enum.Enum):
     TOPK = "topk"  # LLaDA's schedule: a fixed number of the most confident positions per step
 
 
+# Each sampling mode -> (the parameter it never reads, what it reads instead to choose the positions a step accepts).
+UNREAD_IN_MODE = {
+    SamplingMode.THRESHOLD: ("steps", "each step accepts the positions whose confidence clears 'accept_threshold'"),
+    SamplingMode.TOPK: ("accept_threshold", "each step accepts the number of positions that 'steps' schedules"),
+}
+
+
 class Confidence(enum.IntEnum):
     PROB = 0  # probability of the chosen token
     MARGIN = 1  # top-1 minus top-2 probability

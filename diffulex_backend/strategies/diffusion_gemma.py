@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from ..acceptance import AcceptanceRule
-from ..config import Config
+from ..config import DEFAULTS, Config
 from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.diffusion_gemma import DiffusionGemmaModel
@@ -337,6 +337,10 @@ def validate_diffusion_gemma(config: Config) -> None:
     if config.mode != SamplingMode.THRESHOLD:
         raise ValueError("config field 'sampling_mode' does not apply to decoding_strategy 'diffusion_gemma', whose "
                          f"acceptance is the entropy bound of generation_config.json; got {config.sampling_mode!r}")
+    if config.accept_threshold != DEFAULTS["accept_threshold"]:
+        raise ValueError(f"config field 'accept_threshold' does not apply to decoding_strategy 'diffusion_gemma', "
+                         f"whose acceptance is the entropy bound of generation_config.json; leave it at its default "
+                         f"({DEFAULTS['accept_threshold']!r}), got {config.accept_threshold!r}")
     for name, unset in (("tensor_parallel_size", 1), ("lora_path", None), ("lora_modules", None)):
         if getattr(config, name) != unset:
             raise ValueError(f"config field '{name}' is not built for decoding_strategy 'diffusion_gemma' "

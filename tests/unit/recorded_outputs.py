@@ -25,9 +25,10 @@ SETTINGS = dict(block_size=4, page_size=4, buffer_size=2, max_model_len=96, max_
                 dtype="float64", device="cpu", accept_threshold=0.5, warm_up=False)
 # Fast-dLLM v2 decodes blocks in sub-blocks: the smallest pairing that takes more than one. DiffusionGemma's
 # blocks are its checkpoint's canvases.
+# vanilla samples top-k and DiffusionGemma by its entropy bound: neither reads accept_threshold.
 STRATEGY_SETTINGS = {"fast_dllm_v2": dict(block_size=8, sub_block_size=4, buffer_size=1),
-                     "fast_dllm": dict(buffer_size=1), "vanilla": dict(buffer_size=1),
-                     "diffusion_gemma": dict(block_size=8, buffer_size=1)}
+                     "fast_dllm": dict(buffer_size=1), "vanilla": dict(buffer_size=1, accept_threshold=0.9),
+                     "diffusion_gemma": dict(block_size=8, buffer_size=1, accept_threshold=0.9)}
 PROMPTS = ["a shared prefix of sixteen and one", "the quick brown fox", "a shared prefix of sixteen and two", "ab"]
 REQUESTS = [
     SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),

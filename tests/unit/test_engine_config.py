@@ -183,6 +183,11 @@ def test_a_strategy_check_that_needs_the_checkpoint_runs_once_it_is_read(llada_c
         tiny_engine(llada_checkpoint, decoding_strategy="vanilla", max_model_len=None)
 
 
+def test_an_empty_model_name_is_refused_by_name(llada_checkpoint):
+    with raises_exactly("config field 'model_name' must be a registered model name or null, got ''"):
+        Config(model=llada_checkpoint, model_name="")
+
+
 def test_model_name_is_detected_and_a_wrong_one_names_the_file(llada_checkpoint):
     assert tiny_engine(llada_checkpoint).config.model_name == "llada"
     with pytest.raises(CheckpointError, match=re.escape(f"{llada_checkpoint}/config.json: missing required config key")):

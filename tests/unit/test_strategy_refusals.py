@@ -91,24 +91,47 @@ MODE_PARAMETERS = {SamplingMode.TOPK: (("accept_threshold", 0.5), ("steps", 4)),
 
 @pytest.mark.parametrize("name", list(STRATEGIES.keys()))
 def test_a_request_s_parameter_its_sampling_mode_never_reads_is_refused_by_name(name):
+    request_cls = STRATEGIES.get(name).request_cls
     for config in modes_of(name):
         (unread, value), (read, read_value) = MODE_PARAMETERS[config.mode]
-        with pytest.raises(ValueError, match=f"'{unread}'") as caught:
-            check_params(SamplingParams(**{unread: value}), config, STRATEGIES.get(name).request_cls)
+        with pytest.raises(ValueError, match=f"^sampling parameter '{unread}' does not apply in sampling_mode "
+                                             f"'{config.sampling_mode}' \\(of decoding_strategy '{name}'\\)"):
+            check_mode_params(SamplingParams(**{unread: value}), config)
+        with pytest.raises(ValueError) as caught:  # through every check: the strategy's own refusal may come first
+            check_params(SamplingParams(**{unread: value}), config, request_cls)
         assert caught.value.field == unread
-        check_mode_params(SamplingParams(**{read: read_value}), config)  # the mode reads it: taken
+        # The one the mode reads is taken, but by DiffusionGemma, whose sampler reads neither.
+        try:
+            check_params(SamplingParams(**{read: read_value}), config, request_cls)
+        except ValueError as refusal:
+            assert name == "diffusion_gemma" and refusal.field == read
+            assert "does not apply in sampling_mode" not in str(refusal)
+
+
+def test_head_select_is_refused_when_the_request_keeps_every_page_of_an_engine_that_drops_pages():
+    config = Config(**{**config_for("multi_bd").__dict__, "retention_ratio": 0.5})
+    request_cls = STRATEGIES.get("multi_bd").request_cls
+    check_params(SamplingParams(head_select=False), config, request_cls)  # the engine's ratio, below 1: taken
+    with pytest.raises(ValueError, match="'head_select' .* applies with a retention_ratio below 1 only \\(the "
+                                         "request's, else the engine's setting\\); got False"):
+        check_params(SamplingParams(head_select=False, retention_ratio=1), config, request_cls)
 
 
 @pytest.mark.parametrize("name", list(STRATEGIES.keys()))
 def test_the_accept_threshold_setting_is_refused_by_name_under_top_k_sampling(name):
     for config in modes_of(name):
         settings = {**config.__dict__, "accept_threshold": 0.5}
+        if name == "diffusion_gemma":  # its sampler's acceptance is the checkpoint's entropy bound
+            with pytest.raises(ValueError, match="config field 'accept_threshold' does not apply to "
+                                                 "decoding_strategy 'diffusion_gemma'"):
+                Config(**settings)
+            continue
         if config.mode is SamplingMode.THRESHOLD:
             assert Config(**settings).accept_threshold == 0.5
             continue
         with pytest.raises(ValueError, match="config field 'accept_threshold' must be 0.9 with sampling_mode 'topk' "
-                                             f"\\(decoding_strategy '{name}'\\), which accepts the number of positions "
-                                             "a request's 'steps' schedules; got 0.5"):
+                                             f"\\(decoding_strategy '{name}'\\): each step accepts the number of "
+                                             "positions that 'steps' schedules; got 0.5"):
             Config(**settings)
 
 
@@ -116,8 +139,10 @@ def test_the_accept_threshold_setting_is_refused_by_name_under_top_k_sampling(na
 def test_head_select_is_refused_by_name_where_a_request_keeps_every_page(name):
     strategy = STRATEGIES.get(name)
     config = config_for(name)
+    keeps = ("the request's, else the engine's setting" if strategy.request_cls.SUPPORTS_PAGE_RETENTION else
+             f"which decoding_strategy '{name}' keeps at 1: it does not drop pages")
     with pytest.raises(ValueError, match="sampling parameter 'head_select' ranks the pages a request keeps, and "
-                                         "applies with a retention_ratio below 1 only") as caught:
+                                         f"applies with a retention_ratio below 1 only \\({keeps}\\)") as caught:
         check_params(SamplingParams(head_select=False), config, strategy.request_cls)
     assert caught.value.field == "head_select"
     if strategy.request_cls.SUPPORTS_PAGE_RETENTION:  # with a ratio below 1, the request's or the engine's: taken
@@ -125,6 +150,6 @@ def test_head_select_is_refused_by_name_where_a_request_keeps_every_page(name):
         engine_ratio = Config(**{**config.__dict__, "retention_ratio": 0.5, "head_select": False})
         check_params(SamplingParams(head_select=True), engine_ratio, strategy.request_cls)
     else:
-        with pytest.raises(ValueError, match=f"config field 'head_select' must be True for decoding_strategy "
+        with pytest.raises(ValueError, match=f"config field 'head_select' must be true for decoding_strategy "
                                              f"'{name}', which keeps every page"):
             Config(**{**config.__dict__, "head_select": False})
