@@ -250,7 +250,7 @@ def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path
 
 def test_a_layer_fed_the_inputs_of_its_own_forward_gives_that_forward_s_outputs_and_logits(tmp_path):
     """The layer tap's feed replaces each layer's input and nothing else: fed its own forward's inputs, a model
-    gives the same outputs bit for bit, and fed another input, every layer after it differs."""
+    gives the same outputs bit for bit, and fed another input, only the layer so fed differs."""
     fwd = import_forward_benchmark()
     device = torch.device("cpu")
     model, model_dir = fwd.build_model(fwd.SMOKE_SHAPE, tmp_path, torch.float32, device, smoke=True)
@@ -262,9 +262,11 @@ def test_a_layer_fed_the_inputs_of_its_own_forward_gives_that_forward_s_outputs_
         assert torch.equal(ours, theirs)
     # Fed the second layer's input as the first's, the first layer's output moves; the second layer, fed its own,
     # gives its own output: each layer's difference is its own.
+    assert fwd.SMOKE_SHAPE["num_layers"] == 2
     moved = fwd.check_forward(model, model_dir, device, fwd.SMOKE, feed=[first.layer_inputs[1], first.layer_inputs[1]])
     assert not torch.equal(moved.layer_outputs[0], first.layer_outputs[0])
     assert torch.equal(moved.layer_outputs[1], first.layer_outputs[1])
+    assert torch.equal(moved.module_logits, first.module_logits)  # the last layer's output, so fed, is the output
 
 
 def test_quantization_order_and_names_are_checked(tmp_path):
