@@ -45,6 +45,9 @@ BAD_SETTINGS = {
     "reaches_no_code": ({"remask_threshold": "0.5"},
                         "config field 'remask_threshold' must be 0.0 for decoding_strategy 'multi_bd' at "
                         "buffer_size 1"),
+    "unread_by_the_mode": ({"sampling_mode": "topk", "accept_threshold": "0.5"},
+                           "config field 'accept_threshold' must be 0.9 with sampling_mode 'topk' (decoding_strategy "
+                           "'multi_bd'): each step accepts the number of positions that 'steps' schedules; got 0.5"),
     "pool_past_memory": ({"num_kv_pages": "2147483647"},
                          "config field 'num_kv_pages' (2147483647): 2147483647 KV pages of "),
 }
