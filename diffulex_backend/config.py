@@ -251,13 +251,13 @@ class Config:
                                  "request predicts one block a step")
 
     def _refuse_settings_never_read(self, strategy) -> None:
-        """accept_threshold under top-k sampling, and head_select under a strategy that keeps every page, keep their
-        defaults, or are refused by name."""
+        """The setting of the parameter the sampling mode never reads (accept_threshold under top-k), and head_select
+        under a strategy that keeps every page, keep their defaults, or are refused by name."""
         unread, reads = UNREAD_IN_MODE[self.mode]
-        if unread == "accept_threshold" and self.accept_threshold != DEFAULTS[unread]:
-            raise ValueError(f"config field 'accept_threshold' must be {DEFAULTS[unread]!r} with sampling_mode "
+        if unread in DEFAULTS and getattr(self, unread) != DEFAULTS[unread]:  # steps is a request's alone
+            raise ValueError(f"config field '{unread}' must be {DEFAULTS[unread]!r} with sampling_mode "
                              f"'{self.sampling_mode}' (decoding_strategy '{strategy.name}'): {reads}; got "
-                             f"{self.accept_threshold!r}")
+                             f"{getattr(self, unread)!r}")
         if not strategy.request_cls.SUPPORTS_PAGE_RETENTION and self.head_select != DEFAULTS["head_select"]:
             raise ValueError(f"config field 'head_select' must be true for decoding_strategy '{strategy.name}', which "
                              f"keeps every page (it ranks the pages that page retention keeps, in "
