@@ -32,9 +32,8 @@ the same weights quantized to fp8 at load's rule (`quantization: fp8`, quantizat
 count the weights as they are held (fp8 projections at one byte with their scales, the embedding and output head
 in bf16) and its compute floor takes the fp8 matmul rate (cuBLASLt, a square product) measured at the start.
 Check rows hold it to the float weights over one forward's inputs and cache: `fp8_layer_N`, each layer fed the float
-forward's input, against the float layer's update (FP8_LAYER_BOUND);
-`fp8_output_layers_fed`, the logits of that forward (FP8_OUTPUT_BOUND); `fp8_vs_float_weights`, the engine's whole
-forward, each layer's difference compounded.
+forward's input, against the float layer's update (FP8_LAYER_BOUND); `fp8_output_layers_fed`, the logits of that
+forward (FP8_OUTPUT_BOUND); `fp8_vs_float_weights`, the engine's whole forward, each layer's difference compounded.
 It writes forward.csv, forward.md and a plot per model (time versus batch against the two floors) to --out.
 
     python benchmarks/forward.py --out DIR                     # GPU: LLaDA-8B
@@ -1033,14 +1032,14 @@ def quantized(model, quantization: str):
     return model
 
 
-# How far fp8 weights may move a forward from the float weights they were quantized from. Rounding to e4m3 (3 mantissa bits) with a scale at each row's absolute maximum leaves a
-# Gaussian row an RMS relative error of 2.65%, and a product of two such operands (the activations' per-token cast,
-# the weight's per-channel one) 3.75%. A layer's update chains two products in each of its sublayers (qkv then
-# o_proj, gate_up then down), about 5.3%; the bound is about twice that, for the softmax's and SiLU's sensitivity.
-# With every layer fed the float forward's input, the output's error is the last layer's and the head's alone.
-# A MoE layer has no bound: its router (float32, over the unquantized router weights) takes the input the fp8
-# attention moved, and a token whose top-k experts change on a near tie takes other experts' outputs, a difference no
-# rounding bounds.
+# How far fp8 weights may move a forward from the float weights they were quantized from. Rounding to e4m3 (3 mantissa
+# bits) with a scale at each row's absolute maximum leaves a Gaussian row an RMS relative error of 2.65%, and a product
+# of two such operands (the activations' per-token cast, the weight's per-channel one) 3.75%. A layer's update chains
+# two products in each of its sublayers (qkv then o_proj, gate_up then down), about 5.3%; the bound is about twice that,
+# for the softmax's and SiLU's sensitivity. With every layer fed the float forward's input, the output's error is the
+# last layer's and the head's alone. A MoE layer has no bound: its router (float32, over the unquantized router weights)
+# takes the input the fp8 attention moved, and a token whose top-k experts change on a near tie takes other experts'
+# outputs, a difference no rounding bounds.
 FP8_LAYER_BOUND = 0.10  # |fp8 layer output - float layer output| / |float layer's update (output - input)|
 FP8_OUTPUT_BOUND = 0.10  # |fp8 logits - float logits| / |float logits|, every layer fed the float input
 
