@@ -161,10 +161,11 @@ def test_bad_request_gets_invalid_arg_naming_the_field_then_a_good_one_is_served
                              "input 'sampling_parameters': sampling parameter 'temperature' must be a finite number "
                              "in [0, 3.402823e+38], got 'warm'"),
         # The served model samples by threshold: `steps` (top-k's schedule) would change nothing.
-        "a parameter the sampling mode never reads": ({"text_input": "hi", "parameters": {"max_tokens": 4, "steps": 2}},
-                                                      refusal_message(engine, steps=2)),
-        "head_select with every page kept": ({"text_input": "hi", "parameters": {"max_tokens": 4, "head_select": False}},
-                                             refusal_message(engine, head_select=False)),
+        "a parameter the sampling mode never reads": (
+            {"text_input": "hi", "parameters": {"max_tokens": 4, "steps": 2}}, refusal_message(engine, steps=2)),
+        "head_select with every page kept": (
+            {"text_input": "hi", "parameters": {"max_tokens": 4, "head_select": False}},
+            refusal_message(engine, head_select=False)),
     }[case]
     status, payload = post(f"{server.http_url}/v2/models/diffulex/generate", body)
     assert (status, json.loads(payload)) == (400, {"error": message})
