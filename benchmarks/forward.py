@@ -1035,9 +1035,10 @@ def quantized(model, quantization: str):
 # How far fp8 weights may move a forward from the float weights they were quantized from. Rounding to e4m3 (3 mantissa
 # bits) with a scale at each row's absolute maximum leaves a Gaussian row an RMS relative error of 2.65%, and a product
 # of two such operands (the activations' per-token cast, the weight's per-channel one) 3.75%. A layer's update chains
-# two products in each of its sublayers (qkv then o_proj, gate_up then down), about 5.3%; the bound is about twice that,
-# for the softmax's and SiLU's sensitivity. With every layer fed the float forward's input, the output's error is the
-# last layer's and the head's alone. A MoE layer has no bound: its router (float32, over the unquantized router weights)
+# two products in each of its sublayers (qkv then o_proj, gate_up then down), about 5.3%, which leaves out that the
+# gated MLP's SiLU(gate) * up multiplies two rounded products before the second. The bound, 0.10, leaves room for that
+# and for the softmax's sensitivity. With every layer fed the float forward's input, the output's error is the last
+# layer's and the head's alone. A MoE layer has no bound: its router (float32, over the unquantized router weights)
 # takes the input the fp8 attention moved, and a token whose top-k experts change on a near tie takes other experts'
 # outputs, a difference no rounding bounds.
 FP8_LAYER_BOUND = 0.10  # |fp8 layer output - float layer output| / |float layer's update (output - input)|
