@@ -372,6 +372,11 @@ def engine_logits(engine, plans: list[SeqPlan]) -> torch.Tensor:  # [B * BLOCK, 
         return engine.model.compute_logits(hidden[upload([rows], engine.device)[0]])
 
 
+def relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    """|a - b| / |b|: how far `a` is from the reference `b`."""
+    return float((a - b).norm() / b.norm())
+
+
 # ---- sections ------------------------------------------------------------------------------------------------
 
 def floors(model, ceilings: Ceilings, batch: int, context: int, tokens: int,
@@ -800,14 +805,14 @@ def check_section(report: Report, name: str, model, model_dir: str, device, plan
     reference = logits["torch path, float32"]
     notes = []
     for label, _, _ in paths[:2]:
-        rel = float((logits[label] - reference).norm() / reference.norm())
+        rel = relative(logits[label], reference)
         argmax = float((logits[label].argmax(-1) == reference.argmax(-1)).float().mean())
         first_diff = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
                       for a, b in zip(outputs[label], outputs["torch path, float32"])]
         notes.append(f"{label}: logits rel err {rel:.2e}, argmax agrees on {100 * argmax:.1f}% of rows, greedy "
                      f"output equal to the float32 path for {first_diff.count(None)}/{batch} requests "
                      f"(first differing position per request: {first_diff})")
-    rel = float((logits[paths[0][0]] - logits[paths[1][0]]).norm() / logits[paths[1][0]].norm())
+    rel = relative(logits[paths[0][0]], logits[paths[1][0]])
     report.add(section="check", model=name, case="kernels+graphs vs torch path", batch=batch, context=context,
                note=graph_note + "; ".join(notes) + f"; kernels vs torch path, both {dtype}: logits rel err {rel:.2e}")
 
@@ -1111,10 +1116,6 @@ def check_forward(model, model_dir: str, device, plan: Plan, feed: list[torch.Te
     if len(tap.inputs) != len(model.layers):
         raise RuntimeError(f"the torch modules' forward ran {len(tap.inputs)} decoder layers of {len(model.layers)}")
     return CheckForward(logits, module_logits, tap.inputs, tap.outputs)
-
-
-def relative(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).norm() / b.norm())
 
 
 def fp8_against_float(report: Report, name: str, model, fp8: CheckForward, float_: CheckForward, context: int,
