@@ -9,9 +9,10 @@ picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strate
 `diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (a LoRA
 adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
 engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
-`diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses), `diffulex_host_inputs` and `diffulex_device_inputs` (the Python backend's
-FORCE_CPU_ONLY_INPUT_TENSORS, taken and refused), `diffulex_failing` (an engine that fails at every step) and `diffulex_dying_*` (a thread of the
-engine loop that ends; tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
+`diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses), `diffulex_host_inputs` and
+`diffulex_device_inputs` (the Python backend's FORCE_CPU_ONLY_INPUT_TENSORS, taken and refused), `diffulex_failing`
+(an engine that fails at every step) and `diffulex_dying_*` (a thread of the engine loop that ends;
+tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
 server runs with explicit model control. Stopping the server is checked when the session ends.
 
 Without a GPU the Triton kernels run under Triton's interpreter.
@@ -30,8 +31,8 @@ if not torch.cuda.is_available():
 
 import pytest  # noqa: E402
 from triton_server import (  # noqa: E402
-    BAD_SETTINGS, DATA_PARALLEL_SETTINGS, FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS, TritonServer,
-    TENSOR_PARALLEL_SETTINGS, add_model, data_parallel_group)
+    BAD_SETTINGS, DATA_PARALLEL_SETTINGS, FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS,
+    TritonServer, TENSOR_PARALLEL_SETTINGS, add_model, data_parallel_group)
 
 from diffulex_backend import Diffulex  # noqa: E402
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint  # noqa: E402
