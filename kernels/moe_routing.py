@@ -6,6 +6,8 @@
         `topk_groups` best groups stay eligible
     topk_ids = the K best biased scores among the eligible experts, best first, equal scores to the lower index
     topk_weights = scores[topk_ids], renormalised to sum to 1 when asked, times `scaling`
+    then, with `num_shared`, that many more choices per token: experts E, E + 1, ... at weight 1 (a MoE layer's
+        shared experts, which the expert kernels run among the routed ones: kernels/moe.py)
 
 The torch version (a softmax, casts, two stable sorts, a gather and a few element-wise steps) is about fifteen
 launches per MoE layer; at decode they cost more than the experts' weights take to stream. Here one program takes
@@ -39,9 +41,11 @@ def _grouped_topk_kernel(
     logits_ptr, bias_ptr, ids_ptr, weights_ptr, stride_s, stride_t, num_experts, scaling,
     GROUP_SIZE: tl.constexpr, NUM_GROUPS: tl.constexpr, G_POW2: tl.constexpr, GS_POW2: tl.constexpr,
     TOP_K: tl.constexpr, K_POW2: tl.constexpr, TOPK_GROUPS: tl.constexpr, SCORE: tl.constexpr, HAS_BIAS: tl.constexpr,
-    RENORMALIZE: tl.constexpr, BIG: tl.constexpr, NUM_PARTIALS: tl.constexpr, USE_PDL: tl.constexpr,
+    RENORMALIZE: tl.constexpr, BIG: tl.constexpr, NUM_PARTIALS: tl.constexpr, NUM_SHARED: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
-    """The logits are the sum, in order and in float32, of NUM_PARTIALS partial sums stride_s apart."""
+    """The logits are the sum, in order and in float32, of NUM_PARTIALS partial sums stride_s apart. Each token's
+    row of ids and weights holds TOP_K routed choices, then NUM_SHARED shared experts."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     group = tl.arange(0, G_POW2)[:, None]
@@ -101,16 +105,21 @@ def _grouped_topk_kernel(
     if RENORMALIZE:
         weights = weights / (tl.sum(weights, 0) + 1e-20)
     weights = weights * scaling
-    in_k = offs_k < TOP_K
-    tl.store(ids_ptr + token * TOP_K + offs_k, ids.to(tl.int64), mask=in_k)
-    tl.store(weights_ptr + token * TOP_K + offs_k, weights, mask=in_k)
+    shared = offs_k >= TOP_K
+    ids = tl.where(shared, num_experts + offs_k - TOP_K, ids)
+    weights = tl.where(shared, 1.0, weights)
+    in_row = offs_k < TOP_K + NUM_SHARED
+    tl.store(ids_ptr + token * (TOP_K + NUM_SHARED) + offs_k, ids.to(tl.int64), mask=in_row)
+    tl.store(weights_ptr + token * (TOP_K + NUM_SHARED) + offs_k, weights, mask=in_row)
 
 
 def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None, *, top_k: int, num_groups: int,
-                  topk_groups: int, score: int, renormalize: bool, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+                  topk_groups: int, score: int, renormalize: bool, scaling: float, num_shared: int = 0
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] (any float dtype, scored in float32), or a split product's partial sums [S, T, E],
     added up in order in float32; expert_bias [E] or None; score SOFTMAX (0) or SIGMOID (1); num_groups <= 1 for
-    no groups -> topk_ids [T, K] int64 (best first, ties to the lower expert), topk_weights [T, K] float32."""
+    no groups -> topk_ids [T, K + num_shared] int64 (the routed best first, ties to the lower expert, then the
+    shared E, E + 1, ...), topk_weights [T, K + num_shared] float32 (the shared ones 1)."""
     partials = router_logits if router_logits.dim() == 3 else router_logits[None]
     if partials.stride(2) != 1:
         partials = partials.contiguous()
@@ -120,10 +129,12 @@ def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None,
     if num_experts % groups or not 1 <= top_k <= num_experts or (groups > 1 and not 1 <= topk_groups <= groups):
         raise ValueError(f"route_experts: {num_experts} experts, {num_groups} groups (keep {topk_groups}), "
                          f"top {top_k}")
+    if num_shared < 0:
+        raise ValueError(f"route_experts: num_shared must be >= 0, got {num_shared}")
     if expert_bias is not None and expert_bias.shape != (num_experts,):
         raise ValueError(f"route_experts: expert_bias must be [{num_experts}], got {tuple(expert_bias.shape)}")
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=router_logits.device)
-    weights = torch.empty(tokens, top_k, dtype=torch.float32, device=router_logits.device)
+    ids = torch.empty(tokens, top_k + num_shared, dtype=torch.int64, device=router_logits.device)
+    weights = torch.empty(tokens, top_k + num_shared, dtype=torch.float32, device=router_logits.device)
     if tokens == 0:
         return ids, weights
     group_size = num_experts // groups
@@ -133,11 +144,11 @@ def route_experts(router_logits: torch.Tensor, expert_bias: torch.Tensor | None,
     _grouped_topk_kernel[(tokens,)](
         router_logits, bias, ids, weights, partials.stride(0), router_logits.stride(0), num_experts, float(scaling),
         GROUP_SIZE=group_size, NUM_GROUPS=groups, G_POW2=triton.next_power_of_2(groups),
-        GS_POW2=triton.next_power_of_2(group_size), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k),
+        GS_POW2=triton.next_power_of_2(group_size), TOP_K=top_k, K_POW2=triton.next_power_of_2(top_k + num_shared),
         TOPK_GROUPS=topk_groups if groups > 1 else 1,
         SCORE=score, HAS_BIAS=expert_bias is not None, RENORMALIZE=renormalize,
         BIG=triton.next_power_of_2(groups) * group_size + triton.next_power_of_2(group_size),  # above every index
-        NUM_PARTIALS=partials.shape[0], USE_PDL=pdl, launch_pdl=pdl,
+        NUM_PARTIALS=partials.shape[0], NUM_SHARED=num_shared, USE_PDL=pdl, launch_pdl=pdl,
         # A token's picks are some thirty reductions in a row: within one warp they take no barrier, and a warp's
         # 32 lanes hold 256 experts in eight registers each.
         num_warps=1 if width <= 256 else 2,

@@ -63,10 +63,16 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
 
-    def route(self, logits: torch.Tensor, fused: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(self, logits: torch.Tensor, fused: bool = False, num_shared: int = 0
+              ) -> tuple[torch.Tensor, torch.Tensor]:
         """The choices of the experts this rank holds from the router's logits [T, E], or from a split product's
-        partial sums [S, T, E] (select_experts)."""
-        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused)
+        partial sums [S, T, E] (select_experts); with `num_shared`, the shared experts as that many more choices
+        (never under expert parallelism, whose ranks hold their own experts' columns whole and the shared expert's
+        in a share)."""
+        if num_shared and self.tp.expert_parallel:
+            raise ValueError("MoE.route: shared experts run among the routed ones only without expert parallelism")
+        topk_ids, topk_weights = select_experts(logits, self.expert_bias, self.arch, fused=fused,
+                                                num_shared=num_shared)
         if self.tp.expert_parallel:
             topk_ids, topk_weights = self.held_choices(topk_ids, topk_weights)
         return topk_ids, topk_weights
@@ -86,6 +92,7 @@ def select_experts(
     bias: torch.Tensor | None,  # [E]: added to the scores to pick the experts, never to weight them
     arch: ModelArch,
     fused: bool = False,  # one Triton kernel instead of the torch below (not in float64)
+    num_shared: int = 0,  # that many more choices per token: experts E, E + 1, ... at weight 1 (the shared ones)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # topk_ids [T, K] int64, topk_weights [T, K] float32 (float64 in float64)
     """The experts each token goes through and their weights.
 
@@ -93,7 +100,9 @@ def select_experts(
     2. with groups, each group is scored by the sum of its two best biased scores, and only the experts of the
        `topk_groups` best groups stay eligible;
     3. the K best biased scores among the eligible experts are selected;
-    4. their weights are the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`.
+    4. their weights are the unbiased scores, renormalised when `norm_topk_prob`, times `routed_scaling_factor`;
+    5. with `num_shared`, the shared experts follow as experts E to E + num_shared - 1 at weight 1 (the fused-MoE
+       kernel runs them among the routed ones: diffulex_kernels.moe.SharedExperts).
     Equal scores go to the lower expert (and group) index: torch.topk leaves their order open, a stable sort
     does not, so the CPU reference and the GPU agree on ties.
 
@@ -109,7 +118,7 @@ def select_experts(
         return route_experts(
             logits, bias, top_k=arch.num_experts_per_tok, num_groups=arch.num_expert_groups,
             topk_groups=arch.topk_groups, score=SIGMOID if arch.router_score is RouterScore.SIGMOID else SOFTMAX,
-            renormalize=arch.norm_topk_prob, scaling=arch.routed_scaling_factor,
+            renormalize=arch.norm_topk_prob, scaling=arch.routed_scaling_factor, num_shared=num_shared,
         )
     dtype = torch.promote_types(logits.dtype, torch.float32)
     logits = logits.to(dtype) if logits.dim() == 2 else logits.to(dtype).sum(0)
@@ -126,7 +135,12 @@ def select_experts(
     weights = scores.gather(1, topk_ids)
     if arch.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return topk_ids, weights * arch.routed_scaling_factor
+    weights = weights * arch.routed_scaling_factor
+    if num_shared:
+        shared = torch.arange(arch.num_experts, arch.num_experts + num_shared, device=topk_ids.device)
+        topk_ids = torch.cat([topk_ids, shared.expand(topk_ids.shape[0], num_shared)], dim=1)
+        weights = torch.cat([weights, weights.new_ones(weights.shape[0], num_shared)], dim=1)
+    return topk_ids, weights
 
 
 def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:  # [T, N] -> [T, k] int64, ties to the lower index

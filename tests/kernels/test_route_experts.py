@@ -131,6 +131,30 @@ def test_the_fused_switch_of_select_experts_runs_the_kernel():
     torch.testing.assert_close(weights, expected_weights, **WEIGHT_TOL)
 
 
+@pytest.mark.parametrize("num_shared", [1, 2])
+@pytest.mark.parametrize("fused", [False, True], ids=["torch", "kernel"])
+def test_shared_experts_follow_the_routed_choices_at_weight_one(fused, num_shared):
+    """With num_shared, each token's routed choices (unchanged, scaled and renormalised as before) are followed by
+    experts E, E + 1, ... at weight 1, which the scaling factor leaves alone: the fused-MoE kernel then runs the
+    shared experts among the routed ones."""
+    gen = generator(27)
+    logits = torch.randn(7, 64, generator=gen, device=DEVICE)
+    bias = random_bias(64, gen)
+    arch = router_arch(64, 8, 4, 6, RouterScore.SIGMOID, bias=True, scaling=2.5)
+    routed_ids, routed_weights = select_experts(logits, bias, arch, fused=fused)
+    ids, weights = select_experts(logits, bias, arch, fused=fused, num_shared=num_shared)
+    assert ids.shape == weights.shape == (7, 6 + num_shared)
+    assert torch.equal(ids[:, :6], routed_ids) and torch.equal(weights[:, :6], routed_weights)
+    assert torch.equal(ids[:, 6:], torch.arange(64, 64 + num_shared, device=DEVICE).expand(7, num_shared))
+    assert torch.equal(weights[:, 6:], torch.ones(7, num_shared, device=DEVICE))
+
+
+def test_a_negative_count_of_shared_experts_is_refused():
+    with pytest.raises(ValueError, match="num_shared must be >= 0, got -1"):
+        route_experts(torch.zeros(3, 16, device=DEVICE), None, top_k=4, num_groups=4, topk_groups=2, score=SOFTMAX,
+                      renormalize=True, scaling=1.0, num_shared=-1)
+
+
 def test_bad_groups_are_refused():
     with pytest.raises(ValueError, match="groups"):
         route_experts(torch.zeros(1, 10, device=DEVICE), None, top_k=2, num_groups=4, topk_groups=2, score=SOFTMAX,
