@@ -20,6 +20,12 @@ Three steps, none of which waits on the host, so the whole layer can live in a C
    sums each token's K rows in a fixed order. Every element is written by exactly one program and summed in one
    order, so the result is the same bits run after run (atomics into [T, H] would add in arrival order).
 
+Shared experts (`SharedExperts`: a MoE layer's dense MLP that every token takes) can run among the routed ones, so
+that at a decode step's few tokens they cost no launches of their own: the routing gives each token S more choices,
+experts E to E + S - 1 at weight 1 (`route_experts(..., num_shared=S)`), and a tile of such an expert reads its
+I columns of the shared MLP's weights where a routed one reads its stack. Each token's shared rows are one more run
+of tiles, so every tile of it reads the shared weights again: worth it while the tokens are few.
+
 FP8 stacks (float8_e4m3fn with float32 scales, layers/fp8_linear.py) take fp8 tensor-core products (W8A8), as the
 dense fp8 projections do: the tokens are cast to fp8 with a scale per token (`quantize_rows`), and `_gate_up_kernel`
 casts the act rows it writes with a scale per row and per its BLOCK_N columns, which it holds whole, so the cast
@@ -67,6 +73,22 @@ class MoeLaunch:
     block_k: int
     num_warps: int
     num_stages: int
+
+
+@dataclass(frozen=True)
+class SharedExperts:
+    """Experts every token takes at weight 1, held as one gated MLP of S * I columns (I the stacks' intermediate
+    size): `w_gate_up` [2 * S * I, H], gate rows then up rows, and `w_down` [H, S * I], with fp8 scales shaped as
+    the stacks' are ([2 * S * I, G] and [H, G'], G' columns groups over S * I), or None for float weights. Shared
+    expert s is the MLP's columns s * I to (s + 1) * I."""
+    w_gate_up: torch.Tensor
+    w_down: torch.Tensor
+    w_gate_up_scale: torch.Tensor | None = None
+    w_down_scale: torch.Tensor | None = None
+
+    def count(self, inter: int) -> int:
+        """S: how many experts of `inter` columns the MLP holds."""
+        return self.w_down.shape[1] // inter
 
 
 def plan_moe_launch(num_pairs: int, num_experts: int, element_size: int = 2) -> MoeLaunch:
@@ -228,20 +250,25 @@ def route_to_tiles(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> Ro
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _gate_up_kernel(
-    x_ptr, x_scale_ptr, w_ptr, act_ptr, act_scale_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
-    num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, ACT_GROUPS, GROUPS, GROUP_K,
+    x_ptr, x_scale_ptr, w_ptr, act_ptr, act_scale_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr, shared_w_ptr,
+    shared_scale_ptr, num_pairs, num_experts, H, INTER, stride_xt, stride_we, stride_wn, stride_am, ACT_GROUPS,
+    GROUPS, GROUP_K,
     TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
     W_SCALE: tl.constexpr, ACTIVATION: tl.constexpr, FP8_ROWS: tl.constexpr, ACT_DTYPE: tl.constexpr,
+    NUM_SHARED: tl.constexpr,
 ):
     """W_SCALE: NO_SCALE, or fp8 weights with their [E, 2I, GROUPS] scales, PER_CHANNEL (GROUPS 1) or GROUPED
     (GROUP_K columns per scale, a multiple of BLOCK_K). ACTIVATION: SILU or GELU_TANH, of the gate. FP8_ROWS: x is
     fp8 with a scale per token, the products are fp8 ones, and act is written in fp8 with a scale per row and per
-    this program's BLOCK_N columns (act_scale [rows, ACT_GROUPS]); each act value is rounded to ACT_DTYPE first."""
+    this program's BLOCK_N columns (act_scale [rows, ACT_GROUPS]); each act value is rounded to ACT_DTYPE first.
+    Experts num_experts to num_experts + NUM_SHARED - 1 are the shared MLP's (SharedExperts): its weights at
+    shared_w_ptr [2 * NUM_SHARED * INTER, H] (row stride stride_wn, as the stack's), its scales at
+    shared_scale_ptr."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
-    if expert >= num_experts:
+    if expert >= num_experts + NUM_SHARED:
         return
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ids_ptr + offs_m)
@@ -251,8 +278,19 @@ def _gate_up_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < INTER
     offs_k = tl.arange(0, BLOCK_K)
-    gate_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
-    up_ptrs = gate_ptrs + INTER * stride_wn
+    # The expert's first gate row and its scales, and how many rows below them its up rows lie: in its stack for a
+    # routed expert, in the shared MLP (whose gate rows all come before its up rows) for a shared one.
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    s_base = scale_ptr + expert.to(tl.int64) * 2 * INTER * GROUPS
+    up_rows = INTER
+    if NUM_SHARED > 0:
+        if expert >= num_experts:
+            chunk = (expert - num_experts).to(tl.int64)
+            w_base = shared_w_ptr + chunk * INTER * stride_wn
+            s_base = shared_scale_ptr + chunk * INTER * GROUPS
+            up_rows = NUM_SHARED * INTER
+    gate_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + up_rows * stride_wn
     x_ptrs = x_ptr + tokens[None, :].to(tl.int64) * stride_xt + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     acc_gate = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -268,9 +306,9 @@ def _gate_up_kernel(
             up = tl.load(up_ptrs, mask=n_valid[:, None] & k_valid[None, :], other=0.0)
         if W_SCALE == GROUPED:
             # [BLOCK_N] scales of this column group, gate rows then up rows.
-            s_ptrs = scale_ptr + (expert.to(tl.int64) * 2 * INTER + offs_n) * GROUPS + k // GROUP_K
+            s_ptrs = s_base + offs_n * GROUPS + k // GROUP_K
             s_gate = tl.load(s_ptrs, mask=n_valid, other=0.0)
-            s_up = tl.load(s_ptrs + INTER * GROUPS, mask=n_valid, other=0.0)
+            s_up = tl.load(s_ptrs + up_rows * GROUPS, mask=n_valid, other=0.0)
             acc_gate += _product(gate, x, None, DOT_DTYPE, PRECISION, FP8_ROWS) * s_gate[:, None]
             acc_up += _product(up, x, None, DOT_DTYPE, PRECISION, FP8_ROWS) * s_up[:, None]
         else:
@@ -280,9 +318,9 @@ def _gate_up_kernel(
         up_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
     if W_SCALE == PER_CHANNEL:
-        s_ptrs = scale_ptr + expert.to(tl.int64) * 2 * INTER + offs_n
+        s_ptrs = s_base + offs_n
         acc_gate = acc_gate * tl.load(s_ptrs, mask=n_valid, other=0.0)[:, None]
-        acc_up = acc_up * tl.load(s_ptrs + INTER, mask=n_valid, other=0.0)[:, None]
+        acc_up = acc_up * tl.load(s_ptrs + up_rows, mask=n_valid, other=0.0)[:, None]
     if FP8_ROWS:
         x_scale = tl.load(x_scale_ptr + tokens, mask=m_valid, other=0.0)[None, :]
         acc_gate = acc_gate * x_scale
@@ -317,18 +355,19 @@ def _product(w, x, acc, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, FP8_RO
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     act_ptr, act_scale_ptr, w_ptr, topk_weights_ptr, pair_out_ptr, pair_ids_ptr, tile_experts_ptr, scale_ptr,
-    num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_op, ACT_GROUPS, ACT_GROUP_K,
-    GROUPS, GROUP_K,
+    shared_w_ptr, shared_scale_ptr, num_pairs, num_experts, H, INTER, stride_am, stride_we, stride_wn, stride_swn,
+    stride_op, ACT_GROUPS, ACT_GROUP_K, GROUPS, GROUP_K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, DOT_DTYPE: tl.constexpr, PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
-    W_SCALE: tl.constexpr, FP8_ROWS: tl.constexpr,
+    W_SCALE: tl.constexpr, FP8_ROWS: tl.constexpr, NUM_SHARED: tl.constexpr,
 ):
     """FP8_ROWS: act is fp8 with a scale per row and group of ACT_GROUP_K columns (a multiple of BLOCK_K), which
-    scales each K tile's product."""
+    scales each K tile's product. Experts num_experts to num_experts + NUM_SHARED - 1 are the shared MLP's: its down
+    weight at shared_w_ptr [H, NUM_SHARED * INTER] (row stride stride_swn), its scales at shared_scale_ptr."""
     wait_for_previous_kernel(USE_PDL)
     tile = tl.program_id(0)
     expert = tl.load(tile_experts_ptr + tile)
-    if expert >= num_experts:
+    if expert >= num_experts + NUM_SHARED:
         return
     offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pairs = tl.load(pair_ids_ptr + offs_m)
@@ -336,7 +375,23 @@ def _down_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_valid = offs_n < H
     offs_k = tl.arange(0, BLOCK_K)
-    w_ptrs = w_ptr + expert.to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    # The expert's down rows and their scales: its stack's for a routed expert; for a shared one its INTER columns
+    # of the shared MLP's rows, and of their column groups' scales when the scales have groups.
+    w_base = w_ptr + expert.to(tl.int64) * stride_we
+    w_stride = stride_wn
+    s_base = scale_ptr + expert.to(tl.int64) * H * GROUPS
+    s_stride = GROUPS
+    if NUM_SHARED > 0:
+        if expert >= num_experts:
+            chunk = (expert - num_experts).to(tl.int64)
+            w_base = shared_w_ptr + chunk * INTER
+            w_stride = stride_swn
+            if W_SCALE == GROUPED:
+                s_base = shared_scale_ptr + chunk * GROUPS
+                s_stride = NUM_SHARED * GROUPS
+            else:
+                s_base = shared_scale_ptr
+    w_ptrs = w_base + offs_n[:, None].to(tl.int64) * w_stride + offs_k[None, :]
     a_ptrs = act_ptr + offs_m[None, :].to(tl.int64) * stride_am + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
     a_scale_ptrs = act_scale_ptr + offs_m.to(tl.int64) * ACT_GROUPS
     acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -351,8 +406,7 @@ def _down_kernel(
         if W_SCALE == GROUPED or FP8_ROWS:
             product = _product(w, a, None, DOT_DTYPE, PRECISION, FP8_ROWS)
             if W_SCALE == GROUPED:
-                s = tl.load(scale_ptr + (expert.to(tl.int64) * H + offs_n) * GROUPS + k // GROUP_K, mask=n_valid,
-                            other=0.0)
+                s = tl.load(s_base + offs_n * s_stride + k // GROUP_K, mask=n_valid, other=0.0)
                 product = product * s[:, None]
             if FP8_ROWS:
                 product = product * tl.load(a_scale_ptrs + k // ACT_GROUP_K, mask=m_valid, other=0.0)[None, :]
@@ -362,7 +416,7 @@ def _down_kernel(
         w_ptrs += BLOCK_K
         a_ptrs += BLOCK_K
     if W_SCALE == PER_CHANNEL:
-        acc = acc * tl.load(scale_ptr + expert.to(tl.int64) * H + offs_n, mask=n_valid, other=0.0)[:, None]
+        acc = acc * tl.load(s_base + offs_n * s_stride, mask=n_valid, other=0.0)[:, None]
     routing_weight = tl.load(topk_weights_ptr + pairs, mask=m_valid, other=0.0).to(tl.float32)
     acc = acc * routing_weight[None, :]
     out_ptrs = pair_out_ptr + pairs[None, :].to(tl.int64) * stride_op + offs_n[:, None]
@@ -402,8 +456,8 @@ def _check(hidden, w_gate_up, w_down, topk_ids, topk_weights) -> None:
 def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
               topk_weights: torch.Tensor, launch: MoeLaunch | None = None, w_gate_up_scale: torch.Tensor | None = None,
               w_down_scale: torch.Tensor | None = None, activation: int = SILU, weight_only: bool = False,
-              rows: tuple[torch.Tensor, torch.Tensor] | None = None, shared: torch.Tensor | None = None
-              ) -> torch.Tensor:
+              rows: tuple[torch.Tensor, torch.Tensor] | None = None, shared: torch.Tensor | None = None,
+              shared_experts: SharedExperts | None = None) -> torch.Tensor:
     """The routed experts' MLP, weighted and summed per token; the gate's activation SILU or GELU_TANH.
 
     hidden [T, H]; w_gate_up [E, 2I, H] (gate rows, then up rows); w_down [E, H, I]; topk_ids [T, K] (int, distinct
@@ -416,9 +470,12 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     row, after the sum over K with one scale a row, or per group of columns with G > 1.
 
     rows: hidden already cast for W8A8 (quantize_rows' q and scale), when another product takes the same cast.
-    shared: partial sums [S, T, H] added to each token's sum before its one rounding (a shared expert's)."""
+    shared: partial sums [S, T, H] added to each token's sum before its one rounding (a shared expert's).
+    shared_experts: experts E to E + S - 1 (SharedExperts), which topk_ids then names beside the routed ones
+    (route_experts' num_shared)."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
-    num_pairs, num_experts = topk_ids.numel(), w_down.shape[0]
+    num_shared = _check_shared(shared_experts, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    num_pairs, num_experts = topk_ids.numel(), w_down.shape[0] + num_shared
     if num_pairs == 0:
         return torch.empty_like(hidden)
     fp8_rows = w_gate_up_scale is not None and not weight_only
@@ -430,9 +487,56 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
     else:
         x, x_scale = hidden, None
     act, act_scale = gate_up_act(x, w_gate_up, routed, topk_ids.shape[1], launch, w_gate_up_scale, activation,
-                                 x_scale, hidden.dtype)
+                                 x_scale, hidden.dtype, shared_experts)
     return down_and_combine(act, w_down, topk_weights, routed, hidden.shape[0], launch, w_down_scale, act_scale,
-                            hidden.dtype, shared)
+                            hidden.dtype, shared, shared_experts)
+
+
+def shared_experts_misfit(shared: SharedExperts, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                          w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None) -> str | None:
+    """Why the shared experts cannot run among the stacks' experts, or None when they can: the same dtype, whole
+    experts of the stacks' intermediate size, and scales shaped as the stacks' are."""
+    _, hidden_size, inter = w_down.shape
+    count = shared.count(inter)
+    if (count < 1 or shared.w_down.shape != (hidden_size, count * inter)
+            or shared.w_gate_up.shape != (2 * count * inter, hidden_size)
+            or shared.w_gate_up.dtype != w_gate_up.dtype or shared.w_down.dtype != w_down.dtype):
+        return (f"shared experts {tuple(shared.w_gate_up.shape)} and {tuple(shared.w_down.shape)} "
+                f"{shared.w_gate_up.dtype} are not whole experts of the stacks' {inter} columns "
+                f"({tuple(w_gate_up.shape)} and {tuple(w_down.shape)} {w_gate_up.dtype})")
+    if (shared.w_gate_up_scale is None) != (w_gate_up_scale is None) or (
+            shared.w_down_scale is None) != (w_down_scale is None):
+        return "shared experts take scales exactly when the stacks do"
+    if w_gate_up_scale is not None:
+        down_groups = w_down_scale.shape[-1]
+        want_down = (hidden_size, count * down_groups if down_groups > 1 else 1)
+        if shared.w_gate_up_scale.shape != (2 * count * inter, w_gate_up_scale.shape[-1]) or \
+                shared.w_down_scale.shape != want_down:
+            return (f"shared experts' scales {tuple(shared.w_gate_up_scale.shape)} and "
+                    f"{tuple(shared.w_down_scale.shape)} are not shaped as the stacks' "
+                    f"{tuple(w_gate_up_scale.shape)} and {tuple(w_down_scale.shape)}")
+    return None
+
+
+def _check_shared(shared: SharedExperts | None, w_gate_up: torch.Tensor, w_down: torch.Tensor,
+                  w_gate_up_scale: torch.Tensor | None, w_down_scale: torch.Tensor | None) -> int:
+    """S, the shared experts' count (0 for None), once they are checked to fit the stacks."""
+    if shared is None:
+        return 0
+    why = shared_experts_misfit(shared, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    if why is not None:
+        raise ValueError(f"fused_moe: {why}")
+    return shared.count(w_down.shape[-1])
+
+
+def _shared_args(shared: SharedExperts | None, weight: torch.Tensor, scale_args: dict, part: str) -> dict:
+    """The expert kernels' shared-expert arguments for `part` ("gate_up" or "down"): the shared MLP's weight and
+    scales, or the stack's own (never read) without shared experts."""
+    if shared is None:
+        return dict(shared_w_ptr=weight, shared_scale_ptr=scale_args["scale_ptr"], NUM_SHARED=0)
+    w, scale = (shared.w_gate_up, shared.w_gate_up_scale) if part == "gate_up" else (shared.w_down, shared.w_down_scale)
+    return dict(shared_w_ptr=w.contiguous(), shared_scale_ptr=w if scale is None else scale.float().contiguous(),
+                NUM_SHARED=shared.count(weight.shape[-1] if part == "down" else weight.shape[1] // 2))
 
 
 def _scale_args(weight: torch.Tensor, scale: torch.Tensor | None) -> dict:
@@ -477,8 +581,8 @@ def _kernel_options(rows: torch.Tensor, launch: MoeLaunch) -> dict:
 
 def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTiles, top_k: int,
                 launch: MoeLaunch, scale: torch.Tensor | None = None, activation: int = SILU,
-                hidden_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+                hidden_scale: torch.Tensor | None = None, act_dtype: torch.dtype | None = None,
+                shared_experts: SharedExperts | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """act(gate) * up of every routed row: [max_tiles * block_m, I] (padding rows unwritten) in act_dtype (hidden's
     by default), and None; or, for fp8 rows (hidden fp8 with `hidden_scale` [T], fp8 stacks, and act_dtype the
     activations' dtype), the act rows rounded to act_dtype and cast to fp8 with their scales
@@ -498,14 +602,14 @@ def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTil
     rows, groups = routed.max_tiles * launch.block_m, triton.cdiv(inter, launch.block_n)
     act = torch.empty(rows, inter, dtype=act_dtype if not fp8_rows else FP8, device=hidden.device)
     act_scale = torch.empty(rows, groups, dtype=torch.float32, device=hidden.device) if fp8_rows else None
+    scale_args = _scale_args(w_gate_up, scale)
     _gate_up_kernel[(routed.max_tiles, groups)](
         hidden, hidden_scale if fp8_rows else hidden, w_gate_up, act, act_scale if fp8_rows else act,
-        routed.pair_ids, routed.tile_experts,
+        routed.pair_ids, routed.tile_experts, **_shared_args(shared_experts, w_gate_up, scale_args, "gate_up"),
         num_pairs=hidden.shape[0] * top_k, num_experts=num_experts, H=hidden_size, INTER=inter,
         stride_xt=hidden.stride(0), stride_we=w_gate_up.stride(0), stride_wn=w_gate_up.stride(1),
         stride_am=act.stride(0), ACT_GROUPS=groups, TOP_K=top_k, EVEN_K=hidden_size % launch.block_k == 0,
-        ACTIVATION=activation, ACT_DTYPE=triton_dtype(act_dtype),
-        **_scale_args(w_gate_up, scale), **_kernel_options(hidden, launch),
+        ACTIVATION=activation, ACT_DTYPE=triton_dtype(act_dtype), **scale_args, **_kernel_options(hidden, launch),
     )
     return act, act_scale
 
@@ -513,7 +617,7 @@ def gate_up_act(hidden: torch.Tensor, w_gate_up: torch.Tensor, routed: RoutedTil
 def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torch.Tensor, routed: RoutedTiles,
                      tokens: int, launch: MoeLaunch, scale: torch.Tensor | None = None,
                      act_scale: torch.Tensor | None = None, out_dtype: torch.dtype | None = None,
-                     shared: torch.Tensor | None = None) -> torch.Tensor:
+                     shared: torch.Tensor | None = None, shared_experts: SharedExperts | None = None) -> torch.Tensor:
     """sum_k topk_weights[t, k] * (w_down[e] @ act of pair (t, k)), plus sum_s shared[s, t] when given: [tokens, H]
     in out_dtype (act's by default; fp8 act rows take it given). fp8 act rows come with gate_up_act's scales, whose
     groups of launch.block_n columns each K tile stays in."""
@@ -527,12 +631,15 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
     act_group = launch.block_n if fp8_rows else None
     launch = _k_tile(launch, scale, inter, fp8_rows, act_group)
     pair_out = torch.empty(tokens * top_k, hidden_size, dtype=torch.float32, device=act.device)
+    scale_args = _scale_args(w_down, scale)
+    shared_args = _shared_args(shared_experts, w_down, scale_args, "down")
     _down_kernel[(routed.max_tiles, triton.cdiv(hidden_size, launch.block_n))](
         act, act_scale if fp8_rows else act, w_down, topk_weights, pair_out, routed.pair_ids, routed.tile_experts,
-        num_pairs=tokens * top_k, num_experts=num_experts, H=hidden_size, INTER=inter, stride_am=act.stride(0),
-        stride_we=w_down.stride(0), stride_wn=w_down.stride(1), stride_op=pair_out.stride(0),
+        **shared_args, num_pairs=tokens * top_k, num_experts=num_experts, H=hidden_size, INTER=inter,
+        stride_am=act.stride(0), stride_we=w_down.stride(0), stride_wn=w_down.stride(1),
+        stride_swn=shared_args["shared_w_ptr"].stride(0), stride_op=pair_out.stride(0),
         ACT_GROUPS=act_scale.shape[1] if fp8_rows else 1, ACT_GROUP_K=act_group or 1,
-        EVEN_K=inter % launch.block_k == 0, **_scale_args(w_down, scale), **_kernel_options(act, launch),
+        EVEN_K=inter % launch.block_k == 0, **scale_args, **_kernel_options(act, launch),
     )
     out = torch.empty(tokens, hidden_size, dtype=out_dtype or act.dtype, device=act.device)
     block_h = min(1024, triton.next_power_of_2(hidden_size))
@@ -553,12 +660,14 @@ def down_and_combine(act: torch.Tensor, w_down: torch.Tensor, topk_weights: torc
 
 def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor, topk_ids: torch.Tensor,
                         topk_weights: torch.Tensor, activation: int = SILU, w_gate_up_scale: torch.Tensor | None = None,
-                        w_down_scale: torch.Tensor | None = None, act_group: int | None = None) -> torch.Tensor:
+                        w_down_scale: torch.Tensor | None = None, act_group: int | None = None,
+                        shared_experts: SharedExperts | None = None) -> torch.Tensor:
     """fused_moe in plain torch, one expert at a time, in float32; act(gate) * up is rounded to hidden's dtype,
     where the kernel keeps it between its two products. FP8 stacks are dequantized; with `act_group` (fused_moe's
     W8A8 way, its launch's block_n) the tokens go through quantize_rows' cast first, and the act rows through the
-    same cast per group of act_group columns."""
+    same cast per group of act_group columns. Experts from E on are `shared_experts`' columns."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
+    _check_shared(shared_experts, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
     inter = w_down.shape[2]
     x = hidden.float()
     if act_group is not None:
@@ -566,9 +675,12 @@ def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     pair_out = torch.zeros(*topk_ids.shape, hidden.shape[1], dtype=torch.float32, device=hidden.device)  # [T, K, H]
     for expert in topk_ids.unique().tolist():
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
-        gate_up, down = w_gate_up[expert].float(), w_down[expert].float()
-        if w_gate_up_scale is not None:
-            gate_up, down = _dequantize(gate_up, w_gate_up_scale[expert]), _dequantize(down, w_down_scale[expert])
+        if expert < w_down.shape[0]:
+            gate_up, down = w_gate_up[expert].float(), w_down[expert].float()
+            if w_gate_up_scale is not None:
+                gate_up, down = _dequantize(gate_up, w_gate_up_scale[expert]), _dequantize(down, w_down_scale[expert])
+        else:
+            gate_up, down = _shared_expert(shared_experts, expert - w_down.shape[0], inter)
         gate_up = x[token] @ gate_up.T
         gate = gate_up[:, :inter]
         gate = F.gelu(gate, approximate="tanh") if activation == GELU_TANH else F.silu(gate)
@@ -577,6 +689,16 @@ def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
             act = _cast_in_groups(act, act_group)
         pair_out[token, choice] = (act @ down.T) * topk_weights[token, choice, None].float()
     return pair_out.sum(1).to(hidden.dtype)
+
+
+def _shared_expert(shared: SharedExperts, chunk: int, inter: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Shared expert `chunk` as a routed one's [2I, H] and [H, I] weights, dequantized in float32."""
+    gate_up, down = shared.w_gate_up.float(), shared.w_down.float()
+    if shared.w_gate_up_scale is not None:
+        gate_up, down = _dequantize(gate_up, shared.w_gate_up_scale), _dequantize(down, shared.w_down_scale)
+    count = shared.count(inter)
+    rows = torch.arange(chunk * inter, (chunk + 1) * inter, device=gate_up.device)
+    return gate_up[torch.cat([rows, rows + count * inter])], down[:, chunk * inter:(chunk + 1) * inter]
 
 
 def _dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,8 @@ from diffulex_kernels.fp8 import (
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.moe import (
-    SILU, MoeLaunch, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch, route_to_tiles,
+    SILU, MoeLaunch, SharedExperts, down_and_combine, fused_moe, fused_moe_reference, gate_up_act, plan_moe_launch,
+    route_to_tiles,
 )
 from diffulex_kernels.norm import fused_add_rmsnorm, fused_add_rmsnorm_fp8, norm_warps, rmsnorm, rmsnorm_fp8
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
@@ -270,6 +271,59 @@ def test_weight_only_fused_moe_equals_the_dequantized_reference(groups):
     # float32 on the GPU runs the products in tf32.
     assert relative_error(out, want) < (2e-3 if DEVICE.type == "cuda" else 1e-5)
     assert gate_up.dtype == FP8
+
+
+def fp8_shared_experts(groups: int, gen: torch.Generator, hidden: int, inter: int, count: int) -> SharedExperts:
+    """A shared MLP of count experts' columns, quantized as fp8_experts quantizes the stacks."""
+    group_k = 128 if FULL_SHAPES else 32
+    gate_up, gate_up_scale = quantize_weight(
+        randn(2 * count * inter, hidden, dtype=torch.float32, gen=gen) * hidden**-0.5,
+        1 if groups == 1 else hidden // group_k)
+    down, down_scale = quantize_weight(
+        randn(hidden, count * inter, dtype=torch.float32, gen=gen) * (count * inter)**-0.5,
+        1 if groups == 1 else count * inter // group_k)
+    return SharedExperts(gate_up, down, gate_up_scale, down_scale)
+
+
+def with_shared_choices(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, count: int):
+    shared = torch.arange(num_experts, num_experts + count, device=DEVICE).expand(ids.shape[0], count)
+    return torch.cat([ids, shared], 1), torch.cat([weights, torch.ones_like(weights[:, :count])], 1)
+
+
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_fp8_shared_experts_among_the_routed_ones_add_their_dequantized_mlp(groups, count):
+    """Shared experts with fp8 weights and their scales, per row or in blocks of columns, run among the routed
+    experts (weight-only here, which the interpreter runs exactly): the routed sum plus the dequantized shared MLP."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(11))
+    num_experts, hidden, inter = down.shape
+    shared = fp8_shared_experts(groups, generator(12), hidden, inter, count)
+    all_ids, all_weights = with_shared_choices(ids, weights, num_experts, count)
+    out = fused_moe(x, gate_up, down, all_ids, all_weights, w_gate_up_scale=gate_up_scale, w_down_scale=down_scale,
+                    weight_only=True, shared_experts=shared)
+    gate_up_weight = dequantize_weight(shared.w_gate_up, shared.w_gate_up_scale).double()
+    mlp_gate, mlp_up = (x.double() @ gate_up_weight.T).chunk(2, -1)
+    mlp = (F.silu(mlp_gate) * mlp_up) @ dequantize_weight(shared.w_down, shared.w_down_scale).double().T
+    want = experts_reference(x.double(), gate_up, down, ids, weights.double(), gate_up_scale, down_scale) + mlp
+    assert relative_error(out, want) < (2e-3 if DEVICE.type == "cuda" else 1e-5)
+    assert relative_error(out, want - mlp) > 1e-2
+
+
+@gpu_only
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+def test_fp8_shared_experts_take_the_w8a8_products_of_the_routed_ones(groups):
+    """W8A8 (the tokens and act rows cast as the routed experts' are): fused_moe_reference's W8A8 way with the
+    shared experts, and within the casts' rounding of the weight-only layer."""
+    x, gate_up, gate_up_scale, down, down_scale, ids, weights = fp8_experts(groups, generator(13))
+    num_experts, hidden, inter = down.shape
+    shared = fp8_shared_experts(groups, generator(14), hidden, inter, 1)
+    ids, weights = with_shared_choices(ids, weights, num_experts, 1)
+    x = x.to(torch.bfloat16)
+    scales = dict(w_gate_up_scale=gate_up_scale, w_down_scale=down_scale, shared_experts=shared)
+    out = fused_moe(x, gate_up, down, ids, weights, **scales)
+    group = plan_moe_launch(ids.numel(), num_experts + 1, element_size=1).block_n
+    assert relative_error(out, fused_moe_reference(x, gate_up, down, ids, weights, act_group=group, **scales)) < 1e-2
+    assert relative_error(out, fused_moe(x, gate_up, down, ids, weights, weight_only=True, **scales)) < 2**-4
 
 
 # The engine's fp8 plan (act groups of 128 columns, K tiles of 128), and a narrower one whose act groups (64) are

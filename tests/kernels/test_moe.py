@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from diffulex_kernels import fused_moe
 from diffulex_kernels.moe import (
-    GELU_TANH, SILU, MoeLaunch, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles,
+    GELU_TANH, SILU, MoeLaunch, SharedExperts, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles,
 )
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
 
@@ -165,6 +165,65 @@ def test_shared_partial_sums_are_added_to_each_token_before_its_one_rounding(par
     assert bf16.dtype == torch.bfloat16 and relative_error(bf16, want) < 2**-8
     with pytest.raises(ValueError, match=r"shared partial sums must be \[S, 7, 64\]"):
         fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared=shared[:, :6])
+
+
+def with_shared_choices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, count: int):
+    """The routing with `count` more choices per token, experts num_experts on at weight 1 (route_experts'
+    num_shared)."""
+    tokens = topk_ids.shape[0]
+    shared = torch.arange(num_experts, num_experts + count, device=DEVICE).expand(tokens, count)
+    return (torch.cat([topk_ids, shared], 1),
+            torch.cat([topk_weights, torch.ones(tokens, count, device=DEVICE, dtype=topk_weights.dtype)], 1))
+
+
+def dense_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
+    """down(silu(gate) * up) in float64: the shared experts as the dense MLP they are."""
+    gate, up = (x.double() @ w_gate_up.double().T).chunk(2, dim=-1)
+    return (F.silu(gate) * up) @ w_down.double().T
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("count", [1, 2])
+@pytest.mark.parametrize("tokens", [1, 7, 40])
+def test_shared_experts_among_the_routed_ones_add_their_dense_mlp(tokens, count, dtype):
+    """Shared experts run as experts E, E + 1, ... of the same launches: each token's output is its routed sum plus
+    the shared MLP of count * I columns, as a dense MLP gives it, expert s reading columns s * I to (s + 1) * I."""
+    gen = generator(17)
+    shape = EXPERT_SHAPES[1]  # a ragged column tile
+    num_experts, hidden, inter = shape
+    x, w_gate_up, w_down = moe_inputs(tokens, shape, dtype, gen)
+    shared = SharedExperts(
+        (randn(2 * count * inter, hidden, dtype=torch.float32, gen=gen) * hidden**-0.5).to(dtype),
+        (randn(hidden, count * inter, dtype=torch.float32, gen=gen) * (count * inter)**-0.5).to(dtype))
+    topk_ids, topk_weights = route(tokens, num_experts, 2, gen)
+    ids, weights = with_shared_choices(topk_ids, topk_weights, num_experts, count)
+    out = fused_moe(x, w_gate_up, w_down, ids, weights, shared_experts=shared)
+    want = per_token_loop(x, w_gate_up, w_down, topk_ids, topk_weights) + dense_mlp(x, shared.w_gate_up, shared.w_down)
+    assert out.dtype == dtype and relative_error(out, want) < REL_TOL[dtype]
+    reference = fused_moe_reference(x, w_gate_up, w_down, ids, weights, shared_experts=shared)
+    assert relative_error(out, reference) < REL_TOL[dtype]
+    # Without them the same launches give the routed sum alone: the shared rows are what differs.
+    assert relative_error(out, want - dense_mlp(x, shared.w_gate_up, shared.w_down)) > 3 * REL_TOL[dtype]
+
+
+def test_shared_experts_that_are_not_whole_experts_of_the_stacks_are_refused():
+    gen = generator(18)
+    x, w_gate_up, w_down = moe_inputs(4, EXPERT_SHAPES[0], torch.float32, gen)
+    num_experts, hidden, inter = EXPERT_SHAPES[0]
+    ids, weights = with_shared_choices(*route(4, num_experts, 2, gen), num_experts, 1)
+    cases = {
+        "not a multiple of the experts' columns": SharedExperts(w_gate_up[0, :inter + 2],
+                                                                w_down[0][:, :inter // 2 + 1]),
+        "another dtype": SharedExperts(w_gate_up[0].double(), w_down[0].double()),
+        "gate_up of other columns than down": SharedExperts(w_gate_up[0], torch.cat([w_down[0], w_down[1]], 1)),
+    }
+    for why, shared in cases.items():
+        with pytest.raises(ValueError, match="are not whole experts of the stacks"):
+            fused_moe(x, w_gate_up, w_down, ids, weights, shared_experts=shared)
+    with pytest.raises(ValueError, match="shared experts take scales exactly when the stacks do"):
+        fused_moe(x, w_gate_up, w_down, ids, weights,
+                  shared_experts=SharedExperts(w_gate_up[0], w_down[0], torch.ones(2 * inter, 1, device=DEVICE),
+                                              torch.ones(hidden, 1, device=DEVICE)))
 
 
 def test_no_tokens_give_an_empty_output():
