@@ -429,7 +429,7 @@ def expert_columns(model, tokens: int, routes: list | None) -> dict:
     """The CSV's expert counts: measured (mean distinct experts per MoE layer) and under uniform routing."""
     if not model.arch.num_experts:
         return {}
-    return dict(experts_touched=touched_per_layer(routes) if routes else "",
+    return dict(experts_touched=touched_per_layer(routes, model.arch.num_experts) if routes else "",
                 experts_touched_uniform=model.arch.expected_touched_experts(tokens))
 
 
@@ -470,8 +470,15 @@ def routed_experts(engine, plans: list[SeqPlan]) -> list[tuple[torch.Tensor, tor
     return record.routes
 
 
-def touched_per_layer(routes: list[tuple[torch.Tensor, torch.Tensor]]) -> float:
-    return statistics.mean(int(ids.unique().numel()) for ids, _ in routes)
+def touched(routes: list | None, model) -> float | None:
+    """touched_per_layer of a MoE model's routes; None without them (a dense model)."""
+    return touched_per_layer(routes, model.arch.num_experts) if routes else None
+
+
+def touched_per_layer(routes: list[tuple[torch.Tensor, torch.Tensor]], num_experts: int) -> float:
+    """The mean distinct routed experts a MoE layer reaches. A shared expert run among the routed ones (ids from
+    num_experts on, every token's) is dense weight, which the floor counts with the model's other weights."""
+    return statistics.mean(int(ids[ids < num_experts].unique().numel()) for ids, _ in routes)
 
 
 def plain_supported(model) -> bool:
@@ -544,7 +551,7 @@ def forward_section(report: Report, name: str, model, model_dir: str, device, pl
             else:
                 note += "; " + PLAIN_SKIPPED
             free_memory(device)
-            f = floors(model, ceilings, batch, context, tokens, touched_per_layer(routes) if routes else None,
+            f = floors(model, ceilings, batch, context, tokens, touched(routes, model),
                        plan.kv_cache_dtype)
             report.add(section="forward", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,
                        tokens=tokens, engine_ms=forward_ms, engine_step_ms=step_ms,
@@ -573,7 +580,7 @@ def decode_section(report: Report, name: str, model, model_dir: str, device, pla
         if model.arch.num_experts:
             fill_cache(engine, seed=9)
             routes = routed_experts(engine, cached_context_plans(engine, batch, context, generator))
-        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None,
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
                    plan.kv_cache_dtype)
         plain_step_ms = None
         if plain is not None:
@@ -919,7 +926,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
                               for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
         total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
-        f = floors(model, ceilings, batch, context, batch * BLOCK, touched_per_layer(routes) if routes else None,
+        f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
                    plan.kv_cache_dtype)
         floor_ms = max(f["weight_floor_ms"], f["compute_floor_ms"])
         report.add(section="profile", model=name, case=f"b{batch}_ctx{context}", batch=batch, context=context,

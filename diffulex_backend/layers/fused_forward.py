@@ -15,10 +15,12 @@ small kernels would otherwise cost more than the weights take to stream.
   and ends in the residual-add RMSNorm (`_sum_add_norm`), so the sums add no launch to a layer; otherwise an
   all-reduce comes before the norm.
 - A MoE layer's MLP (LLaDA2, SDAR-MoE, `_moe`): the router as the streaming kernel's split product, whose float32
-  partial sums the group-limited top-k kernel (`diffulex_kernels.route_experts`) adds up as it routes; the shared
-  expert as a dense gated MLP (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in
-  its last step; with fp8 experts, the tokens cast once for the routed and the shared experts. Its [T, hidden]
-  output goes to the same residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
+  partial sums the group-limited top-k kernel (`diffulex_kernels.route_experts`) adds up as it routes. Up to
+  `SHARED_AMONG_ROUTED_MAX_TOKENS` tokens the shared expert runs among the routed ones, in the fused-MoE kernel's
+  launches (the routing names it as one more choice per token, at weight 1); past that, as a dense gated MLP
+  (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in its last step. With fp8
+  experts the tokens are cast once for the routed and the shared experts. Its [T, hidden] output goes to the same
+  residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
 - Per-head q/k norms (LLaDA2, SDAR, Qwen3-style models) run in place over q and k's columns of the qkv rows, every
   head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
   (the kernel takes any head stride), after those norms.
@@ -59,7 +61,7 @@ from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials,
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
-from diffulex_kernels.moe import fused_moe
+from diffulex_kernels.moe import SharedExperts, fused_moe, shared_experts_misfit
 from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
 
@@ -211,19 +213,45 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
     return _add_to_first_partial(_project_partials(mlp.down_proj, h), h, mlp.down_lora, lora)
 
 
+# Up to this many tokens a MoE layer's shared experts run among the routed ones, in the fused-MoE kernel's launches
+# (SharedExperts): their own three or four launches (gate_up, the SiLU-and-mul, down) cost more than the weight
+# reads that each further tile of them adds. Past it they run as a dense MLP, which reads their weights once.
+SHARED_AMONG_ROUTED_MAX_TOKENS = 64
+
+
 def _moe(moe: MoE, x: torch.Tensor) -> torch.Tensor:  # [T, hidden], summed over ranks
-    """A MoE layer's MLP: the router, the routing kernel, the shared expert as a dense gated MLP and the routed
-    experts in the fused-MoE kernel, whose last step adds the shared expert's partial sums. With fp8 experts the
-    tokens are cast once, for both."""
-    topk_ids, topk_weights = moe.route(_router_logits(moe, x), fused=True)
+    """A MoE layer's MLP: the router, the routing kernel and the routed experts in the fused-MoE kernel; the shared
+    experts among the routed ones (`_shared_among_routed`), or as a dense gated MLP whose partial sums the kernel's
+    last step adds. With fp8 experts the tokens are cast once, for both."""
+    among_routed = _shared_among_routed(moe, x.shape[0])
+    num_shared = among_routed.count(moe.w_down.shape[-1]) if among_routed is not None else 0
+    topk_ids, topk_weights = moe.route(_router_logits(moe, x), fused=True, num_shared=num_shared)
     rows = Fp8Rows(*quantize_rows(x), x.dtype) if moe.w_gate_up_scale is not None else None
     shared = None
-    if moe.shared_experts is not None:
+    if moe.shared_experts is not None and among_routed is None:
         takes_rows = rows is not None and isinstance(moe.shared_experts.gate_up_proj, Fp8Linear)
         shared = _gated_mlp(moe.shared_experts, rows if takes_rows else x, None, None)  # [S, T, hidden]
     out = fused_moe(x, moe.w_gate_up, moe.w_down, topk_ids, topk_weights, w_gate_up_scale=moe.w_gate_up_scale,
-                    w_down_scale=moe.w_down_scale, rows=(rows.q, rows.scale) if rows is not None else None, shared=shared)
+                    w_down_scale=moe.w_down_scale, rows=(rows.q, rows.scale) if rows is not None else None,
+                    shared=shared, shared_experts=among_routed)
     return moe.tp.all_reduce(out)
+
+
+def _shared_among_routed(moe: MoE, tokens: int) -> SharedExperts | None:
+    """The layer's shared experts as experts of the fused-MoE kernel, where they run there: up to
+    SHARED_AMONG_ROUTED_MAX_TOKENS tokens, without expert parallelism (whose ranks hold the routed experts whole and
+    the shared ones in a share), and with weights laid out as whole experts of the stacks' (their dtype, their
+    columns, their scales' shapes)."""
+    mlp = moe.shared_experts
+    if mlp is None or tokens > SHARED_AMONG_ROUTED_MAX_TOKENS or moe.tp.expert_parallel:
+        return None
+    gate_up, down = mlp.gate_up_proj, mlp.down_proj
+    if gate_up.bias is not None or down.bias is not None:
+        return None
+    shared = SharedExperts(gate_up.weight, down.weight, getattr(gate_up, "weight_scale", None),
+                           getattr(down, "weight_scale", None))
+    misfit = shared_experts_misfit(shared, moe.w_gate_up, moe.w_down, moe.w_gate_up_scale, moe.w_down_scale)
+    return shared if misfit is None else None
 
 
 def _router_logits(moe: MoE, x: torch.Tensor) -> torch.Tensor:  # [S, T, experts]

@@ -152,8 +152,15 @@ def test_routing_recorder_sees_every_moe_layer_and_restores_the_router():
     assert len(record.routes) == len(moes) == model.arch.num_moe_layers
     for ids, weights in record.routes:
         assert ids.shape == weights.shape == (5, model.arch.num_experts_per_tok)
-    assert fwd.touched_per_layer(record.routes) == pytest.approx(
+    assert fwd.touched_per_layer(record.routes, model.arch.num_experts) == pytest.approx(
         sum(len(set(ids.flatten().tolist())) for ids, _ in record.routes) / len(moes))
+    # A shared expert run among the routed ones is one more choice per token, which the count leaves out.
+    with torch.no_grad(), fwd.RecordRouting() as shared:
+        for mlp in moes:
+            mlp.route(mlp.gate(x), num_shared=1)
+    assert all((ids[:, -1] == model.arch.num_experts).all() for ids, _ in shared.routes)
+    assert fwd.touched_per_layer(shared.routes, model.arch.num_experts) == fwd.touched_per_layer(
+        record.routes, model.arch.num_experts)
 
 
 def test_the_memory_floor_counts_the_cache_as_it_is_held():
