@@ -884,12 +884,15 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                     ids, weights = routes[moe_index]
                     moe_index += 1
                     scales = (mlp.w_gate_up_scale, mlp.w_down_scale)
+                    # The shared expert where the recorded forward ran it: among the routed experts (its ids
+                    # follow theirs in the recorded routes), or as a dense MLP.
+                    among_routed = fused_forward._shared_among_routed(mlp, x.shape[0]) if model.fused_kernels else None
                     if model.fused_kernels:
                         fused_moe(x, mlp.w_gate_up, mlp.w_down, ids, weights, w_gate_up_scale=scales[0],
-                                  w_down_scale=scales[1])
+                                  w_down_scale=scales[1], shared_experts=among_routed)
                     else:
                         experts_reference(x, mlp.w_gate_up, mlp.w_down, ids, weights, *scales)
-                    if mlp.shared_experts is not None:
+                    if mlp.shared_experts is not None and among_routed is None:
                         project(mlp.shared_experts.gate_up_proj, "gated")
                         project(mlp.shared_experts.down_proj, "partials")
                 else:
