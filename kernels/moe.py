@@ -471,10 +471,14 @@ def fused_moe(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tenso
 
     rows: hidden already cast for W8A8 (quantize_rows' q and scale), when another product takes the same cast.
     shared: partial sums [S, T, H] added to each token's sum before its one rounding (a shared expert's).
-    shared_experts: experts E to E + S - 1 (SharedExperts), which topk_ids then names beside the routed ones
-    (route_experts' num_shared)."""
+    shared_experts: experts E to E + S - 1 (SharedExperts), which topk_ids then names in its last S columns, after
+    the routed choices (route_experts' num_shared). Without them every id must be below E: ids are addresses."""
     _check(hidden, w_gate_up, w_down, topk_ids, topk_weights)
     num_shared = _check_shared(shared_experts, w_gate_up, w_down, w_gate_up_scale, w_down_scale)
+    if num_shared and topk_ids.shape[1] <= num_shared:
+        raise ValueError(f"fused_moe: with {num_shared} shared experts, topk_ids [T, K] holds K - {num_shared} routed "
+                         f"choices and then the shared ones, so K must exceed {num_shared}; got "
+                         f"{tuple(topk_ids.shape)}")
     num_pairs, num_experts = topk_ids.numel(), w_down.shape[0] + num_shared
     if num_pairs == 0:
         return torch.empty_like(hidden)
@@ -501,9 +505,9 @@ def shared_experts_misfit(shared: SharedExperts, w_gate_up: torch.Tensor, w_down
     if (count < 1 or shared.w_down.shape != (hidden_size, count * inter)
             or shared.w_gate_up.shape != (2 * count * inter, hidden_size)
             or shared.w_gate_up.dtype != w_gate_up.dtype or shared.w_down.dtype != w_down.dtype):
-        return (f"shared experts {tuple(shared.w_gate_up.shape)} and {tuple(shared.w_down.shape)} "
-                f"{shared.w_gate_up.dtype} are not whole experts of the stacks' {inter} columns "
-                f"({tuple(w_gate_up.shape)} and {tuple(w_down.shape)} {w_gate_up.dtype})")
+        return (f"shared experts {tuple(shared.w_gate_up.shape)} {shared.w_gate_up.dtype} and "
+                f"{tuple(shared.w_down.shape)} {shared.w_down.dtype} are not whole experts of the stacks' {inter} "
+                f"columns ({tuple(w_gate_up.shape)} {w_gate_up.dtype} and {tuple(w_down.shape)} {w_down.dtype})")
     if (shared.w_gate_up_scale is None) != (w_gate_up_scale is None) or (
             shared.w_down_scale is None) != (w_down_scale is None):
         return "shared experts take scales exactly when the stacks do"
@@ -675,6 +679,9 @@ def fused_moe_reference(hidden: torch.Tensor, w_gate_up: torch.Tensor, w_down: t
     pair_out = torch.zeros(*topk_ids.shape, hidden.shape[1], dtype=torch.float32, device=hidden.device)  # [T, K, H]
     for expert in topk_ids.unique().tolist():
         token, choice = (topk_ids == expert).nonzero(as_tuple=True)
+        if expert >= w_down.shape[0] and shared_experts is None:
+            raise ValueError(f"fused_moe_reference: expert {expert} is past the stacks' {w_down.shape[0]} experts, "
+                             "and no shared experts were given")
         if expert < w_down.shape[0]:
             gate_up, down = w_gate_up[expert].float(), w_down[expert].float()
             if w_gate_up_scale is not None:

@@ -220,6 +220,12 @@ def test_shared_experts_that_are_not_whole_experts_of_the_stacks_are_refused():
     for why, shared in cases.items():
         with pytest.raises(ValueError, match="are not whole experts of the stacks"):
             fused_moe(x, w_gate_up, w_down, ids, weights, shared_experts=shared)
+    with pytest.raises(ValueError, match=r"K must exceed 1; got \(4, 1\)"):
+        fused_moe(x, w_gate_up, w_down, ids[:, -1:], weights[:, -1:],
+                  shared_experts=SharedExperts(w_gate_up[0], w_down[0]))
+    with pytest.raises(ValueError, match=f"expert {num_experts} is past the stacks' {num_experts} experts, and no "
+                                         "shared experts were given"):
+        fused_moe_reference(x, w_gate_up, w_down, ids, weights)
     with pytest.raises(ValueError, match="shared experts take scales exactly when the stacks do"):
         fused_moe(x, w_gate_up, w_down, ids, weights,
                   shared_experts=SharedExperts(w_gate_up[0], w_down[0], torch.ones(2 * inter, 1, device=DEVICE),
