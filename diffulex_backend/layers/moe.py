@@ -2,10 +2,11 @@
 optional shared expert.
 
 In the fused forward (`fused_forward._moe`, on CUDA) the router is a split-K product whose partial sums one Triton
-kernel adds up and routes (`route_experts`), and the experts run in the fused-MoE kernel, the shared expert's sum
-folded into its last step; `forward` is the torch path (the CPU's, and the reference): routing by the torch
-`select_experts`, the experts by `experts_reference`. Both expert paths read the experts as two stacked parameters, the layout the kernel
-wants and the loader packs the per-expert checkpoint tensors into:
+kernel adds up and routes (`route_experts`), and the experts run in the fused-MoE kernel, the shared expert among
+them at a decode step's few tokens (as more choices per token) and past them as a dense MLP whose sum the kernel's
+last step adds; `forward` is the torch path (the CPU's, and the reference): routing by the torch
+`select_experts`, the experts by `experts_reference`. Both expert paths read the experts as two stacked
+parameters, the layout the kernel wants and the loader packs the per-expert checkpoint tensors into:
 - `w_gate_up` [E, 2 * I, H]: rows gate then up;
 - `w_down` [E, H, I].
 

@@ -45,6 +45,7 @@ def test_fused_forward_of_a_moe_model_matches_the_torch_modules(model_name, shar
     to 0, as the dense MLP that larger batches take; SDAR-MoE has none."""
     import diffulex_kernels
     from diffulex_backend.layers import fused_forward
+    from diffulex_backend.layers.moe import MoE
 
     if shared_experts == "dense":
         monkeypatch.setattr(fused_forward, "SHARED_AMONG_ROUTED_MAX_TOKENS", 0)
@@ -55,6 +56,12 @@ def test_fused_forward_of_a_moe_model_matches_the_torch_modules(model_name, shar
     fused = random_model(model_name, **shape, device=DEVICE, seed=11, attention_fn=diffulex_kernels.paged_attention)
     fused.fused_kernels = True
     arch = reference.arch
+    # The way asked for is the way taken, at both steps' token counts (15 and 16).
+    for layer in fused.layers:
+        if isinstance(layer.mlp, MoE) and layer.mlp.shared_experts is not None:
+            for tokens in (15, 16):
+                among_routed = fused_forward._shared_among_routed(layer.mlp, tokens)
+                assert (among_routed is not None) == (shared_experts == "among the routed")
     caches = [torch.zeros(2, arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, device=DEVICE)
               for _ in range(2)]
     pages = [[0, 1, 2, 3], [4, 5, 6, 7]]
