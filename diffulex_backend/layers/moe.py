@@ -136,12 +136,19 @@ def select_experts(
     weights = scores.gather(1, topk_ids)
     if arch.norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    weights = weights * arch.routed_scaling_factor
-    if num_shared:
-        shared = torch.arange(arch.num_experts, arch.num_experts + num_shared, device=topk_ids.device)
-        topk_ids = torch.cat([topk_ids, shared.expand(topk_ids.shape[0], num_shared)], dim=1)
-        weights = torch.cat([weights, weights.new_ones(weights.shape[0], num_shared)], dim=1)
-    return topk_ids, weights
+    return with_shared_choices(topk_ids, weights * arch.routed_scaling_factor, arch.num_experts, num_shared)
+
+
+def with_shared_choices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, num_shared: int
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The routing [T, K] with num_shared more choices per token: experts num_experts, num_experts + 1, ... at
+    weight 1 (what route_experts' num_shared writes)."""
+    if not num_shared:
+        return topk_ids, topk_weights
+    tokens = topk_ids.shape[0]
+    shared = torch.arange(num_experts, num_experts + num_shared, device=topk_ids.device).expand(tokens, num_shared)
+    return (torch.cat([topk_ids, shared], dim=1),
+            torch.cat([topk_weights, topk_weights.new_ones(tokens, num_shared)], dim=1))
 
 
 def _top_indices(values: torch.Tensor, k: int) -> torch.Tensor:  # [T, N] -> [T, k] int64, ties to the lower index

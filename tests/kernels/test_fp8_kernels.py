@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight
-from diffulex_backend.layers.moe import experts_reference
+from diffulex_backend.layers.moe import experts_reference, with_shared_choices
 from diffulex_kernels.fp8 import (
     FP8, MIN_PROGRAMS, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials,
     fp8_rows_partials, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
@@ -283,11 +283,6 @@ def fp8_shared_experts(groups: int, gen: torch.Generator, hidden: int, inter: in
         randn(hidden, count * inter, dtype=torch.float32, gen=gen) * (count * inter)**-0.5,
         1 if groups == 1 else count * inter // group_k)
     return SharedExperts(gate_up, down, gate_up_scale, down_scale)
-
-
-def with_shared_choices(ids: torch.Tensor, weights: torch.Tensor, num_experts: int, count: int):
-    shared = torch.arange(num_experts, num_experts + count, device=DEVICE).expand(ids.shape[0], count)
-    return torch.cat([ids, shared], 1), torch.cat([weights, torch.ones_like(weights[:, :count])], 1)
 
 
 @pytest.mark.parametrize("count", [1, 2])

@@ -11,6 +11,7 @@ from diffulex_kernels import fused_moe
 from diffulex_kernels.moe import (
     GELU_TANH, SILU, MoeLaunch, SharedExperts, fused_moe_reference, max_tiles, plan_moe_launch, route_to_tiles,
 )
+from diffulex_backend.layers.moe import with_shared_choices
 from kernel_cases import DEVICE, FULL_SHAPES, REL_TOL, generator, randn, relative_error
 
 # (experts, hidden, intermediate): LLaDA2-mini's and Qwen3-30B-A3B's (SDAR-30B-A3B's) expert shapes, or small ones
@@ -165,15 +166,6 @@ def test_shared_partial_sums_are_added_to_each_token_before_its_one_rounding(par
     assert bf16.dtype == torch.bfloat16 and relative_error(bf16, want) < 2**-8
     with pytest.raises(ValueError, match=r"shared partial sums must be \[S, 7, 64\]"):
         fused_moe(x, w_gate_up, w_down, topk_ids, topk_weights, shared=shared[:, :6])
-
-
-def with_shared_choices(topk_ids: torch.Tensor, topk_weights: torch.Tensor, num_experts: int, count: int):
-    """The routing with `count` more choices per token, experts num_experts on at weight 1 (route_experts'
-    num_shared)."""
-    tokens = topk_ids.shape[0]
-    shared = torch.arange(num_experts, num_experts + count, device=DEVICE).expand(tokens, count)
-    return (torch.cat([topk_ids, shared], 1),
-            torch.cat([topk_weights, torch.ones(tokens, count, device=DEVICE, dtype=topk_weights.dtype)], 1))
 
 
 def dense_mlp(x: torch.Tensor, w_gate_up: torch.Tensor, w_down: torch.Tensor) -> torch.Tensor:
