@@ -8,10 +8,10 @@ from .attention import paged_attention
 from .kv_store import store_kv
 from .moe import fused_moe
 from .moe_routing import route_experts
-from .norm import fused_add_rmsnorm, qk_rmsnorm_, rmsnorm
+from .norm import fused_add_rmsnorm, rmsnorm
 from .sampling import sample_and_confidence
 
 __all__ = [
-    "accept_tokens", "fused_add_rmsnorm", "fused_moe", "paged_attention", "qk_rmsnorm_", "rmsnorm", "route_experts",
+    "accept_tokens", "fused_add_rmsnorm", "fused_moe", "paged_attention", "rmsnorm", "route_experts",
     "sample_and_confidence", "store_kv",
 ]

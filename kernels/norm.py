@@ -78,25 +78,6 @@ def add_rmsnorm_row(x, row, cols, mask, residual_ptr, weight_ptr, out_ptr, resid
     tl.store(out_ptr + row * stride_out + cols, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit
-def _qk_rmsnorm_kernel(qk_ptr, q_weight_ptr, k_weight_ptr, stride_token, num_q_heads, head_dim, eps,
-                       BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
-    """One program per (token, head) of the adjacent q and k heads of a fused qkv row: the head's RMSNorm in place,
-    with q's weight on the first num_q_heads heads and k's on the rest."""
-    wait_for_previous_kernel(USE_PDL)
-    token = tl.program_id(0).to(tl.int64)
-    head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK)
-    mask = cols < head_dim
-    ptrs = qk_ptr + token * stride_token + head * head_dim + cols
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    inv_rms = tl.rsqrt(tl.sum(x * x, axis=0) / head_dim + eps)
-    q_weight = tl.load(q_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    k_weight = tl.load(k_weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-    weight = tl.where(head < num_q_heads, q_weight, k_weight)
-    tl.store(ptrs, (x * inv_rms * weight).to(qk_ptr.dtype.element_ty), mask=mask)
-
-
 # Fewer rows than an H100 has multiprocessors (132): one program a row leaves most of them idle, and a program's
 # latency is the launch's.
 FEW_ROWS = 128
@@ -144,22 +125,6 @@ def rmsnorm(
     out = torch.empty_like(x) if out is None else out
     _launch(x, None, weight, eps, out, None, num_warps=num_warps)
     return out
-
-
-def qk_rmsnorm_(qk: torch.Tensor, num_q_heads: int, head_dim: int, q_weight: torch.Tensor, k_weight: torch.Tensor,
-                eps: float) -> None:
-    """qk: [T, (q_heads + kv_heads) * head_dim], the q and k columns of a fused qkv projection's rows (any row
-    stride). Each head is RMSNormed in place, q's heads with q_weight and k's with k_weight: one launch for what
-    two norms over [T, heads, head_dim] views take."""
-    if qk.stride(-1) != 1:
-        raise ValueError("qk_rmsnorm_: the head dimension must be contiguous")
-    tokens, width = qk.shape
-    if tokens == 0:
-        return
-    _qk_rmsnorm_kernel[(tokens, width // head_dim)](
-        qk, q_weight, k_weight, qk.stride(0), num_q_heads, head_dim, eps,
-        BLOCK=triton.next_power_of_2(head_dim), USE_PDL=use_pdl(qk), launch_pdl=use_pdl(qk),
-    )
 
 
 def fused_add_rmsnorm(

@@ -2,11 +2,15 @@
 
 One program rotates every head of one token, so a decoder layer rotates q and k together in one launch when
 they sit side by side in the fused qkv projection's output (a [T, heads + kv_heads, head_dim] view of it).
-The rotation runs in float32 from the float32 cos/sin of `rotary_angles`, as the reference does.
-`rotate_and_store_kv` also writes the rotated K and the V of tokens with a cache slot, in the same launch, into a
+The rotation runs in float32 from the float32 cos/sin of `rotary_angles`, as the reference does; a partial rotary
+(LLaDA2) rotates each head's first rotary_dim values and passes the rest through. Models with per-head q/k norms
+(SDAR, LLaDA2) norm each head in the same launch before it rotates (`HeadNorm`).
+`rotate_and_store_kv` also writes the K and the V of tokens with a cache slot, in the same launch, into a
 cache of the model's dtype or of FP8 rows (each row cast with its own scale, as `kv_store.store_kv` casts it).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -20,21 +24,46 @@ from .pdl import use_pdl, wait_for_previous_kernel
 @triton.jit
 def _rotary_kernel(
     x_ptr, cos_ptr, sin_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_ptr, slot_mapping_ptr,
+    q_weight_ptr, k_weight_ptr, eps,
     stride_xt, stride_xh, stride_cos, stride_sin, stride_vt, stride_vh, stride_cache_slot, stride_cache_head,
     stride_scale_slot, stride_scale_head, num_heads, num_q_heads,
-    HALF: tl.constexpr, BLOCK_H: tl.constexpr, STORE_KV: tl.constexpr, FP8: tl.constexpr, KV_HEADS: tl.constexpr,
-    BLOCK_KV: tl.constexpr, USE_PDL: tl.constexpr,
+    HALF: tl.constexpr, PASS: tl.constexpr, BLOCK_PASS: tl.constexpr, BLOCK_D: tl.constexpr, NORM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    STORE_KV: tl.constexpr, FP8: tl.constexpr, KV_HEADS: tl.constexpr, BLOCK_KV: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    """One program per token and tile of heads. A head is three pieces: the two halves that rotate (HALF values
+    each) and the PASS values after them that do not (partial rotary). With NORM each head is RMSNormed first, q's
+    heads with q's weight and k's with k's, and rounded to x's dtype before it rotates, as a norm launch and a
+    rotary launch would leave it."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
+    rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
+    in_head = rest < 2 * HALF + PASS
     mask = (heads < num_heads)[:, None]
+    rest_mask = mask & in_head[None, :]
     cos = tl.load(cos_ptr + token * stride_cos + dims)[None, :]  # [1, HALF] float32
     sin = tl.load(sin_ptr + token * stride_sin + dims)[None, :]
-    first = x_ptr + token * stride_xt + heads[:, None] * stride_xh + dims[None, :]  # [BLOCK_H, HALF]
+    head_ptrs = x_ptr + token * stride_xt + heads[:, None] * stride_xh
+    first = head_ptrs + dims[None, :]  # [BLOCK_H, HALF]
     x1 = tl.load(first, mask=mask).to(tl.float32)
     x2 = tl.load(first + HALF, mask=mask).to(tl.float32)
+    if PASS > 0:
+        x3 = tl.load(head_ptrs + rest[None, :], mask=rest_mask, other=0.0).to(tl.float32)
+    if NORM:
+        squares = tl.sum(x1 * x1, axis=1) + tl.sum(x2 * x2, axis=1)
+        if PASS > 0:
+            squares += tl.sum(x3 * x3, axis=1)
+        inv_rms = tl.rsqrt(squares / (2 * HALF + PASS) + eps)[:, None]
+        is_q = (heads < num_q_heads)[:, None]
+        every = dims < HALF
+        x1 = _normed(x1, inv_rms, is_q, q_weight_ptr, k_weight_ptr, dims, every, x_ptr.dtype.element_ty)
+        x2 = _normed(x2, inv_rms, is_q, q_weight_ptr, k_weight_ptr, HALF + dims, every, x_ptr.dtype.element_ty)
+        if PASS > 0:
+            x3 = _normed(x3, inv_rms, is_q, q_weight_ptr, k_weight_ptr, rest, in_head, x_ptr.dtype.element_ty)
+            tl.store(head_ptrs + rest[None, :], x3.to(x_ptr.dtype.element_ty), mask=rest_mask)
     rotated1 = (x1 * cos - x2 * sin).to(x_ptr.dtype.element_ty)
     rotated2 = (x2 * cos + x1 * sin).to(x_ptr.dtype.element_ty)
     tl.store(first, rotated1, mask=mask)
@@ -42,28 +71,37 @@ def _rotary_kernel(
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:
-            # The k heads follow the q heads: write their rotated values, as stored in x, to the token's slot.
+            # The k heads follow the q heads: write their values, as left in x, to the token's slot.
             cache_slot = slot.to(tl.int64) * stride_cache_slot
             scale_slot = slot.to(tl.int64) * stride_scale_slot
             kv_head = heads - num_q_heads
             is_k_head = (heads < num_heads) & (kv_head >= 0)
             is_k = is_k_head[:, None]
-            k_dst = k_cache_ptr + cache_slot + kv_head[:, None] * stride_cache_head + dims[None, :]
+            k_dst = k_cache_ptr + cache_slot + kv_head[:, None] * stride_cache_head
             if FP8:
-                # The row's scale covers both halves; a NaN in either makes it NaN, as the reference's amax does.
+                # The row's scale covers every piece; a NaN in any makes it NaN, as the reference's amax does.
                 k1, k2 = rotated1.to(tl.float32), rotated2.to(tl.float32)
-                k_scale = kv_row_scale(tl.maximum(abs_max(k1, 1), abs_max(k2, 1), propagate_nan=tl.PropagateNan.ALL))
-                tl.store(k_dst, to_e4m3(k1, k_scale), mask=is_k)
-                tl.store(k_dst + HALF, to_e4m3(k2, k_scale), mask=is_k)
+                amax = tl.maximum(abs_max(k1, 1), abs_max(k2, 1), propagate_nan=tl.PropagateNan.ALL)
+                if PASS > 0:
+                    k3 = x3.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    amax = tl.maximum(amax, abs_max(k3, 1), propagate_nan=tl.PropagateNan.ALL)
+                k_scale = kv_row_scale(amax)
+                tl.store(k_dst + dims[None, :], to_e4m3(k1, k_scale), mask=is_k)
+                tl.store(k_dst + HALF + dims[None, :], to_e4m3(k2, k_scale), mask=is_k)
+                if PASS > 0:
+                    tl.store(k_dst + rest[None, :], to_e4m3(k3, k_scale), mask=is_k & rest_mask)
                 tl.store(k_scale_ptr + scale_slot + kv_head * stride_scale_head, k_scale, mask=is_k_head)
             else:
-                tl.store(k_dst, rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-                tl.store(k_dst + HALF, rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+                tl.store(k_dst + dims[None, :], rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+                tl.store(k_dst + HALF + dims[None, :], rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
+                if PASS > 0:
+                    k3 = x3.to(x_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
+                    tl.store(k_dst + rest[None, :], k3, mask=is_k & rest_mask)
             if tl.program_id(1) == 0:
                 kv_heads = tl.arange(0, BLOCK_KV)
-                head_dims = tl.arange(0, 2 * HALF)
+                head_dims = tl.arange(0, BLOCK_D)
                 is_v_head = kv_heads < KV_HEADS
-                v_mask = is_v_head[:, None]
+                v_mask = is_v_head[:, None] & (head_dims < 2 * HALF + PASS)[None, :]
                 v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask)
                 v_dst = v_cache_ptr + cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
                 if FP8:
@@ -75,20 +113,50 @@ def _rotary_kernel(
                     tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
 
 
-def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, name: str) -> None:
-    num_tokens, _, head_dim = x.shape
-    half = head_dim // 2
+@triton.jit
+def _normed(x, inv_rms, is_q, q_weight_ptr, k_weight_ptr, cols, valid, dtype: tl.constexpr):
+    """x's columns `cols` (those `valid`) normed by inv_rms with q's or k's weight, rounded to dtype, back in
+    float32."""
+    q_weight = tl.load(q_weight_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+    k_weight = tl.load(k_weight_ptr + cols, mask=valid, other=0.0).to(tl.float32)[None, :]
+    return (x * inv_rms * tl.where(is_q, q_weight, k_weight)).to(dtype).to(tl.float32)
+
+
+@dataclass(frozen=True)
+class HeadNorm:
+    """Each head's RMSNorm before it rotates (SDAR, LLaDA2): q's weight on the first `num_q_heads` heads, k's on
+    the rest, in float32, the result rounded to the heads' dtype."""
+
+    q_weight: torch.Tensor  # [head_dim]
+    k_weight: torch.Tensor  # [head_dim]
+    eps: float
+    num_q_heads: int
+
+
+def _check(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm: HeadNorm | None, name: str) -> None:
+    num_tokens, heads, head_dim = x.shape
+    half = cos.shape[-1] if cos.dim() == 2 else -1
     if x.stride(-1) != 1 or cos.stride(-1) != 1 or sin.stride(-1) != 1:
         raise ValueError(f"{name}: x, cos and sin need a contiguous last dimension")
-    if half != triton.next_power_of_2(half) or cos.shape != (num_tokens, half) or sin.shape != (num_tokens, half):
-        raise ValueError(f"{name}: head_dim {head_dim} must be twice a power of two, with cos and sin "
-                         f"of shape ({num_tokens}, {half})")
+    if (half < 1 or half != triton.next_power_of_2(half) or 2 * half > head_dim or cos.shape != (num_tokens, half)
+            or sin.shape != cos.shape):
+        raise ValueError(f"{name}: cos and sin must be [{num_tokens}, rotary_dim // 2], where rotary_dim is at most "
+                         f"head_dim ({head_dim}) and twice a power of two; got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
+    if norm is not None:
+        if not all(w.shape == (head_dim,) and w.stride(-1) == 1 for w in (norm.q_weight, norm.k_weight)):
+            raise ValueError(f"{name}: the norm's weights must be contiguous [{head_dim}], got "
+                             f"{tuple(norm.q_weight.shape)} and {tuple(norm.k_weight.shape)}")
+        if not 0 <= norm.num_q_heads <= heads:
+            raise ValueError(f"{name}: the norm's num_q_heads ({norm.num_q_heads}) must be within x's {heads} heads")
 
 
-def _launch(x, cos, sin, store: tuple | None) -> None:
+def _launch(x, cos, sin, norm: HeadNorm | None, store: tuple | None) -> None:
     num_tokens, num_heads, head_dim = x.shape
     if num_tokens == 0:
         return
+    half = cos.shape[-1]
+    rest = head_dim - 2 * half
     block_h = min(64, triton.next_power_of_2(num_heads))
     fp8 = store is not None and store[1].dtype == torch.uint8
     if store is None:
@@ -100,45 +168,56 @@ def _launch(x, cos, sin, store: tuple | None) -> None:
         check_slots(k_cache, v_cache, value.shape[1], head_dim, "rotate_and_store_kv")
         v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
         kv_heads = value.shape[1]
+    # Without a norm its weights are never read (NORM=False); the q heads are those before the kv heads.
+    q_weight, k_weight, eps = (x, x, 0.0) if norm is None else (norm.q_weight, norm.k_weight, norm.eps)
+    num_q_heads = num_heads - kv_heads if norm is None else norm.num_q_heads
     _rotary_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        x, cos, sin, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
+        x, cos, sin, value, k_cache, v_cache, k_scales, v_scales, slot_mapping, q_weight, k_weight, eps,
         x.stride(0), x.stride(1), cos.stride(0), sin.stride(0), *v_strides, *cache_strides, *scale_strides,
-        num_heads, num_heads - kv_heads,
-        HALF=head_dim // 2, BLOCK_H=block_h, STORE_KV=store is not None, FP8=fp8, KV_HEADS=kv_heads,
-        BLOCK_KV=triton.next_power_of_2(kv_heads), USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
+        num_heads, num_q_heads,
+        HALF=half, PASS=rest, BLOCK_PASS=triton.next_power_of_2(max(rest, 1)),
+        BLOCK_D=triton.next_power_of_2(head_dim), NORM=norm is not None, BLOCK_H=block_h,
+        STORE_KV=store is not None, FP8=fp8, KV_HEADS=kv_heads, BLOCK_KV=triton.next_power_of_2(kv_heads),
+        USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
     )
 
 
 def rotate_in_place(
     x: torch.Tensor,  # [T, heads, head_dim], any token and head strides, contiguous head_dim
-    cos: torch.Tensor,  # [T, head_dim // 2] float32
-    sin: torch.Tensor,  # [T, head_dim // 2] float32
+    cos: torch.Tensor,  # [T, rotary_dim // 2] float32
+    sin: torch.Tensor,  # [T, rotary_dim // 2] float32
+    norm: HeadNorm | None = None,
 ) -> torch.Tensor:
-    """Rotate `x` in place (rotate-half layout) and return it."""
-    _check(x, cos, sin, "rotate_in_place")
-    _launch(x, cos, sin, None)
+    """Rotate `x` in place (rotate-half layout over each head's first rotary_dim values; the rest pass through)
+    and return it; with `norm`, each head is RMSNormed first."""
+    _check(x, cos, sin, norm, "rotate_in_place")
+    _launch(x, cos, sin, norm, None)
     return x
 
 
 def rotate_and_store_kv(
     qk: torch.Tensor,  # [T, heads + kv_heads, head_dim]: q's heads then k's, as in the fused qkv output
     value: torch.Tensor,  # [T, kv_heads, head_dim]
-    cos: torch.Tensor,  # [T, head_dim // 2] float32
+    cos: torch.Tensor,  # [T, rotary_dim // 2] float32
     sin: torch.Tensor,
     k_cache: torch.Tensor,  # [num_pages, page_size, kv_heads, head_dim], contiguous, or FP8 rows (kv_store.py)
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64, -1 to skip a token
+    norm: HeadNorm | None = None,
 ) -> None:
-    """`rotate_in_place(qk)`, then `store_kv` of the rotated k heads and `value`, in one launch: a decoder layer
-    stores its committed blocks' K/V without a launch of its own. Into FP8 rows the values and scales are
-    `store_kv`'s, bit for bit."""
-    _check(qk, cos, sin, "rotate_and_store_kv")
+    """`rotate_in_place(qk, norm=norm)`, then `store_kv` of the k heads as left in qk and of `value`, in one
+    launch: a decoder layer stores its committed blocks' K/V without a launch of its own. Into FP8 rows the values
+    and scales are `store_kv`'s, bit for bit."""
+    _check(qk, cos, sin, norm, "rotate_and_store_kv")
     num_tokens, heads, head_dim = qk.shape
     if value.dim() != 3 or value.shape[0] != num_tokens or value.shape[2] != head_dim or value.shape[1] >= heads:
         raise ValueError(f"rotate_and_store_kv: value must be [{num_tokens}, kv_heads, {head_dim}] with fewer kv "
                          f"heads than qk's {heads}, got {tuple(value.shape)}")
+    if norm is not None and norm.num_q_heads != heads - value.shape[1]:
+        raise ValueError(f"rotate_and_store_kv: the norm's num_q_heads ({norm.num_q_heads}) must be qk's heads "
+                         f"less value's ({heads} - {value.shape[1]})")
     if slot_mapping.shape != (num_tokens,):
         raise ValueError(f"rotate_and_store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if value.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rotate_and_store_kv: value needs a contiguous head_dim and the caches must be contiguous")
-    _launch(qk, cos, sin, (value, k_cache, v_cache, slot_mapping))
+    _launch(qk, cos, sin, norm, (value, k_cache, v_cache, slot_mapping))

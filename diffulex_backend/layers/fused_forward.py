@@ -21,9 +21,9 @@ small kernels would otherwise cost more than the weights take to stream.
   (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in its last step. With fp8
   experts the tokens are cast once for the routed and the shared experts. Its [T, hidden] output goes to the same
   residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
-- Per-head q/k norms (LLaDA2, SDAR, Qwen3-style models) run in place over q and k's columns of the qkv rows, every
-  head of both in one launch. Partial rotary (LLaDA2) rotates the first rotary_dim dims through a view of q and k
-  (the kernel takes any head stride), after those norms.
+- q and k are normed per head (LLaDA2, SDAR, Qwen3-style models), rotated (partially for LLaDA2: each head's
+  first rotary_dim values), and stored with v into the cache for the tokens that have a slot, in place over the
+  qkv rows, in one launch (`diffulex_kernels.rotary`).
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
   streaming kernel, o_proj and down_proj as split-K partial sums too; gate_up's SiLU-and-mul is a launch of its own.
   The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
@@ -59,10 +59,10 @@ from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, quantize_rows
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
-from diffulex_kernels.norm import fused_add_rmsnorm_fp8, qk_rmsnorm_, rmsnorm_fp8
+from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
 from diffulex_kernels.moe import SharedExperts, fused_moe, shared_experts_misfit
-from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
+from diffulex_kernels.rotary import HeadNorm, rotate_and_store_kv, rotate_in_place
 from diffulex_kernels.soft_embedding import soft_embeddings
 
 
@@ -283,26 +283,15 @@ def _self_attention(
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
-    rotary_dim = 2 * cos.shape[-1]
-    # The store-fused launch rotates whole heads; a partial-rotary model takes the view path below.
-    fuse_store = attn.q_norm is None and rotary_dim == head_dim
-    kv_stored = fuse_store and k_cache is not None
-    if fuse_store:
-        # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view rotates both, and the
-        # same launch stores the rotated k and v of the tokens that have a cache slot.
-        qk = qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
-        if kv_stored:
-            rotate_and_store_kv(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping)
-        else:
-            rotate_in_place(qk, cos, sin)
+    # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view norms (SDAR, LLaDA2) and
+    # rotates both, and the same launch stores the k and v of the tokens that have a cache slot.
+    qk = qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
+    norm = None if attn.q_norm is None else HeadNorm(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, heads)
+    kv_stored = k_cache is not None
+    if kv_stored:
+        rotate_and_store_kv(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping, norm)
     else:
-        if attn.q_norm is not None:  # every head of q and k, in place in qkv, in one launch
-            qk_rmsnorm_(qkv[:, :q_size + kv_size], heads, head_dim, attn.q_norm.weight, attn.k_norm.weight,
-                        attn.q_norm.eps)
-        # Views of the first rotary_dim dims of each head ([T, heads, rotary_dim], head stride head_dim): the rest
-        # of each head passes through unrotated.
-        rotate_in_place(q[..., :rotary_dim], cos, sin)
-        rotate_in_place(k[..., :rotary_dim], cos, sin)
+        rotate_in_place(qk, cos, sin, norm)
     # The Triton kernel, or flash_attention.FlashAttention over it: [T, heads, head_dim].
     out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention

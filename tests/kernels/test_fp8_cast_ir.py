@@ -79,14 +79,15 @@ KERNELS = {
              stride_vh="i32", stride_cache_slot="i32", stride_cache_head="i32", stride_scale_slot="i32",
              stride_scale_head="i32"),
         dict(KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, FP8=True, USE_PDL=False)),
-    "rotate_and_store_kv into fp8 rows": (
+    "rotate_and_store_kv into fp8 rows, normed and partially rotated": (
         rotary._rotary_kernel,
         dict(x_ptr="*bf16", cos_ptr="*fp32", sin_ptr="*fp32", v_ptr="*bf16", k_cache_ptr="*fp8e4nv",
              v_cache_ptr="*fp8e4nv", k_scale_ptr="*fp32", v_scale_ptr="*fp32", slot_mapping_ptr="*i64",
-             stride_xt="i32", stride_xh="i32", stride_cos="i32", stride_sin="i32", stride_vt="i32", stride_vh="i32",
+             q_weight_ptr="*bf16", k_weight_ptr="*bf16", eps="fp32", stride_xt="i32", stride_xh="i32", stride_cos="i32", stride_sin="i32", stride_vt="i32", stride_vh="i32",
              stride_cache_slot="i32", stride_cache_head="i32", stride_scale_slot="i32", stride_scale_head="i32",
              num_heads="i32", num_q_heads="i32"),
-        dict(HALF=64, BLOCK_H=64, STORE_KV=True, FP8=True, KV_HEADS=32, BLOCK_KV=32, USE_PDL=False)),
+        dict(HALF=32, PASS=64, BLOCK_PASS=64, BLOCK_D=128, NORM=True, BLOCK_H=32, STORE_KV=True, FP8=True,
+             KV_HEADS=4, BLOCK_KV=4, USE_PDL=False)),
 }
 print(json.dumps({name: sorted(set(re.findall(r"arith\.((?:max|min)\w*)", ttir(*args))))
                   for name, args in KERNELS.items()}))

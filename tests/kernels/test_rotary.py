@@ -1,4 +1,5 @@
-"""RoPE in place matches the reference rotation, on q and k side by side in a fused qkv buffer."""
+"""RoPE in place matches the reference rotation, on q and k side by side in a fused qkv buffer: whole heads, or each
+head's first rotary_dim values (partial rotary), after a per-head RMSNorm or without one."""
 from __future__ import annotations
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from diffulex_backend.layers.rotary import apply_rotary, rotary_angles
 from diffulex_kernels.kv_store import fp8_row_bytes, fp8_rows, pack_fp8_rows, store_kv
-from diffulex_kernels.rotary import rotate_and_store_kv, rotate_in_place
+from diffulex_kernels.rotary import HeadNorm, rotate_and_store_kv, rotate_in_place
 from kernel_cases import DEVICE, FULL_SHAPES, generator, randn, relative_error
 
 # (tokens, heads, kv_heads, head_dim): LLaDA-8B and Dream-7B, or small ones with a ragged head tile.
@@ -59,16 +60,92 @@ def test_bfloat16_rotation_rounds_like_the_reference():
     assert ((x.float() - expected.float()).abs() <= one_ulp).all()
 
 
+def head_norm(num_q_heads: int, head_dim: int, dtype: torch.dtype, gen: torch.Generator) -> HeadNorm:
+    """Weights about 1 with a spread, in the model's dtype, as a checkpoint's q_norm and k_norm hold them."""
+    q_weight, k_weight = (1 + 0.3 * randn(head_dim, dtype=torch.float32, gen=gen) for _ in range(2))
+    return HeadNorm(q_weight.to(dtype), k_weight.to(dtype), 1e-6, num_q_heads)
+
+
+def normed_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each head RMSNormed in float32 with its weight, rounded once to x's dtype (the kernel's rounding; the torch
+    module rounds before it multiplies by the weight too)."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps) * weight.float()).to(x.dtype)
+
+
+@pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("shape", [(5, 16, 4, 128), (3, 6, 2, 96), (4, 3, 1, 64)], ids=str)
+def test_partial_rotary_rotates_the_first_rotary_dim_values_and_passes_the_rest(shape, dtype, normed):
+    """LLaDA2's rotary (partial_rotary_factor 0.5) over each head's first half, after the per-head q/k norms when
+    the model has them: as the torch modules compute it, every head of q and k in one launch. A head of 96 values
+    passes a tail of 32 through unrotated, one of 128 or 64 its second half; v and everything past the k heads is
+    untouched."""
+    tokens, heads, kv_heads, head_dim = shape
+    rotary_dim = 64 if head_dim == 96 else head_dim // 2
+    gen = generator(tokens * head_dim + int(normed))
+    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen) * 3
+    cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), rotary_dim, 10000.0)
+    norm = head_norm(heads, head_dim, dtype, gen) if normed else None
+    q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    if normed:
+        q, k = normed_reference(q, norm.q_weight, norm.eps), normed_reference(k, norm.k_weight, norm.eps)
+    expected_q, expected_k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    v_before = qkv[:, (heads + kv_heads) * head_dim:].clone()
+
+    qk = qkv[:, : (heads + kv_heads) * head_dim].view(tokens, heads + kv_heads, head_dim)
+    rotate_in_place(qk, cos, sin, norm)
+
+    got_q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
+    got_k = qkv[:, heads * head_dim:(heads + kv_heads) * head_dim].reshape(tokens, kv_heads, head_dim)
+    # In bfloat16 a value rounds twice, normed and rotated, and the rotation mixes two normed values: a few units in
+    # the last place of the head's largest value (the interpreter truncates where a GPU rounds to nearest, so up to
+    # twice a GPU's error; kernel_cases.assert_equal_after_rounding). In float32, rounding. A weight of the other
+    # projection, or a norm over the wrong values, is off by tenths.
+    tolerance = 2.0**-5 if dtype == torch.bfloat16 else 1e-5
+    for got, expected in ((got_q, expected_q), (got_k, expected_k)):
+        largest = expected.float().abs().amax(-1, keepdim=True)
+        assert ((got.float() - expected.float()).abs() <= tolerance * largest).all()
+        assert relative_error(got, expected) < (1e-2 if dtype == torch.bfloat16 else 1e-6)
+    if not normed:  # nothing rounds the values past rotary_dim: they are the very same
+        assert torch.equal(got_q[..., rotary_dim:], q[..., rotary_dim:])
+    assert torch.equal(qkv[:, (heads + kv_heads) * head_dim:], v_before)
+
+
+def test_a_norm_or_rotary_dim_that_does_not_fit_the_heads_is_refused():
+    """The norm's weights must be a head long, and its q heads within x's: else it would read past the weights or
+    give q's weight to k's heads. Refused by name, and x is left as it was."""
+    gen = generator(3)
+    x = randn(2, 3, 64, dtype=torch.bfloat16, gen=gen)
+    before = x.clone()
+    cos, sin = rotary_angles(torch.arange(2, device=DEVICE), 64, 10000.0)
+    short = HeadNorm(torch.ones(32, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6, 2)
+    with pytest.raises(ValueError, match=r"rotate_in_place: the norm's weights must be contiguous \[64\]"):
+        rotate_in_place(x, cos, sin, short)
+    too_many = HeadNorm(torch.ones(64, device=DEVICE), torch.ones(64, device=DEVICE), 1e-6, 4)
+    with pytest.raises(ValueError, match=r"num_q_heads \(4\) must be within x's 3 heads"):
+        rotate_in_place(x, cos, sin, too_many)
+    wide = rotary_angles(torch.arange(2, device=DEVICE), 128, 10000.0)
+    with pytest.raises(ValueError, match=r"rotary_dim is at most head_dim \(64\)"):
+        rotate_in_place(x, *wide)
+    assert torch.equal(x, before)
+
+
+@pytest.mark.parametrize("head", ["whole", "normed", "normed-partial", "partial"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
 @pytest.mark.parametrize("shape", [*SHAPES, (3, 8, 72, 64)], ids=str)  # and more kv heads than a head tile holds
-def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype):
+def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype, head):
     """The fused launch leaves qkv and both caches as `rotate_in_place` then `store_kv` leave them, byte for byte:
-    into FP8 rows too, each row's e4m3 values and its scale."""
+    into FP8 rows too, each row's e4m3 values and its scale; with each head normed first, and with a partial rotary
+    whose unrotated values are stored too."""
     tokens, heads, kv_heads, head_dim = shape
     gen = generator(tokens * heads + 1)
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen)
-    cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), head_dim, 10000.0)
+    rotary_dim = head_dim // 2 if "partial" in head else head_dim
+    cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), rotary_dim, 10000.0)
+    norm = head_norm(heads, head_dim, dtype, gen) if "normed" in head else None
     page_size = 16
     num_pages = tokens // page_size + 2  # room for every token's slot, and slots no token writes
     caches = [randn(num_pages, page_size, kv_heads, head_dim, dtype=dtype, gen=gen) for _ in range(2)]
@@ -84,11 +161,11 @@ def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype):
 
     expected_qkv, (expected_k_cache, expected_v_cache) = qkv.clone(), [c.clone() for c in caches]
     qk, k, v = split(expected_qkv)
-    rotate_in_place(qk, cos, sin)
+    rotate_in_place(qk, cos, sin, norm)
     store_kv(k, v, expected_k_cache, expected_v_cache, slot_mapping)
 
     qk, _, v = split(qkv)
-    rotate_and_store_kv(qk, v, cos, sin, caches[0], caches[1], slot_mapping)
+    rotate_and_store_kv(qk, v, cos, sin, caches[0], caches[1], slot_mapping, norm)
     assert torch.equal(qkv, expected_qkv)
     assert torch.equal(caches[0], expected_k_cache)  # stored slots hold the rotated k, the others are untouched
     assert torch.equal(caches[1], expected_v_cache)
@@ -122,7 +199,8 @@ def test_a_row_holding_nan_stored_as_fp8_gets_a_nan_scale_and_the_rows_beside_it
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
 @pytest.mark.parametrize("wrong", ["more kv heads than the cache", "fewer kv heads than the cache",
-                                   "another head_dim", "short slot mapping", "kv heads not fewer than qk's"])
+                                   "another head_dim", "short slot mapping", "kv heads not fewer than qk's",
+                                   "a norm over other q heads"])
 def test_rotate_and_store_kv_refuses_what_its_caches_do_not_hold_and_writes_nothing(wrong, fp8):
     """A value whose heads or head size the caches do not hold, or a slot mapping of another length, would write
     past the slots it names: the call refuses it with a message naming the shapes, and leaves qk and the caches
@@ -140,13 +218,15 @@ def test_rotate_and_store_kv_refuses_what_its_caches_do_not_hold_and_writes_noth
         cache_dim = 32
     elif wrong == "short slot mapping":
         slots = tokens - 1
-    else:
+    elif wrong == "kv heads not fewer than qk's":
         value = randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
+    norm = HeadNorm(torch.ones(head_dim, device=DEVICE), torch.ones(head_dim, device=DEVICE), 1e-6,
+                    heads - kv_heads + 1) if wrong == "a norm over other q heads" else None
     caches = [randn(2, 16, cache_heads, cache_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
     if fp8:
         caches = [pack_fp8_rows(cache) for cache in caches]
     before = [qk.clone(), *(c.clone() for c in caches)]
     cos, sin = rotary_angles(torch.arange(tokens, device=DEVICE), head_dim, 10000.0)
-    with pytest.raises(ValueError, match=r"rotate_and_store_kv: (value|slot_mapping|k_cache)"):
-        rotate_and_store_kv(qk, value, cos, sin, caches[0], caches[1], torch.arange(slots, device=DEVICE))
+    with pytest.raises(ValueError, match=r"rotate_and_store_kv: (value|slot_mapping|k_cache|the norm's num_q_heads)"):
+        rotate_and_store_kv(qk, value, cos, sin, caches[0], caches[1], torch.arange(slots, device=DEVICE), norm)
     assert all(torch.equal(now, then) for now, then in zip([qk, *caches], before))
