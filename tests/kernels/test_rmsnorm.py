@@ -74,22 +74,3 @@ def test_residual_can_be_updated_in_place():
     assert new_residual.data_ptr() == residual.data_ptr()
     assert_equal_after_rounding(residual, expected_residual)
     assert relative_error(normed, rmsnorm_reference(expected_residual, weight, EPS)) < REL_TOL[torch.bfloat16]
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-@pytest.mark.parametrize("heads, kv_heads, head_dim", [(16, 4, 128), (4, 2, 64), (3, 1, 96)])
-def test_the_qk_norm_norms_each_head_of_q_and_k_in_place_and_leaves_v(heads, kv_heads, head_dim, dtype):
-    gen = generator(heads * head_dim)
-    tokens = 7
-    qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen) * 3
-    q_weight = randn(head_dim, dtype=dtype, gen=gen)
-    k_weight = randn(head_dim, dtype=dtype, gen=gen)
-    q_size, kv_size = heads * head_dim, kv_heads * head_dim
-    q = qkv[:, :q_size].reshape(-1, head_dim).clone()
-    k = qkv[:, q_size:q_size + kv_size].reshape(-1, head_dim).clone()
-    v = qkv[:, q_size + kv_size:].clone()
-    diffulex_kernels.qk_rmsnorm_(qkv[:, :q_size + kv_size], heads, head_dim, q_weight, k_weight, EPS)
-    assert relative_error(qkv[:, :q_size].reshape(-1, head_dim), rmsnorm_reference(q, q_weight, EPS)) < REL_TOL[dtype]
-    assert relative_error(qkv[:, q_size:q_size + kv_size].reshape(-1, head_dim),
-                          rmsnorm_reference(k, k_weight, EPS)) < REL_TOL[dtype]
-    assert torch.equal(qkv[:, q_size + kv_size:], v)
