@@ -906,7 +906,8 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                 torch.nn.functional.linear(x_for(head), head)
 
         with torch.inference_mode():
-            if device.type == "cuda":
+            # The torch modules' experts (experts_reference) read their counts on the host, which no graph captures.
+            if device.type == "cuda" and model.fused_kernels:
                 matmul_ms = graph_replay_ms(matmuls, device, plan.reps)
             else:
                 matmul_ms = wall_ms(matmuls, device)
