@@ -1,10 +1,12 @@
 """Rotary position embedding applied in place: the kernel twin of `diffulex_backend.layers.rotary.apply_rotary`.
 
-One program rotates every head of one token, so a decoder layer rotates q and k together in one launch when
-they sit side by side in the fused qkv projection's output (a [T, heads + kv_heads, head_dim] view of it).
+A program rotates a tile of up to 64 heads of one token, so a decoder layer rotates q and k together in one launch
+when they sit side by side in the fused qkv projection's output (a [T, heads + kv_heads, head_dim] view of it).
 The rotation runs in float32 from the float32 cos/sin of `rotary_angles`, as the reference does; a partial rotary
 (LLaDA2) rotates each head's first rotary_dim values and passes the rest through. Models with per-head q/k norms
-(SDAR, LLaDA2) norm each head in the same launch before it rotates (`HeadNorm`).
+(SDAR, LLaDA2, DreamReasoner) norm each head in the same launch before it rotates (`HeadNorm`): in float32, rounded
+once to the heads' dtype, where the torch module (`diffulex_backend.layers.norm.RMSNorm`) also rounds before it
+multiplies by the weight.
 `rotate_and_store_kv` also writes the K and the V of tokens with a cache slot, in the same launch, into a
 cache of the model's dtype or of FP8 rows (each row cast with its own scale, as `kv_store.store_kv` casts it).
 """
@@ -102,7 +104,9 @@ def _rotary_kernel(
                 head_dims = tl.arange(0, BLOCK_D)
                 is_v_head = kv_heads < KV_HEADS
                 v_mask = is_v_head[:, None] & (head_dims < 2 * HALF + PASS)[None, :]
-                v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask)
+                # Masked lanes hold zeros: an FP8 row's scale is the largest magnitude over the whole tile.
+                v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask,
+                            other=0.0)
                 v_dst = v_cache_ptr + cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
                 if FP8:
                     v = v.to(tl.float32)
@@ -122,9 +126,9 @@ def _normed(x, inv_rms, is_q, q_weight_ptr, k_weight_ptr, cols, valid, dtype: tl
     return (x * inv_rms * tl.where(is_q, q_weight, k_weight)).to(dtype).to(tl.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class HeadNorm:
-    """Each head's RMSNorm before it rotates (SDAR, LLaDA2): q's weight on the first `num_q_heads` heads, k's on
+    """Each head's RMSNorm before it rotates (SDAR, LLaDA2, DreamReasoner): q's weight on the first `num_q_heads` heads, k's on
     the rest, in float32, the result rounded to the heads' dtype."""
 
     q_weight: torch.Tensor  # [head_dim]
@@ -210,6 +214,9 @@ def rotate_and_store_kv(
     and scales are `store_kv`'s, bit for bit."""
     _check(qk, cos, sin, norm, "rotate_and_store_kv")
     num_tokens, heads, head_dim = qk.shape
+    if head_dim != triton.next_power_of_2(head_dim):
+        raise ValueError(f"rotate_and_store_kv: head_dim {head_dim} is not a power of two, which the cache's kernels "
+                         "(store_kv, paged_attention) take")
     if value.dim() != 3 or value.shape[0] != num_tokens or value.shape[2] != head_dim or value.shape[1] >= heads:
         raise ValueError(f"rotate_and_store_kv: value must be [{num_tokens}, kv_heads, {head_dim}] with fewer kv "
                          f"heads than qk's {heads}, got {tuple(value.shape)}")

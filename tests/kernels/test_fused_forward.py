@@ -97,7 +97,7 @@ def test_the_rope_launch_stores_the_forward_s_k_and_v(model_name, kv_cache_dtype
     with torch.inference_mode():
         fused(torch.arange(5, device=DEVICE), torch.arange(5, device=DEVICE), meta, cache)
     assert not stores
-    # Every token's K and V reached its slot in every layer, stored by one launch or the other.
+    # Every token's K and V reached its slot in every layer, stored by the RoPE launch.
     for kind in range(2):
         for layer in range(2):
             assert cache_rows(cache[kind, layer], torch.arange(5, device=DEVICE)).abs().sum(-1).gt(0).all()

@@ -76,15 +76,19 @@ def normed_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch
 @pytest.mark.parametrize("normed", [False, True], ids=["plain", "normed"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape, rotary_dim", [((5, 16, 4, 128), 128), ((5, 16, 4, 128), 64), ((3, 6, 2, 96), 64),
-                                               ((4, 3, 1, 64), 64), ((4, 3, 1, 64), 32)], ids=str)
-def test_the_head_norm_and_a_partial_rotary_match_the_torch_modules(shape, rotary_dim, dtype, normed):
+                                               ((3, 6, 2, 112), 64), ((4, 3, 1, 64), 64), ((4, 3, 1, 64), 32),
+                                               ((4, 3, 1, 128), 32)], ids=str)
+def test_the_head_norm_and_a_partial_rotary_match_the_reference(shape, rotary_dim, dtype, normed):
     """Each head's first rotary_dim values rotate (LLaDA2's partial_rotary_factor 0.5: its first half) and the rest
-    pass through, after the per-head q/k norms when the model has them (SDAR, LLaDA2), with q's weight on q's heads
-    and k's on k's: as the torch modules compute it, every head of q and k in one launch. A head of 96 values
-    passes a tail of 32 through unrotated; v is untouched."""
+    pass through, after the per-head q/k norms when the model has them (SDAR, LLaDA2, DreamReasoner), with q's
+    weight on q's heads and k's on k's, every head of q and k in one launch: as `apply_rotary` after the norm in
+    float32 rounded once (`normed_reference`). A head of 96 values passes a tail of 32 through unrotated, one of 112
+    a tail of 48, narrower than its power-of-two tile; one head of the first token is so small that the norm's eps
+    outweighs its squares; v is untouched."""
     tokens, heads, kv_heads, head_dim = shape
     gen = generator(tokens * head_dim + rotary_dim + int(normed))
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen) * 3
+    qkv[0, :head_dim] *= 1e-4  # squares about 1e-7 a value, against eps 1e-6
     cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), rotary_dim, 10000.0)
     norm = head_norm(heads, head_dim, dtype, gen) if normed else None
     q = qkv[:, : heads * head_dim].reshape(tokens, heads, head_dim)
@@ -145,7 +149,9 @@ def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype, head):
     tokens, heads, kv_heads, head_dim = shape
     gen = generator(tokens * heads + 1)
     qkv = randn(tokens, (heads + 2 * kv_heads) * head_dim, dtype=dtype, gen=gen)
-    rotary_dim = head_dim // 2 if "partial" in head else head_dim
+    # LLaDA2's half of each head under its norms; a quarter without, whose 3/4 of unrotated values are narrower than
+    # the power-of-two tile that holds them.
+    rotary_dim = {"normed-partial": head_dim // 2, "partial": head_dim // 4}.get(head, head_dim)
     cos, sin = rotary_angles(torch.randint(0, 4096, (tokens,), generator=gen, device=DEVICE), rotary_dim, 10000.0)
     norm = head_norm(heads, head_dim, dtype, gen) if "normed" in head else None
     page_size = 16
@@ -173,8 +179,8 @@ def test_rotate_and_store_kv_equals_rotate_then_store(shape, fp8, dtype, head):
     if norm is None:
         assert torch.equal(qkv, rotated)
     else:
-        # Compiled with the store, the kernel may contract a product of the norm and one of the rotation into one
-        # fused multiply-add where the launch without it does not: a unit in the last place of the head's values.
+        # On a GPU the launch compiled with the store and the one without it differ by about a unit in the last
+        # place under a norm (their float arithmetic compiles apart); bit for bit without one.
         ulp = {torch.float32: 2.0**-23, torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}[dtype]
         largest = rotated.float().abs().amax(-1, keepdim=True)
         assert ((qkv.float() - rotated.float()).abs() <= 2 * ulp * largest).all()
@@ -209,12 +215,12 @@ def test_a_row_holding_nan_stored_as_fp8_gets_a_nan_scale_and_the_rows_beside_it
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
 @pytest.mark.parametrize("wrong", ["more kv heads than the cache", "fewer kv heads than the cache",
                                    "another head_dim", "short slot mapping", "kv heads not fewer than qk's",
-                                   "a norm over other q heads"])
+                                   "a norm over other q heads", "a head size that is not a power of two"])
 def test_rotate_and_store_kv_refuses_what_its_caches_do_not_hold_and_writes_nothing(wrong, fp8):
     """A value whose heads or head size the caches do not hold, or a slot mapping of another length, would write
     past the slots it names: the call refuses it with a message naming the shapes, and leaves qk and the caches
     as they were."""
-    tokens, heads, kv_heads, head_dim = 4, 4, 2, 64
+    tokens, heads, kv_heads, head_dim = 4, 4, 2, 96 if wrong == "a head size that is not a power of two" else 64
     gen = generator(5)
     qk = randn(tokens, heads + kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
     value = randn(tokens, kv_heads, head_dim, dtype=torch.bfloat16, gen=gen)
@@ -235,7 +241,8 @@ def test_rotate_and_store_kv_refuses_what_its_caches_do_not_hold_and_writes_noth
     if fp8:
         caches = [pack_fp8_rows(cache) for cache in caches]
     before = [qk.clone(), *(c.clone() for c in caches)]
-    cos, sin = rotary_angles(torch.arange(tokens, device=DEVICE), head_dim, 10000.0)
-    with pytest.raises(ValueError, match=r"rotate_and_store_kv: (value|slot_mapping|k_cache|the norm's num_q_heads)"):
+    cos, sin = rotary_angles(torch.arange(tokens, device=DEVICE), 64, 10000.0)
+    with pytest.raises(ValueError, match=r"rotate_and_store_kv: (value|slot_mapping|k_cache|the norm's num_q_heads|"
+                                         r"head_dim 96)"):
         rotate_and_store_kv(qk, value, cos, sin, caches[0], caches[1], torch.arange(slots, device=DEVICE), norm)
     assert all(torch.equal(now, then) for now, then in zip([qk, *caches], before))
