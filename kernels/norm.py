@@ -1,5 +1,5 @@
-"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer; and the per-head q/k
-norms of a fused qkv row, in place, in one launch.
+"""RMSNorm, alone and fused with the residual add that precedes it in every decoder layer. (The per-head q/k norms
+run in the RoPE launch, rotary.py.)
 
 One program per token row; the whole hidden vector (up to 8192 wide) sits in registers, so each input is
 read once and each output written once. The statistics and the scaling run in float32.

@@ -3,8 +3,9 @@ reference and the CPU path), in fewer launches.
 
 - Each residual add is folded into the RMSNorm that follows it (`fused_add_rmsnorm`), and the final norm into
   the last layer's, so the residual stream is read and written once per norm.
-- RoPE rotates q and k in place in one launch, inside the fused qkv projection's output; without per-head q/k
-  norms that launch also stores the K/V of tokens with a cache slot, so the attention does not launch a store.
+- RoPE rotates q and k in place in one launch, inside the fused qkv projection's output, after their per-head
+  norms where the model has them; that launch also stores the K/V of tokens with a cache slot, so the attention
+  does not launch a store.
 - Up to `MAX_TOKENS` tokens the matmuls are the weight-streaming kernel of `diffulex_kernels.linear`; o_proj and
   down_proj hand their split-K partial sums to the residual-add RMSNorm after them, which adds them up, and the
   gate_up projection applies SiLU-and-mul in its epilogue. Past that, SiLU-and-mul is one launch of its own.
@@ -21,7 +22,7 @@ small kernels would otherwise cost more than the weights take to stream.
   (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in its last step. With fp8
   experts the tokens are cast once for the routed and the shared experts. Its [T, hidden] output goes to the same
   residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
-- q and k are normed per head (LLaDA2, SDAR, Qwen3-style models), rotated (partially for LLaDA2: each head's
+- q and k are normed per head (LLaDA2, SDAR, DreamReasoner and other Qwen3-style models), rotated (partially for LLaDA2: each head's
   first rotary_dim values), and stored with v into the cache for the tokens that have a slot, in place over the
   qkv rows, in one launch (`diffulex_kernels.rotary`).
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
@@ -283,8 +284,9 @@ def _self_attention(
     q = qkv[:, :q_size].view(tokens, heads, head_dim)
     k = qkv[:, q_size:q_size + kv_size].view(tokens, kv_heads, head_dim)
     v = qkv[:, q_size + kv_size:].view(tokens, kv_heads, head_dim)
-    # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view norms (SDAR, LLaDA2) and
-    # rotates both, and the same launch stores the k and v of the tokens that have a cache slot.
+    # q and k are adjacent columns of qkv: one [T, heads + kv_heads, head_dim] view norms (SDAR, LLaDA2,
+    # DreamReasoner) and rotates both, and the same launch stores the k and v of the tokens that have a cache slot.
+    # q_norm and k_norm are built with the one rms_norm_eps of the model, so q's eps serves both.
     qk = qkv[:, :q_size + kv_size].view(tokens, heads + kv_heads, head_dim)
     norm = None if attn.q_norm is None else HeadNorm(attn.q_norm.weight, attn.k_norm.weight, attn.q_norm.eps, heads)
     kv_stored = k_cache is not None
