@@ -1,5 +1,5 @@
 """The MoE families' CUDA forward (`layers.fused_forward`: the fused-MoE kernel for the routed experts, partial
-rotary through views of q and k, the dense first layer on the dense kernels) gives the hidden states and the paged
+rotary in the RoPE launch, the dense first layer on the dense kernels) gives the hidden states and the paged
 cache of the torch modules. On a machine without a GPU the kernels run under TRITON_INTERPRET=1."""
 from __future__ import annotations
 
