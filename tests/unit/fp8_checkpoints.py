@@ -22,7 +22,7 @@ from safetensors.torch import save_file
 
 # Checkpoint names of the projections FP8 covers, by their last component before ".weight".
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "attn_out", "ff_proj", "up_proj", "ff_out", "gate_proj",
-               "down_proj")
+               "down_proj", "query_key_value", "dense")  # the last two: LLaDA2's fused qkv and its o_proj
 FP8_MAX = 448.0
 
 

@@ -4,6 +4,8 @@ cache of the torch modules. On a machine without a GPU the kernels run under TRI
 from __future__ import annotations
 
 import os
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -103,3 +105,55 @@ def test_the_router_of_a_16_bit_model_is_float32_as_the_torch_router(tokens):
     want = F.linear(x.float(), moe.gate.weight.float())
     assert partials.dtype == torch.float32 and partials.shape[1:] == want.shape
     assert relative_error(partials.sum(0), want) < 1e-6
+
+
+def test_a_block_scaled_release_runs_its_shared_expert_among_the_routed_as_its_dense_mlp_computes_it(
+        tmp_path, monkeypatch):
+    """A LLaDA2 release in FP8 with block scales (DeepSeek-V3's weight_scale_inv layout, blocks of 32 so that every
+    product has several column groups): its shared expert's weights and scales are whole experts of the stacks', so
+    at a decode step's few tokens it runs among the routed experts, in the fused-MoE kernel's launches, with its own
+    scale per row and column group. The forward is the one that runs it as the dense MLP (the bound set to 0): in
+    float32 under the interpreter, where the fp8 weights widen in registers and the tokens stay float32, to float32
+    rounding; on a GPU to the rounding of its products. The shared expert's down scales with their column groups
+    in reverse order took this forward 7% away."""
+    import diffulex_kernels
+    from diffulex_backend.layers import fused_forward
+    from diffulex_backend.layers.moe import MoE
+    from diffulex_backend.loader import load_model
+    from diffulex_backend.testing.checkpoint import write_random_checkpoint
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from fp8_checkpoints import write_fp8_pair
+
+    shape = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=64,
+                 num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, num_shared_experts=1,
+                 num_expert_groups=1, topk_groups=1)
+    source = write_random_checkpoint(tmp_path / "llada2", "llada2", seed=12, **shape)
+    write_fp8_pair(source, tmp_path / "fp8", tmp_path / "float", (32, 32))
+    model = load_model(tmp_path / "fp8", device=DEVICE, attention_fn=diffulex_kernels.paged_attention)
+    model.fused_kernels = True
+    moe = next(layer.mlp for layer in model.layers if isinstance(layer.mlp, MoE))
+    assert moe.w_down_scale.shape[-1] == 2 and moe.shared_experts.down_proj.weight_scale.shape[-1] == 2
+    assert fused_forward._shared_among_routed(moe, 16) is not None
+    arch = model.arch
+    pages = [[0, 1, 2, 3], [4, 5, 6, 7]]
+    slots = lambda seq, n: [pages[seq][p // PAGE_SIZE] * PAGE_SIZE + p % PAGE_SIZE for p in range(n)]  # noqa: E731
+    gen = torch.Generator().manual_seed(5)
+    steps = [  # a causal prefill of two prompts, then an 8-token block per sequence over that context
+        (torch.randint(0, 258, (15,), generator=gen), torch.cat([torch.arange(6), torch.arange(9)]),
+         metadata([6, 9], [0, 0], slots(0, 6) + slots(1, 9), pages)),
+        (torch.full((16,), MASK_TOKEN_ID), torch.cat([torch.arange(6, 14), torch.arange(9, 17)]),
+         metadata([8, 8], [6, 9], [-1] * 16, pages)),
+    ]
+
+    def run() -> list[torch.Tensor]:
+        cache = torch.zeros(2, arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, device=DEVICE)
+        with torch.inference_mode():
+            return [model(ids.to(DEVICE), pos.to(DEVICE), meta, cache) for ids, pos, meta in steps]
+
+    among_routed = run()
+    monkeypatch.setattr(fused_forward, "SHARED_AMONG_ROUTED_MAX_TOKENS", 0)
+    assert fused_forward._shared_among_routed(moe, 16) is None
+    dense = run()
+    for got, want in zip(among_routed, dense):
+        assert relative_error(got, want) < TOLERANCE
