@@ -128,8 +128,8 @@ def _normed(x, inv_rms, is_q, q_weight_ptr, k_weight_ptr, cols, valid, dtype: tl
 
 @dataclass(frozen=True, eq=False)
 class HeadNorm:
-    """Each head's RMSNorm before it rotates (SDAR, LLaDA2, DreamReasoner): q's weight on the first `num_q_heads` heads, k's on
-    the rest, in float32, the result rounded to the heads' dtype."""
+    """Each head's RMSNorm before it rotates (SDAR, LLaDA2, DreamReasoner): q's weight on the first `num_q_heads`
+    heads, k's on the rest, in float32, the result rounded to the heads' dtype."""
 
     q_weight: torch.Tensor  # [head_dim]
     k_weight: torch.Tensor  # [head_dim]

@@ -22,9 +22,9 @@ small kernels would otherwise cost more than the weights take to stream.
   (above), whose partial sums the fused-MoE kernel adds to each token's routed sum in its last step. With fp8
   experts the tokens are cast once for the routed and the shared experts. Its [T, hidden] output goes to the same
   residual-add RMSNorm. Dense layers of a MoE model take the dense path above.
-- q and k are normed per head (LLaDA2, SDAR, DreamReasoner and other Qwen3-style models), rotated (partially for LLaDA2: each head's
-  first rotary_dim values), and stored with v into the cache for the tokens that have a slot, in place over the
-  qkv rows, in one launch (`diffulex_kernels.rotary`).
+- q and k are normed per head (LLaDA2, SDAR, DreamReasoner and other Qwen3-style models), rotated (partially for
+  LLaDA2: each head's first rotary_dim values), and stored with v into the cache for the tokens that have a slot, in
+  place over the qkv rows, in one launch (`diffulex_kernels.rotary`).
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
   streaming kernel, o_proj and down_proj as split-K partial sums too; gate_up's SiLU-and-mul is a launch of its own.
   The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per

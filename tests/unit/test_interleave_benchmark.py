@@ -81,7 +81,8 @@ def test_a_run_over_head_and_its_base_on_the_cpu_tabulates_every_run_s_rows(tmp_
 
 
 @pytest.mark.parametrize("args, message", [
-    (["--base", "no-such-commit-anywhere", "--", "plan_broadcast.py"], "--base 'no-such-commit-anywhere' is not a commit"),
+    (["--base", "no-such-commit-anywhere", "--", "plan_broadcast.py"],
+     "--base 'no-such-commit-anywhere' is not a commit"),
     (["--base", "HEAD", "plan_broadcast.py"], "name the benchmark after `--`"),
     (["--base", "HEAD", "--", "plan_broadcast.py", "--out", "x"], "each run gets an --out of its own"),
     (["--base", "HEAD", "--", "no_such_benchmark.py"], "has no benchmarks/no_such_benchmark.py"),
