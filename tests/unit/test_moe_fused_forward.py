@@ -4,8 +4,6 @@ cache of the torch modules. On a machine without a GPU the kernels run under TRI
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -112,17 +110,17 @@ def test_a_block_scaled_release_runs_its_shared_expert_among_the_routed_as_its_d
     """A LLaDA2 release in FP8 with block scales (DeepSeek-V3's weight_scale_inv layout, blocks of 32 so that every
     product has several column groups): its shared expert's weights and scales are whole experts of the stacks', so
     at a decode step's few tokens it runs among the routed experts, in the fused-MoE kernel's launches, with its own
-    scale per row and column group. The forward is the one that runs it as the dense MLP (the bound set to 0): in
-    float32 under the interpreter, where the fp8 weights widen in registers and the tokens stay float32, to float32
-    rounding; on a GPU to the rounding of its products. The shared expert's down scales with their column groups
-    in reverse order took this forward 7% away."""
+    scale per row and column group. The forward is the one that runs it as the dense MLP (the bound set to 0): both
+    ways cast the tokens to fp8 once and take W8A8 products, which the interpreter forms in float32, so they agree
+    to float32 rounding on the CPU and to the rounding of the GPU's products there. The shared expert's down scales
+    with their column groups in reverse order took this forward 7% away. (The release's dequantized twin, which
+    `write_fp8_pair` writes beside it, is not read here.)"""
     import diffulex_kernels
     from diffulex_backend.layers import fused_forward
     from diffulex_backend.layers.moe import MoE
     from diffulex_backend.loader import load_model
     from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
-    sys.path.insert(0, str(Path(__file__).parent))
     from fp8_checkpoints import write_fp8_pair
 
     shape = dict(hidden_size=128, num_layers=2, num_heads=4, num_kv_heads=2, intermediate_size=128, head_dim=64,
@@ -146,14 +144,25 @@ def test_a_block_scaled_release_runs_its_shared_expert_among_the_routed_as_its_d
          metadata([8, 8], [6, 9], [-1] * 16, pages)),
     ]
 
+    ways = []  # how each MoE launch took the shared expert: among the routed, or its dense MLP's partial sums
+    fused_moe = fused_forward.fused_moe
+
+    def spied_fused_moe(*args, shared_experts=None, shared=None, **kwargs):
+        ways.append("among the routed" if shared_experts is not None else "dense" if shared is not None else "none")
+        return fused_moe(*args, shared_experts=shared_experts, shared=shared, **kwargs)
+
+    monkeypatch.setattr(fused_forward, "fused_moe", spied_fused_moe)
+
     def run() -> list[torch.Tensor]:
         cache = torch.zeros(2, arch.num_layers, 8, PAGE_SIZE, arch.num_kv_heads, arch.head_dim, device=DEVICE)
+        ways.clear()
         with torch.inference_mode():
             return [model(ids.to(DEVICE), pos.to(DEVICE), meta, cache) for ids, pos, meta in steps]
 
     among_routed = run()
+    assert ways == ["among the routed"] * 2  # the prefill's 15 tokens and the block's 16
     monkeypatch.setattr(fused_forward, "SHARED_AMONG_ROUTED_MAX_TOKENS", 0)
-    assert fused_forward._shared_among_routed(moe, 16) is None
     dense = run()
+    assert ways == ["dense"] * 2
     for got, want in zip(among_routed, dense):
         assert relative_error(got, want) < TOLERANCE
