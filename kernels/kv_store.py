@@ -55,6 +55,28 @@ def typed_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, placeholder: torc
     return k_values, v_values, k_scales, v_scales, k_scales.stride()
 
 
+def typed_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor, num_tokens: int,
+                kv_heads: int, head_dim: int, name: str):
+    """`typed_caches(k_cache, v_cache, slot_mapping)` for a store of `num_tokens` tokens' `kv_heads` rows of
+    `head_dim` values, after refusing, by `name`, what would write outside the slots it names:
+    - caches of two dtypes (an FP8-row cache beside one of the model's dtype);
+    - a head_dim that is not a power of two (the store's and the attention's tiles are);
+    - a slot mapping that is not one contiguous integer per token (the kernels read it as a flat array);
+    - caches whose slots do not hold the rows (`check_slots`)."""
+    if k_cache.dtype != v_cache.dtype:
+        raise ValueError(f"{name}: k_cache and v_cache must be of one dtype, got {k_cache.dtype} and {v_cache.dtype}")
+    if head_dim != triton.next_power_of_2(head_dim):
+        raise ValueError(f"{name}: head_dim {head_dim} is not a power of two, which the cache's kernels (the store, "
+                         "paged_attention) take")
+    if (slot_mapping.shape != (num_tokens,) or slot_mapping.dtype not in (torch.int32, torch.int64)
+            or (num_tokens > 1 and slot_mapping.stride(0) != 1)):
+        raise ValueError(f"{name}: slot_mapping must be [{num_tokens}] contiguous int32 or int64, got "
+                         f"{tuple(slot_mapping.shape)} {slot_mapping.dtype} of strides {slot_mapping.stride()}")
+    typed = typed_caches(k_cache, v_cache, slot_mapping)
+    check_slots(typed[0], typed[1], kv_heads, head_dim, name)
+    return typed
+
+
 def check_slots(k_cache: torch.Tensor, v_cache: torch.Tensor, kv_heads: int, head_dim: int, name: str) -> None:
     """Raises unless typed caches (`typed_caches`) take a token's `kv_heads` rows of `head_dim` values in each slot:
     the same shapes and strides (a slot valid in one is valid in the other), contiguous rows, slots evenly strided
@@ -177,13 +199,11 @@ def store_kv(
         return
     if value.shape != key.shape:
         raise ValueError(f"store_kv: value must be shaped as key, {tuple(key.shape)}; got {tuple(value.shape)}")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if key.stride(-1) != 1 or value.stride(-1) != 1:
         raise ValueError("store_kv: key and value need a contiguous head_dim")
     fp8 = k_cache.dtype == torch.uint8
-    k_cache, v_cache, k_scales, v_scales, scale_strides = typed_caches(k_cache, v_cache, slot_mapping)
-    check_slots(k_cache, v_cache, kv_heads, head_dim, "store_kv")
+    k_cache, v_cache, k_scales, v_scales, scale_strides = typed_slots(k_cache, v_cache, slot_mapping, num_tokens,
+                                                                      kv_heads, head_dim, "store_kv")
     _store_kv_kernel[(num_tokens,)](
         key, value, k_cache, v_cache, k_scales, v_scales, slot_mapping,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1),

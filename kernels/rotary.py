@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from .fp8_cast import abs_max
-from .kv_store import check_slots, kv_row_scale, to_e4m3, typed_caches
+from .kv_store import kv_row_scale, to_e4m3, typed_slots
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
@@ -85,7 +85,7 @@ def _rotary_kernel(
                 k1, k2 = rotated1.to(tl.float32), rotated2.to(tl.float32)
                 amax = tl.maximum(abs_max(k1, 1), abs_max(k2, 1), propagate_nan=tl.PropagateNan.ALL)
                 if PASS > 0:
-                    k3 = x3.to(x_ptr.dtype.element_ty).to(tl.float32)
+                    k3 = x3  # already a value of x's dtype: loaded from x, or normed and rounded to it
                     amax = tl.maximum(amax, abs_max(k3, 1), propagate_nan=tl.PropagateNan.ALL)
                 k_scale = kv_row_scale(amax)
                 tl.store(k_dst + dims[None, :], to_e4m3(k1, k_scale), mask=is_k)
@@ -97,8 +97,7 @@ def _rotary_kernel(
                 tl.store(k_dst + dims[None, :], rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
                 tl.store(k_dst + HALF + dims[None, :], rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
                 if PASS > 0:
-                    k3 = x3.to(x_ptr.dtype.element_ty).to(k_cache_ptr.dtype.element_ty)
-                    tl.store(k_dst + rest[None, :], k3, mask=is_k & rest_mask)
+                    tl.store(k_dst + rest[None, :], x3.to(k_cache_ptr.dtype.element_ty), mask=is_k & rest_mask)
             if tl.program_id(1) == 0:
                 kv_heads = tl.arange(0, BLOCK_KV)
                 head_dims = tl.arange(0, BLOCK_D)
@@ -168,8 +167,8 @@ def _launch(x, cos, sin, norm: HeadNorm | None, store: tuple | None) -> None:
         v_strides, cache_strides, scale_strides, kv_heads = (0, 0), (0, 0), (0, 0), 1
     else:
         value, k_cache, v_cache, slot_mapping = store
-        k_cache, v_cache, k_scales, v_scales, (_, *scale_strides) = typed_caches(k_cache, v_cache, slot_mapping)
-        check_slots(k_cache, v_cache, value.shape[1], head_dim, "rotate_and_store_kv")
+        k_cache, v_cache, k_scales, v_scales, (_, *scale_strides) = typed_slots(
+            k_cache, v_cache, slot_mapping, num_tokens, value.shape[1], head_dim, "rotate_and_store_kv")
         v_strides, cache_strides = (value.stride(0), value.stride(1)), (k_cache.stride(1), k_cache.stride(2))
         kv_heads = value.shape[1]
     # Without a norm its weights are never read (NORM=False); the q heads are those before the kv heads.
@@ -214,17 +213,12 @@ def rotate_and_store_kv(
     and scales are `store_kv`'s, bit for bit."""
     _check(qk, cos, sin, norm, "rotate_and_store_kv")
     num_tokens, heads, head_dim = qk.shape
-    if head_dim != triton.next_power_of_2(head_dim):
-        raise ValueError(f"rotate_and_store_kv: head_dim {head_dim} is not a power of two, which the cache's kernels "
-                         "(store_kv, paged_attention) take")
     if value.dim() != 3 or value.shape[0] != num_tokens or value.shape[2] != head_dim or value.shape[1] >= heads:
         raise ValueError(f"rotate_and_store_kv: value must be [{num_tokens}, kv_heads, {head_dim}] with fewer kv "
                          f"heads than qk's {heads}, got {tuple(value.shape)}")
     if norm is not None and norm.num_q_heads != heads - value.shape[1]:
         raise ValueError(f"rotate_and_store_kv: the norm's num_q_heads ({norm.num_q_heads}) must be qk's heads "
                          f"less value's ({heads} - {value.shape[1]})")
-    if slot_mapping.shape != (num_tokens,):
-        raise ValueError(f"rotate_and_store_kv: slot_mapping must be [{num_tokens}], got {tuple(slot_mapping.shape)}")
     if value.stride(-1) != 1 or not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("rotate_and_store_kv: value needs a contiguous head_dim and the caches must be contiguous")
     _launch(qk, cos, sin, norm, (value, k_cache, v_cache, slot_mapping))

@@ -194,15 +194,35 @@ def _bad_caches(key, value, caches, slots):
     return key, value, (caches[0], caches[1][:-1]), slots
 
 
+def _strided_slots(key, value, caches, slots):
+    return key, value, caches, torch.stack([slots, slots], 1)[:, 0]  # every other int64 of a wider tensor
+
+
+def _float_slots(key, value, caches, slots):
+    return key, value, caches, slots.float()
+
+
+def _caches_of_two_dtypes(key, value, caches, slots):
+    other = caches[1].view(torch.bfloat16) if caches[1].dtype == torch.uint8 else kv_store.pack_fp8_rows(caches[1])
+    return key, value, (caches[0], other), slots
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
 @pytest.mark.parametrize("spoil, message", [
     (_bad_value, r"store_kv: value must be shaped as key"),
-    (_bad_slots, rf"store_kv: slot_mapping must be \[{NUM_TOKENS}\], got \({NUM_TOKENS - 1},\)"),
+    (_bad_slots, rf"store_kv: slot_mapping must be \[{NUM_TOKENS}\] contiguous int32 or int64, got "
+                 rf"\({NUM_TOKENS - 1},\)"),
+    (_strided_slots, rf"store_kv: slot_mapping must be \[{NUM_TOKENS}\] contiguous .* of strides \(2,\)"),
+    (_float_slots, r"store_kv: slot_mapping must be .* int32 or int64, got .* torch.float32"),
     (_bad_caches, r"store_kv: k_cache and v_cache need the same shapes"),
-], ids=["value of fewer heads", "slot mapping one short", "v_cache one page short"])
+    (_caches_of_two_dtypes, r"store_kv: k_cache and v_cache must be of one dtype, got torch\.(uint8|bfloat16) and"),
+], ids=["value of fewer heads", "slot mapping one short", "strided slot mapping", "float slot mapping",
+        "v_cache one page short", "caches of two dtypes"])
 def test_inputs_that_disagree_with_each_other_are_refused_before_anything_is_written(spoil, message, fp8):
-    """A value of fewer heads than the key, a slot mapping shorter than the tokens, or a V cache of fewer pages than
-    the K cache would each read or write past a tensor's end; the store refuses them by name and writes nothing."""
+    """A value of fewer heads than the key, a slot mapping shorter than the tokens, strided or of floats (the kernel
+    reads it as a flat integer array), a V cache of fewer pages than the K cache, or an FP8-row cache beside one of
+    the model's dtype would each read or write outside the slots they name; the store refuses them by name and
+    writes nothing."""
     gen = generator(10)
     key, value = (randn(NUM_TOKENS, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
     caches = [randn(NUM_PAGES, 16, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
@@ -212,4 +232,19 @@ def test_inputs_that_disagree_with_each_other_are_refused_before_anything_is_wri
     key, value, (k_cache, v_cache), slots = spoil(key, value, caches, make_slots(NUM_TOKENS, 16, 2))
     with pytest.raises(ValueError, match=message):
         kv_store.store_kv(key, value, k_cache, v_cache, slots)
+    assert all(torch.equal(now, then) for now, then in zip(caches, before))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["model-dtype-cache", "fp8-rows"])
+def test_a_head_size_that_is_not_a_power_of_two_is_refused_by_name(fp8):
+    """The store's tile spans head_dim values, a power of two: another head size gets a message naming it, not a
+    compiler error, and nothing is written."""
+    gen = generator(11)
+    key, value = (randn(NUM_TOKENS, KV_HEADS, 96, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    caches = [randn(NUM_PAGES, 16, KV_HEADS, 96, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    if fp8:
+        caches = [kv_store.pack_fp8_rows(cache) for cache in caches]
+    before = [cache.clone() for cache in caches]
+    with pytest.raises(ValueError, match=r"store_kv: head_dim 96 is not a power of two"):
+        kv_store.store_kv(key, value, caches[0], caches[1], make_slots(NUM_TOKENS, 16, 3))
     assert all(torch.equal(now, then) for now, then in zip(caches, before))
