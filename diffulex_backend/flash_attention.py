@@ -84,8 +84,9 @@ class FlashAttention:
     ways: dense, (q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal), where a
     causal mask aligns a sequence's last query with its last key; and paged, (q, k_cache, v_cache, cu_seqlens_q,
     seqused_k, max_seqlen_q, max_seqlen_k, page_table, softmax_scale, causal=False, return_lse=True), returning
-    (out, lse) as `attention.context_attention_reference` computes them. `blocks` takes `prior=` as
-    `paged_attention` does. `store_kv` writes the in-forward K/V to the cache (the kernel's by default)."""
+    (out, lse) as `attention.context_attention_reference` computes them. `blocks` takes `prior=`, and `fp8_out=`
+    where the caller asks for them, as `paged_attention` does. `store_kv` writes the in-forward K/V to the cache
+    (the kernel's by default)."""
 
     def __init__(self, blocks, varlen=None, store_kv=None, min_context_group: int = MIN_CONTEXT_GROUP):
         if store_kv is None:
@@ -106,17 +107,30 @@ class FlashAttention:
 
     def __call__(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor | None,
                  v_cache: torch.Tensor | None, meta: AttentionMetadata, scale: float, *,
-                 kv_stored: bool = False) -> torch.Tensor:
+                 kv_stored: bool = False, fp8_out: bool = False):
+        """The attention's output [T, heads, head_dim]; with `fp8_out`, as the Triton kernel gives it then: each
+        token's heads as one row cast to fp8 with a scale, for an fp8 o_proj."""
         dense = meta.dense  # None in every CUDA graph
+        cast = {"fp8_out": True} if fp8_out else {}  # asked of `blocks` only where wanted
         if dense is None and not self.takes_context(query, key, k_cache, meta):
-            return self.blocks(query, key, value, k_cache, v_cache, meta, scale, kv_stored=kv_stored)
+            return self.blocks(query, key, value, k_cache, v_cache, meta, scale, kv_stored=kv_stored, **cast)
         if k_cache is not None and not kv_stored:
             self.store_kv(key, value, k_cache, v_cache, meta.slot_mapping)
         if dense is None:  # flash-attn's context, then the blocks kernel over the in-forward keys
             prior = self.varlen(query, k_cache, v_cache, cu_seqlens_q=meta.cu_seqlens_q, seqused_k=meta.context_lens,
                                 max_seqlen_q=meta.max_seqlen_q, max_seqlen_k=meta.max_context_len,
                                 page_table=meta.page_tables, softmax_scale=scale, causal=False, return_lse=True)
-            return self.blocks(query, key, value, None, None, meta, scale, prior=prior)
+            return self.blocks(query, key, value, None, None, meta, scale, prior=prior, **cast)
+        out = self._dense(query, key, value, dense, meta, scale)
+        if not fp8_out:
+            return out
+        from diffulex_kernels.fp8 import quantize_rows
+
+        return quantize_rows(out.reshape(out.shape[0], -1))
+
+    def _dense(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, dense, meta: AttentionMetadata,
+               scale: float) -> torch.Tensor:
+        """A forward the host found dense, in flash-attn's varlen kernel."""
         causal = dense.head_mask is HeadMask.CAUSAL
         if dense.tail_rows is None:  # every row is a head row
             return self._varlen(query, key, value, dense.cu_head, dense.cu_head, dense.max_head, dense.max_head,

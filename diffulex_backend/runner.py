@@ -29,6 +29,7 @@ from .config import Config
 from .cuda_graph import CUDAGraphForward, PaddedForward
 from .flash_attention import FlashAttention
 from .forward_batch import ForwardBatch, build_forward_batch, ranges
+from .layers.fp8_linear import Fp8Linear
 from .layers.lora import LoraBatch
 from .lora import lora_batch
 from .models.decoder_lm import SoftInputs, TokenMerge
@@ -246,10 +247,12 @@ class ModelRunner:
             layouts = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.window)
                        for layer in model.layers}
             kv_fp8 = config.kv_cache_dtype == "fp8"
+            # An fp8 o_proj takes the attention's output cast per token, by the merge where the context is split.
+            fp8_out = any(isinstance(getattr(layer.attn, "o_proj", None), Fp8Linear) for layer in model.layers)
             for heads, kv_heads, head_dim, window in layouts:
                 flash_context = self.flash_attn and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
-                                  kv_fp8=kv_fp8, prior=flash_context)
+                                  kv_fp8=kv_fp8, prior=flash_context, fp8_out=fp8_out)
                 if self.flash_attn:
                     attention_fn.compile(heads, kv_heads, head_dim, dtype, device, config.page_size, cache_dtype)
 

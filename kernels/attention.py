@@ -36,7 +36,9 @@ import triton
 import triton.language as tl
 
 from .device import multiprocessor_count
-from .dtypes import dot_dtype
+from .dtypes import dot_dtype, triton_dtype
+from .fp8 import FP8, quantize_rows
+from .fp8_cast import abs_max, cast_to_fp8_range, nan_max, row_scale
 from .kv_store import fp8_row_bytes, store_kv, typed_caches
 from .pdl import use_pdl, wait_for_previous_kernel
 
@@ -278,24 +280,51 @@ def _paged_attention_kernel(
 
 @triton.jit(do_not_specialize=["num_tokens", "num_splits"])
 def _merge_splits_kernel(
-    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr,
+    part_acc_ptr, part_max_ptr, part_sum_ptr, out_ptr, scale_ptr,
     stride_ot, stride_oh, num_tokens, num_heads, num_splits,
-    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, USE_PDL: tl.constexpr,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr, BLOCK_H: tl.constexpr, FP8_OUT: tl.constexpr,
+    ACT_DTYPE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    """One program per (token, head): all splits in one load, so the merge costs one memory round trip."""
+    """One program per token and BLOCK_H of its heads. A row adds its splits' weighted partials one split after
+    the other, in split order, so that its sum is the same whichever heads share its program. With FP8_OUT the
+    program holds all the token's heads and writes them as one row cast to fp8 with its scale (scale_ptr [T]), as
+    `fp8.quantize_rows` casts the ACT_DTYPE output: an fp8 o_proj's input, with no cast launch of its own."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0)
-    head = tl.program_id(1)
-    splits = tl.arange(0, SPLITS)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HEAD_DIM)
-    split_valid = splits < num_splits
-    row_index = (splits * num_tokens + token).to(tl.int64) * num_heads + head  # [SPLITS]
-    m = tl.load(part_max_ptr + row_index, mask=split_valid, other=-1.0e30)
-    s = tl.load(part_sum_ptr + row_index, mask=split_valid, other=0.0)
-    acc = tl.load(part_acc_ptr + row_index[:, None] * HEAD_DIM + dims[None, :], mask=split_valid[:, None], other=0.0)
-    weight = tl.exp2(m - tl.max(m, axis=0))  # [SPLITS]; empty splits (max -1e30) weigh 0
-    out = tl.sum(acc * weight[:, None], axis=0) / tl.sum(s * weight, axis=0)
-    tl.store(out_ptr + token * stride_ot + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty))
+    head_valid = heads < num_heads
+    splits = tl.arange(0, SPLITS)
+    rows = (splits[:, None] * num_tokens + token).to(tl.int64) * num_heads + heads[None, :]  # [SPLITS, BLOCK_H]
+    # A NaN maximum (a row of NaN scores) makes the row NaN, here as in its weights.
+    top = nan_max(tl.load(part_max_ptr + rows, mask=(splits[:, None] < num_splits) & head_valid[None, :],
+                          other=-1.0e30), 0)  # [BLOCK_H]
+    acc = tl.zeros([BLOCK_H, HEAD_DIM], dtype=tl.float32)
+    total = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for split in tl.static_range(SPLITS):
+        row = (split * num_tokens + token).to(tl.int64) * num_heads + heads  # [BLOCK_H]
+        here = head_valid & (split < num_splits)
+        weight = tl.exp2(tl.load(part_max_ptr + row, mask=here, other=-1.0e30) - top)  # empty splits weigh 0
+        acc += tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + dims[None, :], mask=here[:, None],
+                       other=0.0) * weight[:, None]
+        total += tl.load(part_sum_ptr + row, mask=here, other=0.0) * weight
+    out = acc / total[:, None]
+    if FP8_OUT:
+        # Rounded to the activations' dtype first, as the unfused output is before quantize_rows reads it; heads
+        # past the last (0 / 0) count for nothing.
+        out = tl.where(head_valid[:, None], out.to(ACT_DTYPE).to(tl.float32), 0.0)
+        scale = row_scale(abs_max(abs_max(out, 1), 0))
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * HEAD_DIM + dims[None, :],
+                 cast_to_fp8_range(out, scale).to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+        tl.store(scale_ptr + token, scale)
+    else:
+        tl.store(out_ptr + token * stride_ot + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=head_valid[:, None])
+
+
+# The most values of a token's heads (heads x head_dim) the merge casts to fp8 in one program: LLaDA-8B's 32 heads
+# of 128. Wider rows take the float merge and `quantize_rows`.
+MAX_FP8_MERGE_VALUES = 8192
 
 
 class AttentionMetadata(Protocol):
@@ -452,11 +481,12 @@ class _EmptyBatch:
 
 def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype,
                      device: torch.device, window: int | None = None, kv_fp8: bool = False,
-                     prior: bool = False) -> None:
+                     prior: bool = False, fp8_out: bool = False) -> None:
     """Runs every launch variant once, with and without a cache, and the merge at every power of two of splits,
     so that no prompt length or context length compiles a kernel while requests wait. A windowed layer's launches
-    are variants of their own (`window`), and so are those over a cache of FP8 rows (`kv_fp8`), and the unsplit
-    ones that go on from another kernel's attention over the context (`prior`)."""
+    are variants of their own (`window`), and so are those over a cache of FP8 rows (`kv_fp8`), the unsplit
+    ones that go on from another kernel's attention over the context (`prior`), and the merges that cast their
+    rows for an fp8 o_proj (`fp8_out`)."""
     int32 = dict(dtype=torch.int32, device=device)
     batch = _EmptyBatch(cu_seqlens_q=torch.tensor([0, 1], **int32), context_lens=torch.zeros(1, **int32),
                         page_tables=torch.zeros(1, 1, **int32),
@@ -476,8 +506,9 @@ def compile_launches(num_heads: int, num_kv_heads: int, head_dim: int, page_size
             continue
         splits = 2
         while splits <= max_splits(head_dim):
-            paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits),
-                            window=window)
+            for cast in (False, True) if fp8_out else (False,):
+                paged_attention(query, key, key, cache, cache, batch, 1.0, launch=replace(launch, num_splits=splits),
+                                window=window, fp8_out=cast)
             splits *= 2
 
 
@@ -527,7 +558,10 @@ def paged_attention(
     # lse [heads, T] float32, natural log, -inf or NaN where a row saw no key), as flash-attn returns them. The kernel
     # then attends to the in-forward keys alone, going on from it; there is no cache to read (k_cache None).
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:  # [T, heads, head_dim]
+    # The output as an fp8 projection takes it: each token's heads as one row cast to float8_e4m3fn with a scale,
+    # as `fp8.quantize_rows` casts the output. Where the context is split, the merge of the splits casts it.
+    fp8_out: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:  # [T, heads, head_dim]; fp8_out: ([T, heads * head_dim], [T])
     """Store the in-forward K/V at `slot_mapping >= 0`, then attend; see the module docstring.
 
     Reads only device-side metadata; `max_seqlen_q` and `max_context_len` (upper bounds) size the grid.
@@ -557,7 +591,7 @@ def paged_attention(
         prior_strides = (0, 0, 0, 0)
     out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
-        return out
+        return quantize_rows(out.reshape(0, num_heads * head_dim)) if fp8_out else out
     if launch is None:  # with a prior there is no context to split
         launch = plan_launch(query, key, meta, window=window, num_splits=1 if prior is not None else None)
 
@@ -605,11 +639,27 @@ def paged_attention(
         PRECISION=_precision(query), HAS_PRIOR=prior is not None, USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
+    if split and fp8_out and num_heads * head_dim <= MAX_FP8_MERGE_VALUES:
+        rows = torch.empty(num_tokens, num_heads * head_dim, dtype=FP8, device=query.device)
+        scales = torch.empty(num_tokens, dtype=torch.float32, device=query.device)
+        _merge_splits(part_acc, part_max, part_sum, rows, scales, num_splits, triton.next_power_of_2(num_heads),
+                      out.dtype)
+        return rows, scales
     if split:
-        _merge_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_max, part_sum, out,
-            out.stride(0), out.stride(1), num_tokens, num_heads, num_splits,
-            HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), USE_PDL=use_pdl(out),
-            num_warps=2, launch_pdl=use_pdl(out),
-        )
-    return out
+        _merge_splits(part_acc, part_max, part_sum, out, None, num_splits, 1, out.dtype)
+    return quantize_rows(out.reshape(num_tokens, num_heads * head_dim)) if fp8_out else out
+
+
+def _merge_splits(part_acc, part_max, part_sum, out, scales, num_splits: int, block_h: int, act_dtype) -> None:
+    """The merge of split-KV partials [S, T, heads(, head_dim)] into out: [T, heads, head_dim], or with `scales`
+    [T, heads * head_dim] fp8 rows, block_h then covering every head."""
+    _, num_tokens, num_heads, head_dim = part_acc.shape
+    pdl = use_pdl(out)
+    _merge_splits_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+        part_acc, part_max, part_sum, out, part_max if scales is None else scales,
+        out.stride(0), head_dim if scales is not None else out.stride(1), num_tokens, num_heads, num_splits,
+        HEAD_DIM=head_dim, SPLITS=triton.next_power_of_2(num_splits), BLOCK_H=block_h, FP8_OUT=scales is not None,
+        ACT_DTYPE=triton_dtype(act_dtype), USE_PDL=pdl, launch_pdl=pdl,
+        # The cast row's program holds a token's every head: wide enough for eight warps.
+        num_warps=2 if scales is None else min(8, max(4, block_h * head_dim // 512)),
+    )

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_kernels import kv_store
+from diffulex_kernels import attention as attention_kernels
+from diffulex_kernels import fp8, kv_store
 from diffulex_backend.attention import AttentionMetadata, context_attention_reference, paged_attention_reference
 from diffulex_kernels.attention import (HEAD_DIMS, SHARED_MEMORY_BYTES, WIDE, AttentionLaunch, _merge_splits_kernel,
                                         _paged_attention_kernel, choose_num_splits, compile_launches, launch_variants,
@@ -434,6 +435,61 @@ def test_compiling_every_launch_ahead_runs_each_one(head_dim, dtype):
 def test_compiling_the_launches_over_fp8_rows_ahead_runs_each_one(head_dim):
     compile_launches(num_heads=4, num_kv_heads=2, head_dim=head_dim, page_size=16, dtype=torch.bfloat16,
                      device=torch.device(DEVICE), kv_fp8=True)
+
+
+def test_compiling_the_merges_that_cast_for_an_fp8_o_proj_ahead_runs_each_one():
+    compile_launches(num_heads=4, num_kv_heads=2, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                     device=torch.device(DEVICE), fp8_out=True)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3], ids=["one_split", "split_kv"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("group", [1, 7])
+def test_the_output_cast_for_an_fp8_o_proj_is_the_output_quantize_rows_casts_bit_for_bit(group, dtype, num_splits,
+                                                                                        monkeypatch):
+    """With fp8_out each token's heads come as one row cast to fp8 with its scale, the values and scales that
+    `quantize_rows` gives of the float output, bit for bit: split, the merge casts them itself (no quantize_rows
+    launch), over every head of the token (7 heads: a tile of 8 with one past the last); unsplit, quantize_rows
+    casts the output."""
+    heads, kv_heads = HEAD_SHAPES[group]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=dtype, pattern="blocks",
+                       seed=41 + group)
+    launch = plan_launch(batch.query, batch.key, batch.meta, num_splits=num_splits)
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    out = diffulex_kernels.paged_attention(*args, launch=launch)
+    want_q, want_scale = fp8.quantize_rows(out.reshape(out.shape[0], -1))
+    casts = []
+    monkeypatch.setattr(attention_kernels, "quantize_rows", lambda x: casts.append(x) or fp8.quantize_rows(x))
+    q, scale = diffulex_kernels.paged_attention(*args, launch=launch, fp8_out=True, kv_stored=True)
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (out.shape[0], heads * 64)
+    assert torch.equal(q.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(scale, want_scale)
+    assert len(casts) == (1 if num_splits == 1 else 0)
+
+
+def test_rows_wider_than_the_merge_casts_take_quantize_rows_and_come_out_alike(monkeypatch):
+    """A token's heads wider than MAX_FP8_MERGE_VALUES are merged as floats and cast by quantize_rows, to the same
+    values."""
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=43)
+    launch = plan_launch(batch.query, batch.key, batch.meta, num_splits=3)
+    args = (batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache, batch.meta, 0.125)
+    merged = diffulex_kernels.paged_attention(*args, launch=launch, fp8_out=True)
+    monkeypatch.setattr(attention_kernels, "MAX_FP8_MERGE_VALUES", heads * 64 - 1)
+    casts = []
+    monkeypatch.setattr(attention_kernels, "quantize_rows", lambda x: casts.append(x) or fp8.quantize_rows(x))
+    cast = diffulex_kernels.paged_attention(*args, launch=launch, fp8_out=True, kv_stored=True)
+    assert len(casts) == 1
+    assert torch.equal(merged[0].view(torch.uint8), cast[0].view(torch.uint8)) and torch.equal(merged[1], cast[1])
+
+
+def test_no_tokens_give_no_fp8_rows():
+    heads, kv_heads = HEAD_SHAPES[4]
+    batch = make_batch(heads=heads, kv_heads=kv_heads, head_dim=64, page_size=16, dtype=torch.bfloat16,
+                       pattern="blocks", seed=44, sequences=[(0, 20)])
+    q, scale = diffulex_kernels.paged_attention(batch.query, batch.key, batch.value, batch.k_cache, batch.v_cache,
+                                                batch.meta, 0.125, fp8_out=True)
+    assert q.shape == (0, heads * 64) and q.dtype == torch.float8_e4m3fn and scale.shape == (0,)
 
 
 @pytest.mark.parametrize("window", [6, 512])
