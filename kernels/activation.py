@@ -24,6 +24,14 @@ BLOCK = 1024
 
 
 @triton.jit
+def silu_times_up(gate, up, dtype: tl.constexpr):
+    """silu(gate) * up from float32 gate and up values of `dtype`, rounded as the two torch ops round: the SiLU to
+    dtype, then the product to dtype. The SiLU-and-mul kernel and the fp8 gate_up product's epilogue share it."""
+    silu = (gate / (1.0 + tl.exp(-gate))).to(dtype).to(tl.float32)
+    return (silu * up).to(dtype)
+
+
+@triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, amax_ptr, stride_x, stride_out, size, num_chunks, BLOCK: tl.constexpr,
                          CHUNK_AMAX: tl.constexpr, USE_PDL: tl.constexpr):
     """CHUNK_AMAX: amax_ptr [rows, num_chunks] gets the largest magnitude of each chunk of BLOCK columns written."""
@@ -34,8 +42,7 @@ def _silu_and_mul_kernel(x_ptr, out_ptr, amax_ptr, stride_x, stride_out, size, n
     mask = cols < size
     gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
     up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
-    silu = (gate / (1.0 + tl.exp(-gate))).to(out_ptr.dtype.element_ty).to(tl.float32)
-    h = (silu * up).to(out_ptr.dtype.element_ty)
+    h = silu_times_up(gate, up, out_ptr.dtype.element_ty)
     tl.store(out_ptr + row * stride_out + cols, h, mask=mask)
     if CHUNK_AMAX:
         tl.store(amax_ptr + row * num_chunks + chunk, abs_max(h.to(tl.float32), 0))
@@ -65,6 +72,8 @@ def silu_and_mul(gate_up: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _cast_chunks_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, stride_h, stride_q, size, num_chunks, BLOCK: tl.constexpr,
                         CHUNKS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Casts BLOCK columns of a row with the row's scale, from the largest magnitudes of its num_chunks chunks
+    (amax_ptr [rows, num_chunks], chunks of any width)."""
     wait_for_previous_kernel(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
@@ -84,17 +93,24 @@ def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if gate_up.stride(-1) != 1:
         raise ValueError("silu_and_mul_fp8: the feature dimension must be contiguous")
     num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
-    num_chunks = triton.cdiv(size, BLOCK)
     h = torch.empty(num_tokens, size, dtype=gate_up.dtype, device=gate_up.device)
-    chunk_amax = torch.empty(num_tokens, num_chunks, dtype=torch.float32, device=gate_up.device)
-    q = torch.empty(num_tokens, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
-    scale = torch.empty(num_tokens, dtype=torch.float32, device=gate_up.device)
+    chunk_amax = torch.empty(num_tokens, triton.cdiv(size, BLOCK), dtype=torch.float32, device=gate_up.device)
+    _launch(gate_up, h, chunk_amax)
+    return cast_chunks(h, chunk_amax)
+
+
+def cast_chunks(h: torch.Tensor, chunk_amax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """h [T, I] and the largest magnitude of each of its rows' chunks ([T, C], chunks of any width, written with
+    h) -> (q [T, I] float8_e4m3fn, scale [T] float32): each row cast with its scale, as quantize_rows casts it, in
+    one launch spread over chunks of BLOCK columns."""
+    num_tokens, size = h.shape
+    q = torch.empty(num_tokens, size, dtype=torch.float8_e4m3fn, device=h.device)
+    scale = torch.empty(num_tokens, dtype=torch.float32, device=h.device)
     if num_tokens == 0:
         return q, scale
-    _launch(gate_up, h, chunk_amax)
-    pdl = use_pdl(gate_up)
-    _cast_chunks_kernel[(num_tokens, num_chunks)](
-        h, chunk_amax, q, scale, h.stride(0), q.stride(0), size, num_chunks, BLOCK=BLOCK,
-        CHUNKS=triton.next_power_of_2(num_chunks), USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
+    pdl = use_pdl(h)
+    _cast_chunks_kernel[(num_tokens, triton.cdiv(size, BLOCK))](
+        h, chunk_amax, q, scale, h.stride(0), q.stride(0), size, chunk_amax.shape[1], BLOCK=BLOCK,
+        CHUNKS=triton.next_power_of_2(chunk_amax.shape[1]), USE_PDL=pdl, launch_pdl=pdl, num_warps=4,
     )
     return q, scale

@@ -30,6 +30,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .activation import cast_chunks, silu_and_mul_fp8, silu_times_up
 from .dtypes import dot_dtype
 from .fp8_cast import FP8_MAX, MIN_SCALE, abs_max, cast_to_fp8_range, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
@@ -131,25 +132,34 @@ def choose_tiles(m: int, n: int, k: int, groups: int = 1) -> Tiles:
 # class would compile again.
 @triton.jit(do_not_specialize=["M", "stride_os"])
 def _fp8_matmul_kernel(
-    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_xm, stride_wn, stride_os, stride_om, GROUPS, GROUP_K, K_PER_SPLIT,
+    x_ptr, x_scale_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, amax_ptr,
+    M, N, K, stride_xm, stride_wn, stride_os, stride_om, GROUPS, GROUP_K, K_PER_SPLIT, num_chunks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, X_SCALED: tl.constexpr, DOT_DTYPE: tl.constexpr,
-    IMPRECISE_ACC: tl.constexpr, USE_PDL: tl.constexpr,
+    IMPRECISE_ACC: tl.constexpr, GATED: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """acc [BLOCK_N, BLOCK_M] = w_tile @ x_tile.T over this program's slice of K, written to its partial
     (out + pid_k * stride_os); GROUPED: each K tile scaled by its column group's scale (GROUP_K a multiple of
     BLOCK_K), else the row scale after the loop. X_SCALED: x is fp8 with a scale per row (W8A8); else x is in its
-    float dtype and the weight tile is widened to DOT_DTYPE in registers (W8A16). The bias goes to slice 0."""
+    float dtype and the weight tile is widened to DOT_DTYPE in registers (W8A16). The bias goes to slice 0.
+    GATED: w is [2N, K], gate rows then up rows; a program's tile is BLOCK_N / 2 gate rows and the up rows of the
+    same columns, and it writes silu(gate) * up ([M, N], one slice) and, for each row, the largest magnitude of its
+    BLOCK_N / 2 columns (amax_ptr [M, num_chunks], column pid_n)."""
     wait_for_previous_kernel(USE_PDL)
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if GATED:
+        local = tl.arange(0, BLOCK_N)
+        columns = pid_n * (BLOCK_N // 2) + local % (BLOCK_N // 2)
+        n_valid = columns < N
+        offs_n = columns + (local >= BLOCK_N // 2).to(tl.int32) * N  # the weight rows
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        n_valid = offs_n < N
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     k_start = pid_k * K_PER_SPLIT
     offs_k = k_start + tl.arange(0, BLOCK_K)
-    n_valid = offs_n < N
     m_valid = offs_m < M
     w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m[None, :].to(tl.int64) * stride_xm + offs_k[:, None]  # [BLOCK_K, BLOCK_M]
@@ -182,15 +192,30 @@ def _fp8_matmul_kernel(
     if HAS_BIAS:
         if pid_k == 0:
             acc += tl.load(bias_ptr + offs_n, mask=n_valid, other=0.0).to(tl.float32)[:, None]
-    out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
+    if GATED:
+        # The product rounded to the activations' dtype, as the unfused product writes it for the SiLU-and-mul.
+        product = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate, up = tl.split(tl.permute(tl.reshape(product, [2, BLOCK_N // 2, BLOCK_M]), [1, 2, 0]))
+        h = silu_times_up(gate, up, out_ptr.dtype.element_ty)  # [BLOCK_N / 2, BLOCK_M]; 0 past the last column
+        columns = pid_n * (BLOCK_N // 2) + tl.arange(0, BLOCK_N // 2)
+        tl.store(out_ptr + offs_m[None, :].to(tl.int64) * stride_om + columns[:, None], h,
+                 mask=(columns < N)[:, None] & m_valid[None, :])
+        tl.store(amax_ptr + offs_m.to(tl.int64) * num_chunks + pid_n, abs_max(h.to(tl.float32), 0), mask=m_valid)
+    else:
+        out_ptrs = out_ptr + pid_k * stride_os + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_valid[:, None] & m_valid[None, :])
 
 
 def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
-            bias: torch.Tensor | None, out_dtype: torch.dtype, partials: bool, tiles: Tiles | None) -> torch.Tensor:
-    """The product as [S, M, N]: S = 1 in out_dtype, or with `partials` S = tiles.split_k float32 partial sums."""
+            bias: torch.Tensor | None, out_dtype: torch.dtype, partials: bool, tiles: Tiles | None,
+            gated: bool = False) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """The product as [S, M, N]: S = 1 in out_dtype, or with `partials` S = tiles.split_k float32 partial sums.
+    `gated` (w [2I, K], gate rows then up rows): (silu(gate) * up [M, I] in out_dtype, the largest magnitude of
+    each row's chunk of columns [M, chunks] float32), the kernel's GATED epilogue."""
     m, k = x_q.shape
     n, groups = w.shape[0], w_scale.shape[-1]
+    if gated and (n % 2 or bias is not None or partials):
+        raise ValueError(f"fp8_matmul: a gated product takes gate and up rows alike ({n} rows), no bias and one sum")
     if w.shape[1] != k or w_scale.shape[0] != n or k % groups:
         raise ValueError(f"fp8_matmul: x {tuple(x_q.shape)}, w {tuple(w.shape)} and w_scale {tuple(w_scale.shape)} "
                          "do not fit")
@@ -206,22 +231,27 @@ def _launch(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_
         raise ValueError(f"fp8_matmul: column groups of {group_k} are not a power of two of at least 32")
     split = tiles.split_k
     k_per_split = triton.cdiv(triton.cdiv(k, split), tiles.block_k) * tiles.block_k
-    out = torch.empty(split, m, n, dtype=torch.float32 if split > 1 else out_dtype, device=x_q.device)
-    if m == 0:
-        return out
-    block_m = row_block(m)
-    w_scale = w_scale.float().contiguous()
-    pdl = use_pdl(x_q)
-    _fp8_matmul_kernel[(triton.cdiv(n, tiles.block_n), triton.cdiv(m, block_m), split)](
-        x_q, w_scale if weight_only else x_scale, w, w_scale, bias if bias is not None else w_scale, out,
-        m, n, k, x_q.stride(0), w.stride(0), out.stride(0), out.stride(1), groups, group_k, k_per_split,
-        BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % (split * tiles.block_k) == 0,
-        GROUPED=groups > 1, HAS_BIAS=bias is not None, X_SCALED=not weight_only,
-        DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv,
-        IMPRECISE_ACC=None if weight_only else FP8_PROMOTE_EVERY, USE_PDL=pdl, launch_pdl=pdl,
-        num_warps=tiles.num_warps, num_stages=tiles.num_stages,
-    )
-    return out
+    columns = n // 2 if gated else n  # the output's
+    out = torch.empty(split, m, columns, dtype=torch.float32 if split > 1 else out_dtype, device=x_q.device)
+    # Gated: a program's columns are half its weight rows.
+    chunk_amax = torch.empty(m, triton.cdiv(columns, tiles.block_n // 2) if gated else 0, dtype=torch.float32,
+                             device=x_q.device)
+    if m:
+        block_m = row_block(m)
+        w_scale = w_scale.float().contiguous()
+        pdl = use_pdl(x_q)
+        _fp8_matmul_kernel[(triton.cdiv(columns, tiles.block_n // 2 if gated else tiles.block_n),
+                            triton.cdiv(m, block_m), split)](
+            x_q, w_scale if weight_only else x_scale, w, w_scale, bias if bias is not None else w_scale, out,
+            chunk_amax, m, columns, k, x_q.stride(0), w.stride(0), out.stride(0), out.stride(1), groups, group_k,
+            k_per_split, chunk_amax.shape[1],
+            BLOCK_M=block_m, BLOCK_N=tiles.block_n, BLOCK_K=tiles.block_k, EVEN_K=k % (split * tiles.block_k) == 0,
+            GROUPED=groups > 1, HAS_BIAS=bias is not None, X_SCALED=not weight_only,
+            DOT_DTYPE=dot_dtype(x_q) if weight_only else tl.float8e4nv,
+            IMPRECISE_ACC=None if weight_only else FP8_PROMOTE_EVERY, GATED=gated, USE_PDL=pdl, launch_pdl=pdl,
+            num_warps=tiles.num_warps, num_stages=tiles.num_stages,
+        )
+    return (out[0], chunk_amax) if gated else out
 
 
 def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor, w_scale: torch.Tensor,
@@ -231,6 +261,19 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
     x_scale None: x_q is the float activations themselves, and the weights are widened to their dtype (W8A16).
     `tiles`: a cut other than choose_tiles' (its split is ignored: the product is one sum)."""
     return _launch(x_q, x_scale, w, w_scale, bias, out_dtype, False, tiles)[0]
+
+
+def fp8_silu_and_mul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     out_dtype: torch.dtype, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """x_q [M, K] fp8 with x_scale [M], w [2I, K] (gate rows then up rows) with w_scale [2I, G] -> silu(x @ gate.T)
+    * (x @ up.T) cast per row for an fp8 down projection: (q [M, I] float8_e4m3fn, scale [M] float32), equal to
+    `silu_and_mul_fp8(fp8_rows_linear(...))` bit for bit. Where the Triton kernel takes the product, the SiLU-and-mul
+    runs in its epilogue, which writes it with the largest magnitude of each program's columns of each row, and
+    one more launch casts the rows (`activation.cast_chunks`); cuBLASLt's product (past TRITON_MAX_ROWS rows) is
+    followed by the two-launch SiLU-and-mul. `tiles`: a cut other than choose_tiles' (one K slice)."""
+    if _takes_cublas(x_q, w, w_scale, out_dtype):
+        return silu_and_mul_fp8(scaled_mm(x_q, x_scale, w, w_scale, None, out_dtype))
+    return cast_chunks(*_launch(x_q, x_scale, w, w_scale, None, out_dtype, False, tiles, gated=True))
 
 
 def fp8_matmul_partials(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,

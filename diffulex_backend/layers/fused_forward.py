@@ -26,10 +26,12 @@ small kernels would otherwise cost more than the weights take to stream.
   LLaDA2: each head's first rotary_dim values), and stored with v into the cache for the tokens that have a slot, in
   place over the qkv rows, in one launch (`diffulex_kernels.rotary`).
 - FP8 projections (`Fp8Linear`, quantization.py) take the W8A8 product of `diffulex_kernels.fp8` in place of the
-  streaming kernel, o_proj and down_proj as split-K partial sums too; gate_up's SiLU-and-mul is a launch of its own.
-  The norms before qkv and gate_up, and the SiLU-and-mul before down_proj, cast their rows to fp8 with a scale per
-  row as they write them (`Fp8Rows`), so those inputs are written in one byte a value and need no cast launch of
-  their own; o_proj's input (the attention output) takes `quantize_rows`. A projection with a LoRA delta in the
+  streaming kernel, o_proj and down_proj as split-K partial sums too, and gate_up with SiLU-and-mul in its epilogue
+  up to the kernel's rows (`fp8_silu_and_mul`), as a launch of its own past them.
+  The norms before qkv and gate_up, the SiLU-and-mul before down_proj, and the attention before o_proj cast their
+  rows to fp8 with a scale per row as they write them (`Fp8Rows`), so those inputs are written in one byte a value
+  and need no cast launch of their own; the attention casts in its merge of split-KV partials, which holds a
+  token's every head, and takes `quantize_rows` where it does not split. A projection with a LoRA delta in the
   forward gets the float rows, which the delta reads.
 - dmax's soft input rows are mixed in one launch (`diffulex_kernels.soft_embedding`) rather than some thirty torch
   ops, each a node of the decode graph; under tensor parallelism the sharded table takes the torch form.
@@ -58,7 +60,7 @@ from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
-from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, quantize_rows
+from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, fp8_silu_and_mul, quantize_rows
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
 from diffulex_kernels.lora import add_lora_segments, shrink, silu_and_mul_lora
@@ -204,8 +206,14 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
     stack = mlp.gate_up_lora
     if (lora is None or stack is None) and isinstance(mlp.gate_up_proj, Fp8Linear) and _takes_fp8_rows(
             mlp.down_proj, mlp.down_lora, lora):
-        # SiLU-and-mul writes its rows cast for the fp8 down projection (x.dtype: the activations', either form).
-        h = Fp8Rows(*silu_and_mul_fp8(_project(mlp.gate_up_proj, x)), x.dtype)
+        # SiLU-and-mul in the product's epilogue, its rows cast for the fp8 down projection (x.dtype: the
+        # activations', either form).
+        rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_rows(x.contiguous()), x.dtype)
+        proj = mlp.gate_up_proj
+        if proj.bias is None:
+            h = Fp8Rows(*fp8_silu_and_mul(rows.q, rows.scale, proj.weight, proj.weight_scale, rows.dtype), x.dtype)
+        else:
+            h = Fp8Rows(*silu_and_mul_fp8(_project(proj, rows)), x.dtype)
     elif lora is None or stack is None:
         h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:
@@ -294,9 +302,14 @@ def _self_attention(
         rotate_and_store_kv(qk, v, cos, sin, k_cache, v_cache, meta.slot_mapping, norm)
     else:
         rotate_in_place(qk, cos, sin, norm)
-    # The Triton kernel, or flash_attention.FlashAttention over it: [T, heads, head_dim].
-    out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)
+    # The Triton kernel, or flash_attention.FlashAttention over it: [T, heads, head_dim], or for an fp8 o_proj
+    # each token's heads as one row cast to fp8, which the merge of split-KV partials casts as it writes them.
+    if _takes_fp8_rows(attn.o_proj, attn.o_lora, lora):
+        out = Fp8Rows(*attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored,
+                                         fp8_out=True), qkv.dtype)
+    else:
+        out = attn.attention_fn(q, k, v, k_cache, v_cache, meta, attn.scale, kv_stored=kv_stored)
+        out = out.reshape(tokens, q_size)
     if meta.retention_stats is not None:  # the one eager forward that measures attention for page retention
         meta.retention_stats.add(q, k_cache, meta, attn.scale)
-    out = out.reshape(tokens, q_size)
     return _add_to_first_partial(_project_partials(attn.o_proj, out), out, attn.o_lora, lora)

@@ -27,7 +27,7 @@ from triton._C.libtriton import ir
 from triton.backends.compiler import GPUTarget
 from triton.backends.nvidia.compiler import CUDABackend
 from triton.compiler import ASTSource
-from diffulex_kernels import activation, fp8, kv_store, norm, peer_collectives, rotary
+from diffulex_kernels import activation, attention, fp8, kv_store, norm, peer_collectives, rotary
 
 
 def ttir(fn, signature, constexprs):
@@ -89,6 +89,19 @@ KERNELS = {
              num_heads="i32", num_q_heads="i32"),
         dict(HALF=32, PASS=64, BLOCK_PASS=64, BLOCK_D=128, NORM=True, BLOCK_H=32, STORE_KV=True, FP8=True,
              KV_HEADS=4, BLOCK_KV=4, USE_PDL=False)),
+    "the split-KV merge casting o_proj's rows": (
+        attention._merge_splits_kernel,
+        dict(part_acc_ptr="*fp32", part_max_ptr="*fp32", part_sum_ptr="*fp32", out_ptr="*fp8e4nv",
+             scale_ptr="*fp32", stride_ot="i32", stride_oh="i32", num_tokens="i32", num_heads="i32",
+             num_splits="i32"),
+        dict(HEAD_DIM=128, SPLITS=4, BLOCK_H=32, FP8_OUT=True, ACT_DTYPE=tl.bfloat16, USE_PDL=False)),
+    "the fp8 gate_up product with SiLU-and-mul in its epilogue": (
+        fp8._fp8_matmul_kernel,
+        dict(x_ptr="*fp8e4nv", x_scale_ptr="*fp32", w_ptr="*fp8e4nv", w_scale_ptr="*fp32", bias_ptr="*fp32",
+             out_ptr="*bf16", amax_ptr="*fp32", M="i32", N="i32", K="i32", stride_xm="i32", stride_wn="i32",
+             stride_os="i32", stride_om="i32", GROUPS="i32", GROUP_K="i32", K_PER_SPLIT="i32", num_chunks="i32"),
+        dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, EVEN_K=True, GROUPED=False, HAS_BIAS=False, X_SCALED=True,
+             DOT_DTYPE=tl.float8e4nv, IMPRECISE_ACC=32, GATED=True, USE_PDL=False)),
 }
 print(json.dumps({name: sorted(set(re.findall(r"arith\.((?:max|min)\w*)", ttir(*args))))
                   for name, args in KERNELS.items()}))
@@ -105,7 +118,7 @@ def ops_by_kernel() -> dict[str, list[str]]:
 
 
 def test_every_fp8_row_writer_takes_nan_keeping_maxima_and_minima(ops_by_kernel):
-    assert len(ops_by_kernel) == 7
+    assert len(ops_by_kernel) == 9
     for kernel, ops in ops_by_kernel.items():
         assert "maximumf" in ops, kernel  # the row's largest magnitude is taken here
         assert not {"maxnumf", "minnumf"} & set(ops), f"{kernel} drops NaN: {ops}"

@@ -18,8 +18,8 @@ import torch.nn.functional as F
 from diffulex_backend.layers.fp8_linear import dequantize_weight, quantize_weight
 from diffulex_backend.layers.moe import experts_reference, with_shared_choices
 from diffulex_kernels.fp8 import (
-    FP8, MIN_PROGRAMS, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials,
-    fp8_rows_partials, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
+    FP8, MIN_PROGRAMS, Tiles, choose_tiles, fp8_linear, fp8_matmul, fp8_matmul_partials, fp8_rows_linear,
+    fp8_rows_partials, fp8_silu_and_mul, pipeline_bytes, quantize_rows, quantize_rows_reference, scaled_mm,
 )
 from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
 from diffulex_kernels.moe import (
@@ -502,6 +502,37 @@ def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
+# (rows, K, I): LLaDA-8B's gate_up at one block, and at 32 blocks (cuBLASLt's product and the two-launch
+# SiLU-and-mul, on a GPU), or small ragged ones (I not a multiple of a program's 32 columns).
+GATED_SHAPES = [(32, 4096, 12288), (1024, 4096, 12288)] if FULL_SHAPES else [(5, 256, 48), (16, 128, 96), (70, 128, 40)]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+@pytest.mark.parametrize("groups", [1, 2], ids=["per-channel", "block"])
+@pytest.mark.parametrize("shape", GATED_SHAPES, ids=str)
+def test_silu_and_mul_in_the_gate_up_product_s_epilogue_is_the_unfused_one_bit_for_bit(shape, groups, dtype):
+    """fp8_silu_and_mul (the product with SiLU-and-mul in its epilogue, then the cast of its rows) gives the values
+    and scales of the product followed by the two-launch SiLU-and-mul, bit for bit: each program rounds its gate and
+    up to the activations' dtype as the product would write them, and a row's scale comes from the largest of its
+    programs' magnitudes, which does not depend on how the row is cut."""
+    m, k, inter = shape
+    gen = generator(12)
+    x_q, x_scale = quantize_rows(randn(m, k, dtype=dtype, gen=gen))
+    w_q, w_scale = quantize_weight(randn(2 * inter, k, dtype=torch.float32, gen=gen) * k**-0.5, groups)
+    q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, dtype)
+    want_q, want_scale = silu_and_mul_fp8(fp8_rows_linear(x_q, x_scale, w_q, w_scale, None, dtype))
+    assert q.shape == (m, inter) and q.dtype == FP8
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_a_gated_product_with_a_bias_or_odd_rows_is_refused():
+    gen = generator(13)
+    x_q, x_scale = quantize_rows(randn(4, 64, dtype=torch.bfloat16, gen=gen))
+    w_q, w_scale = quantize_weight(randn(33, 64, dtype=torch.float32, gen=gen))
+    with pytest.raises(ValueError, match=r"fp8_matmul: a gated product takes gate and up rows alike \(33 rows\)"):
+        fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+
+
 def assert_cast_like_torch(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor) -> None:
     """The scales torch's cast of `rows` (quantize_rows_reference) gives, and on the GPU its values: NaN where it
     gives NaN, the same bytes elsewhere. The interpreter's float8 cast is wrong at binade carries and casts a float32
@@ -517,7 +548,8 @@ def assert_cast_like_torch(q: torch.Tensor, scale: torch.Tensor, rows: torch.Ten
 NON_FINITE_ROWS = {1: float("nan"), 2: float("inf"), 3: float("-inf")}  # row -> a value one of its columns holds
 
 
-@pytest.mark.parametrize("writer", ["quantize_rows", "silu_and_mul_fp8", "rmsnorm_fp8", "fused_add_rmsnorm_fp8"])
+@pytest.mark.parametrize("writer", ["quantize_rows", "silu_and_mul_fp8", "fp8_silu_and_mul", "rmsnorm_fp8",
+                                    "fused_add_rmsnorm_fp8"])
 def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
     """A NaN or an infinity in a row is not dropped: the row's scale and values come out as torch's cast gives
     them (a NaN row stays NaN, an infinite magnitude makes an infinite scale), never finite values at full
@@ -530,12 +562,18 @@ def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
     x = randn(tokens, 2 * width if silu else width, dtype=torch.bfloat16, gen=gen)
     for row, value in NON_FINITE_ROWS.items():
         x[row, x.shape[1] - 3] = value  # in the last chunk (of the SiLU's up half)
+        x[row, 3] = value  # among the columns the gate_up product reads
     weight = randn(width, dtype=torch.bfloat16, gen=gen)
     # The float norm at the cast norm's warps, which order its sums: the finite rows' scales then agree bit for bit.
     warps = norm_warps(width, fp8_out=True, num_rows=tokens)
     if writer == "quantize_rows":
         q, scale = quantize_rows(x)
         rows = x
+    elif writer == "fp8_silu_and_mul":  # the product's rows of NaN or infinity, from the tokens cast before it
+        x_q, x_scale = quantize_rows(x[:, :64])
+        w_q, w_scale = quantize_weight(randn(2 * width, 64, dtype=torch.float32, gen=gen) * 0.125)
+        q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
+        rows = silu_and_mul(fp8_rows_linear(x_q, x_scale, w_q, w_scale, None, torch.bfloat16))
     elif silu:
         q, scale = silu_and_mul_fp8(x)
         rows = silu_and_mul(x)
