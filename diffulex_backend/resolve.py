@@ -88,6 +88,16 @@ def resolve(prompt_ids: list[int], params: SamplingParams, config: "Config", req
     seed stream), called only once every check passed, so that a refused request leaves the stream where it was;
     `lora_index` is the adapter's slot (-1: none). Raises Refusal for parameters the strategy cannot honour."""
     check_params(params, config, request_cls)
+    stop = StopRule(token_ids=tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids)),
+                    strings=tuple(params.stop), min_tokens=params.min_tokens, max_tokens=params.max_tokens)
+    # As vLLM does, EOS and stop tokens cannot be sampled at the first min_tokens positions, so the output is at
+    # least min_tokens long.
+    banned = tuple(sorted(set(stop.token_ids))) if params.min_tokens else ()
+    # Nor can the mask token, ever: a ban of every other token would leave those positions nothing to sample.
+    if banned and len({t for t in banned if 0 <= t < vocab_size} | {config.mask_token_id}) >= vocab_size:
+        raise Refusal(f"sampling parameters 'min_tokens' ({params.min_tokens}) and 'stop_token_ids' leave no token "
+                      f"to sample: the first min_tokens positions may take no stop or EOS token, and these are every "
+                      f"token of the {vocab_size} but the mask token", "stop_token_ids")
     seed = params.seed if params.seed is not None else draw_seed()
     # The step packs both into int64 tensors: the noise hash takes a 32-bit seed (the two halves of a 64-bit one
     # folded together; a seed below 2**32 is unchanged), and a top_k past the vocabulary keeps all of it.
@@ -96,11 +106,6 @@ def resolve(prompt_ids: list[int], params: SamplingParams, config: "Config", req
         params = dataclasses.replace(params, top_k=vocab_size)
     if params.temperature < GREEDY_TEMPERATURE:
         params = dataclasses.replace(params, temperature=0.0)
-    stop = StopRule(token_ids=tuple(params.stop_token_ids) + (() if params.ignore_eos else tuple(eos_token_ids)),
-                    strings=tuple(params.stop), min_tokens=params.min_tokens, max_tokens=params.max_tokens)
-    # As vLLM does, EOS and stop tokens cannot be sampled at the first min_tokens positions, so the output is at
-    # least min_tokens long.
-    banned = tuple(sorted(set(stop.token_ids))) if params.min_tokens else ()
     sampling = RequestSampling(
         seed=seed, temperature=params.temperature, top_k=params.top_k, top_p=params.top_p,
         confidence_kind=params.confidence_kind,

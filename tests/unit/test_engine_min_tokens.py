@@ -7,6 +7,7 @@ import pytest
 
 from checkpoint_edits import edit_output_head
 from diffulex_backend import FinishReason, SamplingParams
+from diffulex_backend.refusal import Refusal
 from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID, write_random_checkpoint
 from engine_driver import run_requests, tiny_engine
 
@@ -73,3 +74,23 @@ def test_a_stop_string_inside_the_first_min_tokens_does_not_end_the_request(llad
     assert early.token_ids == free.token_ids[:2] and early.finish_reason == FinishReason.STOP
     held = run_requests(llm, ["hi"], SamplingParams(max_tokens=24, ignore_eos=True, stop=[stop], min_tokens=4))[0]
     assert held.token_ids == free.token_ids and held.text == free.text and held.finish_reason == FinishReason.LENGTH
+
+
+def test_a_ban_that_leaves_no_token_to_sample_is_refused_by_name_and_changes_nothing(eos_checkpoint):
+    """min_tokens bans the stop and EOS ids from the first positions, and the mask token is never sampled: stop ids
+    that are every other token leave those positions nothing to take (their log-probabilities would be NaN). Such a
+    request is refused, naming the parameters; one token left unbanned is served, and takes every position the ban
+    covers; the engine serves the next request as before."""
+    llm = tiny_engine(eos_checkpoint)
+    vocab, mask = llm.model.arch.vocab_size, llm.config.mask_token_id
+    before = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
+    everything = [t for t in range(vocab) if t != mask]
+    with pytest.raises(Refusal, match=rf"sampling parameters 'min_tokens' \(4\) and 'stop_token_ids' leave no token "
+                                      rf"to sample: .* every token of the {vocab} but the mask token"):
+        llm.add_request("hello", SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=everything, logprobs=1))
+    left = everything.pop(3)
+    held = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=everything,
+                                                       logprobs=1))[0]
+    assert held.token_ids[:4] == [left] * 4
+    assert run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids == before
+    assert llm.metrics().kv_pages_used == 0
