@@ -163,13 +163,25 @@ def _parse_json_object(raw: str, source: str) -> dict:
     if _json_depth(raw) > MAX_JSON_DEPTH:
         raise BadRequest(f"{source} is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
-        values = json.loads(raw, parse_constant=_refuse_constant)
+        values = json.loads(raw, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
     except json.JSONDecodeError as err:
         raise BadRequest(f"{source} is not valid JSON: {err}") from None
     except ValueError as err:
         raise BadRequest(f"{source}: {err}") from None
     if not isinstance(values, dict):
         raise BadRequest(f"{source} must be a JSON object, got {type(values).__name__}")
+    return values
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """An object's keys, each given once: JSON would keep the last of two, which the client may not have meant."""
+    values = dict(pairs)
+    if len(values) < len(pairs):
+        seen = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"the key {key!r} is given more than once")
+            seen.add(key)
     return values
 
 

@@ -116,6 +116,16 @@ def test_json_infinity_and_nan_are_refused(raw):
     assert "is not a number a sampling parameter can take" in str(caught.value)
 
 
+def test_a_key_given_twice_is_refused_by_name():
+    """JSON keeps the last of two values of a key; a client that sent two meant one of them, and is told which key."""
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a"), "sampling_parameters": text('{"max_tokens": 4, "max_tokens": 5}')})
+    assert str(caught.value) == "input 'sampling_parameters': the key 'max_tokens' is given more than once"
+    with pytest.raises(BadRequest) as caught:
+        parse_request({"text_input": text("a")}, '{"seed": 1, "stop": ["a"], "seed": 2}')
+    assert str(caught.value) == "request parameters: the key 'seed' is given more than once"
+
+
 def test_deeply_nested_json_is_refused_without_recursing():
     raw = "[" * 100000 + "]" * 100000
     with pytest.raises(BadRequest) as caught:
