@@ -182,6 +182,14 @@ def test_a_cache_whose_slots_do_not_hold_the_rows_is_refused_before_anything_is_
     assert all(torch.equal(now, then) for now, then in zip(caches, before))
 
 
+def store_case(seed: int, head_dim: int, fp8: bool):
+    """(key, value, [k_cache, v_cache]) of NUM_TOKENS bfloat16 tokens and a cache of their shape, FP8 rows with fp8."""
+    gen = generator(seed)
+    key, value = (randn(NUM_TOKENS, KV_HEADS, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2))
+    caches = [randn(NUM_PAGES, 16, KV_HEADS, head_dim, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
+    return key, value, [kv_store.pack_fp8_rows(cache) for cache in caches] if fp8 else caches
+
+
 def _bad_value(key, value, caches, slots):
     return key, value[:, :-1], caches, slots
 
@@ -223,11 +231,7 @@ def test_inputs_that_disagree_with_each_other_are_refused_before_anything_is_wri
     reads it as a flat integer array), a V cache of fewer pages than the K cache, or an FP8-row cache beside one of
     the model's dtype would each read or write outside the slots they name; the store refuses them by name and
     writes nothing."""
-    gen = generator(10)
-    key, value = (randn(NUM_TOKENS, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2))
-    caches = [randn(NUM_PAGES, 16, KV_HEADS, 64, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
-    if fp8:
-        caches = [kv_store.pack_fp8_rows(cache) for cache in caches]
+    key, value, caches = store_case(10, 64, fp8)
     before = [cache.clone() for cache in caches]
     key, value, (k_cache, v_cache), slots = spoil(key, value, caches, make_slots(NUM_TOKENS, 16, 2))
     with pytest.raises(ValueError, match=message):
@@ -239,11 +243,7 @@ def test_inputs_that_disagree_with_each_other_are_refused_before_anything_is_wri
 def test_a_head_size_that_is_not_a_power_of_two_is_refused_by_name(fp8):
     """The store's tile spans head_dim values, a power of two: another head size gets a message naming it, not a
     compiler error, and nothing is written."""
-    gen = generator(11)
-    key, value = (randn(NUM_TOKENS, KV_HEADS, 96, dtype=torch.bfloat16, gen=gen) for _ in range(2))
-    caches = [randn(NUM_PAGES, 16, KV_HEADS, 96, dtype=torch.bfloat16, gen=gen) for _ in range(2)]
-    if fp8:
-        caches = [kv_store.pack_fp8_rows(cache) for cache in caches]
+    key, value, caches = store_case(11, 96, fp8)
     before = [cache.clone() for cache in caches]
     with pytest.raises(ValueError, match=r"store_kv: head_dim 96 is not a power of two"):
         kv_store.store_kv(key, value, caches[0], caches[1], make_slots(NUM_TOKENS, 16, 3))
