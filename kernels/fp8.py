@@ -264,15 +264,17 @@ def fp8_matmul(x_q: torch.Tensor, x_scale: torch.Tensor | None, w: torch.Tensor,
 
 
 def fp8_silu_and_mul(x_q: torch.Tensor, x_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-                     out_dtype: torch.dtype, tiles: Tiles | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                     out_dtype: torch.dtype, bias: torch.Tensor | None = None, tiles: Tiles | None = None
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """x_q [M, K] fp8 with x_scale [M], w [2I, K] (gate rows then up rows) with w_scale [2I, G] -> silu(x @ gate.T)
     * (x @ up.T) cast per row for an fp8 down projection: (q [M, I] float8_e4m3fn, scale [M] float32), equal to
     `silu_and_mul_fp8(fp8_rows_linear(...))` bit for bit. Where the Triton kernel takes the product, the SiLU-and-mul
     runs in its epilogue, which writes it with the largest magnitude of each program's columns of each row, and
-    one more launch casts the rows (`activation.cast_chunks`); cuBLASLt's product (past TRITON_MAX_ROWS rows) is
-    followed by the two-launch SiLU-and-mul. `tiles`: a cut other than choose_tiles' (one K slice)."""
-    if _takes_cublas(x_q, w, w_scale, out_dtype):
-        return silu_and_mul_fp8(scaled_mm(x_q, x_scale, w, w_scale, None, out_dtype))
+    one more launch casts the rows (`activation.cast_chunks`); cuBLASLt's product (past TRITON_MAX_ROWS rows), and
+    a product with a bias, are followed by the two-launch SiLU-and-mul. `tiles`: a cut other than choose_tiles' (one
+    K slice)."""
+    if bias is not None or _takes_cublas(x_q, w, w_scale, out_dtype):
+        return silu_and_mul_fp8(fp8_rows_linear(x_q, x_scale, w, w_scale, bias, out_dtype))
     return cast_chunks(*_launch(x_q, x_scale, w, w_scale, None, out_dtype, False, tiles, gated=True))
 
 

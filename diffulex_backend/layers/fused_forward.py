@@ -59,7 +59,7 @@ from diffulex_backend.layers.rotary import rotary_angles
 from diffulex_backend.layers.self_attention import SelfAttention
 from diffulex_backend.tensor_parallel import TensorParallel
 from diffulex_kernels import fused_add_rmsnorm, rmsnorm
-from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8
+from diffulex_kernels.activation import silu_and_mul
 from diffulex_kernels.fp8 import fp8_linear, fp8_rows_linear, fp8_rows_partials, fp8_silu_and_mul, quantize_rows
 from diffulex_kernels.linear import MAX_TOKENS, linear, linear_partials, linear_silu_and_mul
 from diffulex_kernels.norm import fused_add_rmsnorm_fp8, rmsnorm_fp8
@@ -210,10 +210,8 @@ def _gated_mlp(mlp: GatedMLP, x: torch.Tensor, lora: LoraSegments | None,
         # activations', either form).
         rows = x if isinstance(x, Fp8Rows) else Fp8Rows(*quantize_rows(x.contiguous()), x.dtype)
         proj = mlp.gate_up_proj
-        if proj.bias is None:
-            h = Fp8Rows(*fp8_silu_and_mul(rows.q, rows.scale, proj.weight, proj.weight_scale, rows.dtype), x.dtype)
-        else:
-            h = Fp8Rows(*silu_and_mul_fp8(_project(proj, rows)), x.dtype)
+        h = Fp8Rows(*fp8_silu_and_mul(rows.q, rows.scale, proj.weight, proj.weight_scale, rows.dtype, proj.bias),
+                    x.dtype)
     elif lora is None or stack is None:
         h = _project_silu_and_mul(mlp.gate_up_proj, x)  # [T, intermediate]
     else:

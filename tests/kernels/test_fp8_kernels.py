@@ -525,7 +525,17 @@ def test_silu_and_mul_in_the_gate_up_product_s_epilogue_is_the_unfused_one_bit_f
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-def test_a_gated_product_with_a_bias_or_odd_rows_is_refused():
+def test_a_gate_up_with_a_bias_takes_the_product_then_the_two_launch_silu_and_mul():
+    gen = generator(14)
+    x_q, x_scale = quantize_rows(randn(5, 64, dtype=torch.bfloat16, gen=gen))
+    w_q, w_scale = quantize_weight(randn(96, 64, dtype=torch.float32, gen=gen) * 0.125)
+    bias = randn(96, dtype=torch.bfloat16, gen=gen)
+    q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16, bias)
+    want_q, want_scale = silu_and_mul_fp8(fp8_rows_linear(x_q, x_scale, w_q, w_scale, bias, torch.bfloat16))
+    assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
+
+
+def test_a_gated_product_of_odd_rows_is_refused():
     gen = generator(13)
     x_q, x_scale = quantize_rows(randn(4, 64, dtype=torch.bfloat16, gen=gen))
     w_q, w_scale = quantize_weight(randn(33, 64, dtype=torch.float32, gen=gen))
