@@ -24,6 +24,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from diffulex_backend.serving.request_parsing import repeated_key
+
 from .adapter import TritonRequest, completion_prompts, triton_requests
 from .chat_template import ChatTemplate
 from .errors import OpenAIError, error_body
@@ -125,12 +127,9 @@ async def _parsed(request: Request, schema: type[BaseModel]):
 
 
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    seen = set()
-    for key, _ in pairs:
-        if key in seen:
-            raise OpenAIError(HTTPStatus.BAD_REQUEST, f"the request body gives the key '{key}' more than once",
-                              param=key)
-        seen.add(key)
+    key = repeated_key(pairs)
+    if key is not None:
+        raise OpenAIError(HTTPStatus.BAD_REQUEST, f"the request body gives the key '{key}' more than once", param=key)
     return dict(pairs)
 
 

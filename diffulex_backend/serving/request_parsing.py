@@ -173,16 +173,22 @@ def _parse_json_object(raw: str, source: str) -> dict:
     return values
 
 
+def repeated_key(pairs: list[tuple[str, object]]) -> str | None:
+    """The first key a JSON object gives twice (json's object_pairs_hook pairs), or None. JSON keeps the last value
+    of a repeated key, which the client may not have meant; the model and the OpenAI front refuse it."""
+    seen = set()
+    for key, _ in pairs:
+        if key in seen:
+            return key
+        seen.add(key)
+    return None
+
+
 def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """An object's keys, each given once: JSON would keep the last of two, which the client may not have meant."""
-    values = dict(pairs)
-    if len(values) < len(pairs):
-        seen = set()
-        for key, _ in pairs:
-            if key in seen:
-                raise ValueError(f"the key {key!r} is given more than once")
-            seen.add(key)
-    return values
+    key = repeated_key(pairs)
+    if key is not None:
+        raise ValueError(f"the key {key!r} is given more than once")
+    return dict(pairs)
 
 
 def _refuse_constant(name: str):
