@@ -95,9 +95,9 @@ def resolve(prompt_ids: list[int], params: SamplingParams, config: "Config", req
     banned = tuple(sorted(set(stop.token_ids))) if params.min_tokens else ()
     # Nor can the mask token, ever: a ban of every other token would leave those positions nothing to sample.
     if banned and len({t for t in banned if 0 <= t < vocab_size} | {config.mask_token_id}) >= vocab_size:
-        raise Refusal(f"sampling parameters 'min_tokens' ({params.min_tokens}) and 'stop_token_ids' leave no token "
-                      f"to sample: the first min_tokens positions may take no stop or EOS token, and these are every "
-                      f"token of the {vocab_size} but the mask token", "stop_token_ids")
+        raise Refusal(f"sampling parameter 'stop_token_ids' leaves no token to sample under min_tokens "
+                      f"({params.min_tokens}): the first min_tokens positions may take no stop or EOS token, and "
+                      f"these are every token of the {vocab_size} but the mask token", "stop_token_ids")
     seed = params.seed if params.seed is not None else draw_seed()
     # The step packs both into int64 tensors: the noise hash takes a 32-bit seed (the two halves of a 64-bit one
     # folded together; a seed below 2**32 is unchanged), and a top_k past the vocabulary keeps all of it.

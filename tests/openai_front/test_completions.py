@@ -116,6 +116,26 @@ def test_a_value_the_model_refuses_is_a_400_naming_it(client, extra, param):
     assert param in error["message"]
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_ban_that_leaves_no_token_to_sample_is_a_400_naming_stop_token_ids(client, engine, stream):
+    """Stop ids that are every token but the mask token, under min_tokens, leave the first positions nothing to
+    sample; the model refuses them, and the front answers 400 naming the parameter, streamed or not, where it once
+    answered a 500 (and NaN log-probabilities in the stream)."""
+    vocab, mask = engine.model.arch.vocab_size, engine.config.mask_token_id
+    every = [t for t in range(vocab) if t != mask]
+    with pytest.raises(openai.BadRequestError) as caught:
+        response = client.completions.create(model="diffulex", prompt=PROMPT, max_tokens=4, logprobs=2, stream=stream,
+                                             extra_body={"min_tokens": 4, "stop_token_ids": every})
+        if stream:
+            list(response)
+    error = error_of(caught.value)
+    assert (error["param"], error["type"]) == ("stop_token_ids", "invalid_request_error")
+    assert "leaves no token to sample" in error["message"]
+    expected = reference(engine, PROMPT, max_tokens=6, temperature=0)
+    assert client.completions.create(model="diffulex", prompt=PROMPT, max_tokens=6,
+                                     temperature=0).choices[0].text == expected.text
+
+
 def test_an_unknown_model_is_a_404_in_openais_shape(client):
     with pytest.raises(openai.NotFoundError) as caught:
         client.completions.create(model="gpt-4", prompt=PROMPT, max_tokens=4)

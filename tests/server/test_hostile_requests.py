@@ -14,7 +14,7 @@ from served import cpu_seconds, generate, grpc_inputs, grpc_stream, ids, metrics
 from tritonclient.utils import InferenceServerException
 
 from diffulex_backend import SamplingParams
-from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID
+from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID, MASK_TOKEN_ID
 
 GOOD = {"max_tokens": 8, "temperature": 0}
 
@@ -165,3 +165,44 @@ def test_a_refused_request_over_grpc_streaming_leaves_the_stream_usable(server, 
         assert result.as_numpy("output_ids").reshape(-1).tolist() == expected.token_ids
         client.stop_stream()
     wait_for(lambda: metrics(server)["diffulex_kv_pages_used"] == 0)
+
+
+def test_a_ban_of_every_token_and_a_key_given_twice_beside_good_requests_fail_only_themselves(server, engine):
+    """min_tokens bans the stop and EOS ids from the first positions, and the mask token is never sampled: stop ids
+    that leave no other token, EOS counted unless ignored, are refused by name, as is a key given twice, while
+    eight good requests beside them get their tokens; one token left unbanned is served, and takes the banned
+    positions."""
+    vocab = engine.model.arch.vocab_size
+    every = [t for t in range(vocab) if t != MASK_TOKEN_ID]
+    but_eos = [t for t in every if t != EOS_TOKEN_ID]
+    ban = "sampling parameter 'stop_token_ids' leaves no token to sample under min_tokens ({})"
+    bad = [
+        (json.dumps({"max_tokens": 8, "min_tokens": 8, "logprobs": 1, "stop_token_ids": every}), ban.format(8)),
+        (json.dumps({"max_tokens": 8, "min_tokens": 1, "stop_token_ids": but_eos}), ban.format(1)),  # EOS: the last
+        (json.dumps({"max_tokens": 4, "min_tokens": 4, "stop_token_ids": list(range(vocab))}), ban.format(4)),
+        ('{"max_tokens": 8, "max_tokens": 8}',
+         "input 'sampling_parameters': the key 'max_tokens' is given more than once"),
+        ('{"temperature": 0, "stop": ["a"], "temperature": 1}',
+         "input 'sampling_parameters': the key 'temperature' is given more than once"),
+    ]
+    prompts = [f"request {i}" for i in range(8)]
+    expected = engine.generate(prompts, SamplingParams(**GOOD))
+
+    def send(i):
+        if i < len(bad):
+            return post(generate_url(server), {"text_input": "hi", "sampling_parameters": bad[i][0]})
+        return post(generate_url(server), {"text_input": prompts[i - len(bad)], "parameters": GOOD,
+                                           "exclude_input_in_output": True})
+
+    with ThreadPoolExecutor(len(bad) + len(prompts)) as pool:
+        results = list(pool.map(send, range(len(bad) + len(prompts))))
+    for (status, payload), (_, message) in zip(results, bad):
+        assert status == 400, payload
+        assert message in json.loads(payload)["error"]
+    for (status, payload), want in zip(results[len(bad):], expected):
+        assert status == 200, payload
+        assert ids(json.loads(payload)["output_ids"]) == want.token_ids
+    left = generate(server, {"text_input": "hi", "exclude_input_in_output": True, "sampling_parameters": json.dumps(
+        {"max_tokens": 8, "min_tokens": 4, "ignore_eos": True, "stop_token_ids": but_eos})})
+    assert ids(left["output_ids"])[:4] == [EOS_TOKEN_ID] * 4
+    assert_still_serving(server, engine)

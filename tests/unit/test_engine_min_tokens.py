@@ -85,8 +85,8 @@ def test_a_ban_that_leaves_no_token_to_sample_is_refused_by_name_and_changes_not
     vocab, mask = llm.model.arch.vocab_size, llm.config.mask_token_id
     before = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, ignore_eos=True))[0].token_ids
     everything = [t for t in range(vocab) if t != mask]
-    with pytest.raises(Refusal, match=rf"sampling parameters 'min_tokens' \(4\) and 'stop_token_ids' leave no token "
-                                      rf"to sample: .* every token of the {vocab} but the mask token"):
+    with pytest.raises(Refusal, match=rf"sampling parameter 'stop_token_ids' leaves no token to sample under "
+                                      rf"min_tokens \(4\): .* every token of the {vocab} but the mask token"):
         llm.add_request("hello", SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=everything, logprobs=1))
     left = everything.pop(3)
     held = run_requests(llm, ["hello"], SamplingParams(max_tokens=8, min_tokens=4, stop_token_ids=everything,
