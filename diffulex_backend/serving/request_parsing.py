@@ -54,6 +54,11 @@ INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + FLAG_INPUTS + TENSOR_IN
 MAX_PARAMETERS_CHARS = 65536
 MAX_JSON_DEPTH = 8
 
+# The request settings of Triton's KServe protocol. Triton applies them to an infer request and does not pass them
+# on; its generate endpoint passes every key that names no input to the model as a plain parameter,
+# unapplied, so a client that sends one there gets a refusal that says so rather than a silent no-op.
+TRITON_REQUEST_SETTINGS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output")
+
 
 class BadRequest(Refusal):
     """The request cannot be served as sent; the message is returned to the client."""
@@ -108,7 +113,9 @@ def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: 
     # input into that tensor, so TensorRT-LLM's inputs are request parameters too, as far as a client can tell.
     given = []
     if request_parameters and request_parameters.strip():
-        given.append(("request parameters", _parse_json_object(request_parameters, "request parameters")))
+        values = _parse_json_object(request_parameters, "request parameters")
+        _refuse_triton_settings(values)
+        given.append(("request parameters", values))
     given.append(("request parameters", _read_tensor_parameters(inputs)))
     if "sampling_parameters" in inputs:
         raw = _read_string(inputs, "sampling_parameters")
@@ -125,6 +132,14 @@ def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: 
     except (TypeError, ValueError) as err:
         raise BadRequest(f"{' + '.join(sources) or 'sampling parameters'}: {err}",
                          getattr(err, "field", "sampling_parameters")) from None
+
+
+def _refuse_triton_settings(request_parameters: dict) -> None:
+    for key in TRITON_REQUEST_SETTINGS:
+        if key in request_parameters:
+            raise BadRequest(f"request parameter '{key}' is a Triton request setting, which the generate endpoint "
+                             "passes to the model without applying it; send it in a gRPC infer request, where "
+                             "Triton applies it", key)
 
 
 def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:

@@ -206,3 +206,26 @@ def test_a_ban_of_every_token_and_a_key_given_twice_beside_good_requests_fail_on
         {"max_tokens": 8, "min_tokens": 4, "ignore_eos": True, "stop_token_ids": but_eos})})
     assert ids(left["output_ids"])[:4] == [EOS_TOKEN_ID] * 4
     assert_still_serving(server, engine)
+
+
+def test_triton_request_settings_on_the_generate_endpoint_are_refused_as_unapplied_and_applied_over_grpc(
+        server, engine):
+    """Triton's generate endpoint hands `timeout`, `priority` and the other KServe request settings to the model as
+    plain parameters and applies none of them: each is refused by name, under "parameters" or at the top level,
+    rather than ignored. Over gRPC Triton applies them, and the request is served."""
+    for key, value in (("timeout", 10**8), ("priority", 1), ("sequence_id", 7), ("sequence_start", True),
+                       ("sequence_end", False), ("binary_data_output", False)):
+        for body in ({"text_input": "hi", "parameters": {**GOOD, key: value}}, {"text_input": "hi", key: value}):
+            assert refused(server, body) == (
+                f"request parameter '{key}' is a Triton request setting, which the generate endpoint passes to the "
+                "model without applying it; send it in a gRPC infer request, where Triton applies it")
+    (expected,) = reference(engine, ["hello"], **GOOD)
+    responses: queue.Queue = queue.Queue()
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        client.async_stream_infer("diffulex", grpc_inputs("hello", GOOD), priority=1, timeout=10**8)
+        result, error = responses.get(timeout=60)
+        assert error is None, error
+        assert result.as_numpy("output_ids").reshape(-1).tolist() == expected.token_ids
+        client.stop_stream()
+    assert_still_serving(server, engine)
