@@ -17,6 +17,8 @@ from diffulex_backend import Config, SamplingParams
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.fp8_linear import FP8, Fp8Linear, dequantize_weight
 from diffulex_backend.loader import CheckpointError, load_model
+from diffulex_backend.quantization import fp8_params
+from diffulex_backend.registry import AutoModelForDiffusionLM
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
 from engine_driver import run_requests, tiny_engine
 from fp8_checkpoints import write_fp8_pair
@@ -301,3 +303,19 @@ def test_config_pbtxt_parameters_reach_the_served_models_weights(checkpoints):
     with pytest.raises(ValueError, match=re.escape("config field 'quantization' must be one of [None, 'fp8']")):
         bad = engine_settings({**parameters, "quantization": {"string_value": "int4"}}, model_dir=".")
         Config(**bad)
+
+
+@pytest.mark.parametrize("family", [name for name in AutoModelForDiffusionLM.keys() if name != "diffusion_gemma"])
+def test_the_release_writer_quantizes_exactly_the_projections_each_family_loads_in_fp8(tmp_path, family):
+    """The FP8 releases the tests load are written by fp8_checkpoints.py, whose projection names are its own: for
+    every family, the weights it writes in fp8 are the checkpoint names of the parameters the engine quantizes, no
+    more and no fewer, so that no family's fp8 tests pass over a projection left in float."""
+    source = write_random_checkpoint(tmp_path / "float", family, seed=3, **(MOE if family == "sdar_moe" else {}))
+    write_fp8_pair(source, tmp_path / "fp8", tmp_path / "twin")
+    written = {name for name, tensor in load_file(tmp_path / "fp8" / "model.safetensors").items()
+               if tensor.dtype == FP8}
+    model = load_model(tmp_path / "fp8", model_name=family)  # Dream-Reasoner's config.json reads as Dream's
+    quantized = set(fp8_params(model, lm_head=False))
+    layout = model.checkpoint_layout()
+    assert written == {name for name, weight in layout.items() if weight.param in quantized}
+    assert all(dict(model.named_parameters())[p].dtype == FP8 for p in quantized)
