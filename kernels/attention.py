@@ -589,9 +589,10 @@ def paged_attention(
     else:
         prior_out = prior_lse = query  # never read: HAS_PRIOR=False
         prior_strides = (0, 0, 0, 0)
-    out = torch.empty_like(query) if out is None else out
     if num_tokens == 0:
-        return quantize_rows(out.reshape(0, num_heads * head_dim)) if fp8_out else out
+        if fp8_out:
+            return quantize_rows(query.reshape(0, num_heads * head_dim))
+        return torch.empty_like(query) if out is None else out
     if launch is None:  # with a prior there is no context to split
         launch = plan_launch(query, key, meta, window=window, num_splits=1 if prior is not None else None)
 
@@ -618,7 +619,12 @@ def paged_attention(
         part_acc = torch.empty(num_splits, num_tokens, num_heads, head_dim, device=query.device, dtype=torch.float32)
         part_max = torch.empty(num_splits, num_tokens, num_heads, device=query.device, dtype=torch.float32)
         part_sum = torch.empty_like(part_max)
-    else:
+    casting_merge = split and fp8_out and num_heads * head_dim <= MAX_FP8_MERGE_VALUES
+    if out is None:
+        # With the casting merge the kernel writes only partials and the merge its own fp8 rows: no out is written,
+        # and the query stands in for it.
+        out = query if casting_merge else torch.empty_like(query)
+    if not split:
         part_acc = part_max = part_sum = out  # never touched: SPLIT=False
 
     group = num_heads // num_kv_heads
@@ -639,7 +645,7 @@ def paged_attention(
         PRECISION=_precision(query), HAS_PRIOR=prior is not None, USE_PDL=use_pdl(query),
         num_warps=launch.num_warps, num_stages=launch.num_stages, launch_pdl=use_pdl(query),
     )
-    if split and fp8_out and num_heads * head_dim <= MAX_FP8_MERGE_VALUES:
+    if casting_merge:
         rows = torch.empty(num_tokens, num_heads * head_dim, dtype=FP8, device=query.device)
         scales = torch.empty(num_tokens, dtype=torch.float32, device=query.device)
         _merge_splits(part_acc, part_max, part_sum, rows, scales, num_splits, triton.next_power_of_2(num_heads),
