@@ -929,6 +929,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         # At a decode step's few rows each launch also costs its gap in the graph: the counts say how many there are.
         breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
                               for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
+        gaps = graph_gaps(lambda: engine_logits(engine, plans), device) if device.type == "cuda" else ""
         total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
         f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
                    plan.kv_cache_dtype)
@@ -940,9 +941,40 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                    **expert_columns(model, batch * BLOCK, routes),
                    note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
                         f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms (launches) by "
-                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches")
+                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches{gaps}")
     del engine
     free_memory(device)
+
+
+def graph_gaps(forward, device) -> str:
+    """One run of the forward (its CUDA graph, then the LM head) under the profiler: the device time its kernels
+    take, and the time between one kernel's end and the next one's start, summed by the kind of the kernel that
+    starts after the gap. The profiler's own tracing lengthens the gaps a little; bf16 and fp8 pay it alike."""
+    forward()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        forward()
+        synchronize(device)
+    kernels = sorted((event.time_range.start, event.time_range.end, event.name)
+                     for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
+    if len(kernels) < 2:
+        return ""
+    by_kind: dict[str, list] = {}  # kind after the gap -> [us, gaps]
+    gaps = []  # (us, the kernel before, the kernel after)
+    for (_, previous_end, previous), (start, _, name) in zip(kernels, kernels[1:]):
+        gap = max(0.0, start - previous_end)  # a launch that PDL overlaps with the one before has none
+        totals = by_kind.setdefault(kernel_kind(name), [0.0, 0])
+        totals[0] += gap
+        totals[1] += 1
+        gaps.append((gap, previous, name))
+    busy = sum(end - start for start, end, _ in kernels)
+    gap_us = sum(us for us, _ in by_kind.values())
+    listed = ", ".join(f"{kind} {us / 1e3:.2f} ({count}, {us / count:.2f} us each)"
+                       for kind, (us, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]))
+    largest = ", ".join(f"{us:.0f} us from {before[:60]} to {after[:60]}"
+                        for us, before, after in sorted(gaps, reverse=True)[:4])
+    return (f"; one graph replay under the profiler: {(kernels[-1][1] - kernels[0][0]) / 1e3:.2f} ms from the first "
+            f"kernel's start to the last one's end, kernels {busy / 1e3:.2f} ms in {len(kernels)}, gaps "
+            f"{gap_us / 1e3:.2f} ms, by the kind after the gap: {listed}; the largest: {largest}")
 
 
 def kernel_kind(name: str) -> str:
