@@ -183,8 +183,7 @@ def _launch(x, cos, sin, norm: HeadNorm | None, store: tuple | None) -> None:
         STORE_KV=store is not None, FP8=fp8, KV_HEADS=kv_heads, BLOCK_KV=triton.next_power_of_2(kv_heads),
         USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
         # No fused multiply-adds: the compiler may compute a rotated value once for qkv and again for the cache,
-        # and contract each copy its own way; with every product rounded apart, the copies round alike, and the
-        # cached K is the K the launch leaves in qkv.
+        # and contract each copy its own way; with every product rounded apart, the copies round alike.
         enable_fp_fusion=False,
     )
 
