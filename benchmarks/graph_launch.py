@@ -7,7 +7,9 @@ kernels launched plainly and dependent, in one run:
   - alone_us: one replay timed by events on an idle GPU: the host's launch is on its critical path;
   - busy_us: one replay queued behind a kernel that keeps the GPU busy: the graph's own device time;
   - exposed_us = alone_us - busy_us: what the launch leaves the GPU waiting, per forward.
-Each node is one program storing 128 floats, so busy_us is the nodes' launch gaps and not their work.
+Each node is one program storing 128 floats, so busy_us is the nodes' launch gaps and not their work. A graph of
+dependent launches has replayed slower queued behind a busy GPU than alone on an H200: its exposed_us is then
+negative, and says only that busy_us is not its own time there.
 Writes graph_launch.csv/.md to --out. Needs a CUDA GPU (Hopper or later for the dependent launches).
 
     python benchmarks/graph_launch.py --out DIR
