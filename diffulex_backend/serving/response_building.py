@@ -8,7 +8,9 @@ carries the `return_*` outputs that the client asked for. `output_ids` holds gen
 A request that asks for log-probabilities (`return_log_probs`, or the sampling parameter `logprobs`) gets them in
 every response, aligned with `output_ids`: `log_probs` and, in TensorRT-LLM's shapes, `output_log_probs` (one
 beam) and `cum_log_probs` (their sum over all tokens so far); with `logprobs` k > 0 also `top_log_probs` and
-`top_log_prob_ids`, the k most likely tokens at each position, most likely first.
+`top_log_prob_ids`, the k most likely tokens at each position, most likely first. Where fewer than k tokens could be
+sampled (the others banned, by `min_tokens` or the mask), the rest come with a log-probability of minus infinity,
+sent as LOGPROB_FLOOR, as OpenAI and vLLM send it: JSON has no infinity, and the generate endpoint writes JSON.
 
 Arrays carry the batch dimension of a batched model: a string output has shape [1, 1].
 """
@@ -22,6 +24,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .request_parsing import ParsedRequest
+
+LOGPROB_FLOOR = -9999.0
 
 if TYPE_CHECKING:
     from .. import StepOutput
@@ -73,7 +77,7 @@ class ResponseAssembler:
             arrays["output_log_probs"] = logprobs.reshape(1, 1, -1)  # [batch, beam, tokens]
             arrays["cum_log_probs"] = np.array([[self._cum_log_prob]], dtype=np.float32)  # [batch, beam]
         if top_ids is not None:
-            arrays["top_log_probs"] = top_logprobs.astype(np.float32)[None]  # [1, tokens, k]
+            arrays["top_log_probs"] = np.maximum(top_logprobs.astype(np.float32), LOGPROB_FLOOR)[None]  # [1, tokens, k]
             arrays["top_log_prob_ids"] = top_ids.astype(np.int32)[None]
         if not output.finished:
             return arrays

@@ -97,3 +97,22 @@ def test_n_copies_share_the_prompts_pages(client, server, engine):
     while prefix_cache_tokens(server)[1] - queried < n * page_tokens and time.monotonic() < deadline:
         time.sleep(0.05)
     assert prefix_cache_tokens(server) == (hits + (n - 1) * page_tokens, queried + n * page_tokens)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_alternatives_that_could_not_be_sampled_are_the_floor_whole_and_streamed(client, engine, stream):
+    """Two tokens left to sample and five alternatives asked for: the other three come as -9999.0, as OpenAI and vLLM
+    send a log-probability of minus infinity, and the response parses, whole and streamed; the two that could be
+    sampled are the engine's."""
+    vocab, mask = engine.model.arch.vocab_size, engine.config.mask_token_id
+    ban = {"min_tokens": 4, "ignore_eos": True,
+           "stop_token_ids": [t for t in range(vocab) if t not in (5, 6) and t != mask]}
+    expected = reference(engine, PROMPT, max_tokens=4, temperature=0, logprobs=5, **ban)
+    response = client.completions.create(model="diffulex", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=5,
+                                         stream=stream, extra_body=ban)
+    rows = [row for chunk in (response if stream else [response]) for row in chunk.choices[0].logprobs.top_logprobs]
+    assert len(rows) == 4
+    for row, want in zip(rows, expected.top_logprobs):
+        values = list(row.values())
+        assert len(row) == 5 and [row[name(5)], row[name(6)]] == pytest.approx([want[5], want[6]], **CLOSE)
+        assert sorted(values)[:3] == [-9999.0] * 3

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from served import generate, generate_stream, grpc_inputs, grpc_stream, ids, metrics, wait_for
+from served import generate, generate_stream, grpc_inputs, grpc_stream, ids, metrics, post, wait_for
 
 from diffulex_backend import SamplingParams
 
@@ -73,3 +73,32 @@ def test_the_prefix_cache_counters_count_hit_and_queried_tokens(server, engine):
     page_tokens = (len(engine.tokenizer.encode(prompt)) - 1) // 4 * 4  # the last prompt token is always recomputed
     wait_for(lambda: metrics(server)[names[1]] - before[1] == 2 * page_tokens)
     assert metrics(server)[names[0]] - before[0] == page_tokens
+
+
+def _refuse_constant(name: str):
+    raise ValueError(f"{name} in the response")
+
+
+def test_alternatives_that_could_not_be_sampled_come_as_the_floor_in_valid_json(server, engine):
+    """With two tokens left to sample (min_tokens bans the other stop ids) and five alternatives asked for, three
+    alternatives have a log-probability of minus infinity: the generate endpoint writes them as -9999.0, as OpenAI
+    and vLLM do, in strict JSON, where it once wrote an infinity no JSON parser takes; the two that could be sampled
+    carry the engine's numbers."""
+    vocab, mask = engine.model.arch.vocab_size, engine.config.mask_token_id
+    keep = [5, 6]
+    params = {"max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "temperature": 0, "logprobs": 5,
+              "stop_token_ids": [t for t in range(vocab) if t not in keep and t != mask]}
+    (want,) = engine.generate([PROMPT], SamplingParams(**params))
+    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate",
+                           {"text_input": PROMPT, "sampling_parameters": json.dumps(params),
+                            "exclude_input_in_output": True})
+    assert status == 200, payload
+    output = json.loads(payload, parse_constant=_refuse_constant)
+    assert ids(output["output_ids"]) == want.token_ids
+    top_ids = np.asarray(output["top_log_prob_ids"]).reshape(4, 5)
+    top_lps = np.asarray(output["top_log_probs"], dtype=np.float64).reshape(4, 5)
+    for position, alternatives in enumerate(want.top_logprobs):
+        assert sorted(top_ids[position, :2].tolist()) == keep
+        assert top_lps[position, :2].tolist() == pytest.approx(list(alternatives.values())[:2], **CLOSE)
+        assert top_lps[position, 2:].tolist() == [-9999.0] * 3
+        assert all(value == float("-inf") for value in list(alternatives.values())[2:])  # the engine's own
