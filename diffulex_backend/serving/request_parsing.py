@@ -54,10 +54,14 @@ INPUT_NAMES = PROMPT_INPUTS + ("sampling_parameters",) + FLAG_INPUTS + TENSOR_IN
 MAX_PARAMETERS_CHARS = 65536
 MAX_JSON_DEPTH = 8
 
-# The request settings of Triton's KServe protocol. Triton applies them to an infer request and does not pass them
-# on; its generate endpoint passes every key that names no input to the model as a plain parameter,
-# unapplied, so a client that sends one there gets a refusal that says so rather than a silent no-op.
-TRITON_REQUEST_SETTINGS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout", "binary_data_output")
+# Request settings of Triton's KServe protocol. Triton reads these from a gRPC infer request and does not pass them
+# on; its generate endpoint passes every key that names no input to the model as a plain parameter and acts on none,
+# so a client that sends one there gets a refusal that says so rather than a silent no-op.
+TRITON_REQUEST_SETTINGS = ("sequence_id", "sequence_start", "sequence_end", "priority", "timeout")
+# The output format of Triton's HTTP infer endpoint, which serves no decoupled model: gRPC and the generate endpoint
+# both pass it on, and it changes nothing on either (gRPC answers in binary, generate in JSON), so it is taken and
+# left unread, as a client that sets it by default expects.
+IGNORED_PARAMETERS = ("binary_data_output",)
 
 
 class BadRequest(Refusal):
@@ -115,7 +119,7 @@ def _read_sampling_params(inputs: Mapping[str, np.ndarray], request_parameters: 
     if request_parameters and request_parameters.strip():
         values = _parse_json_object(request_parameters, "request parameters")
         _refuse_triton_settings(values)
-        given.append(("request parameters", values))
+        given.append(("request parameters", {k: v for k, v in values.items() if k not in IGNORED_PARAMETERS}))
     given.append(("request parameters", _read_tensor_parameters(inputs)))
     if "sampling_parameters" in inputs:
         raw = _read_string(inputs, "sampling_parameters")
@@ -138,8 +142,8 @@ def _refuse_triton_settings(request_parameters: dict) -> None:
     for key in TRITON_REQUEST_SETTINGS:
         if key in request_parameters:
             raise BadRequest(f"request parameter '{key}' is a Triton request setting, which the generate endpoint "
-                             "passes to the model without applying it; send it in a gRPC infer request, where "
-                             "Triton applies it", key)
+                             "passes to the model without acting on it; Triton reads it from a gRPC infer request",
+                             key)
 
 
 def _read_tensor_parameters(inputs: Mapping[str, np.ndarray]) -> dict:

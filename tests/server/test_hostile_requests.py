@@ -208,18 +208,23 @@ def test_a_ban_of_every_token_and_a_key_given_twice_beside_good_requests_fail_on
     assert_still_serving(server, engine)
 
 
-def test_triton_request_settings_on_the_generate_endpoint_are_refused_as_unapplied_and_applied_over_grpc(
-        server, engine):
-    """Triton's generate endpoint hands `timeout`, `priority` and the other KServe request settings to the model as
-    plain parameters and applies none of them: each is refused by name, under "parameters" or at the top level,
-    rather than ignored. Over gRPC Triton applies them, and the request is served."""
+def test_triton_request_settings_are_refused_on_the_generate_endpoint_and_served_over_grpc(server, engine):
+    """Triton's generate endpoint hands `timeout`, `priority` and the sequence settings to the model as plain
+    parameters and acts on none of them: each is refused by name, under "parameters" or at the top level, rather
+    than ignored. A gRPC infer request carries them to Triton, which reads them and passes them on to no model: it is
+    served. `binary_data_output`, which both pass on and which changes neither, is taken and left unread (shown
+    through generate: tritonclient refuses to send it over gRPC itself, and the model reads it the same way from
+    either)."""
     for key, value in (("timeout", 10**8), ("priority", 1), ("sequence_id", 7), ("sequence_start", True),
-                       ("sequence_end", False), ("binary_data_output", False)):
+                       ("sequence_end", False)):
         for body in ({"text_input": "hi", "parameters": {**GOOD, key: value}}, {"text_input": "hi", key: value}):
             assert refused(server, body) == (
                 f"request parameter '{key}' is a Triton request setting, which the generate endpoint passes to the "
-                "model without applying it; send it in a gRPC infer request, where Triton applies it")
+                "model without acting on it; Triton reads it from a gRPC infer request")
     (expected,) = reference(engine, ["hello"], **GOOD)
+    output = generate(server, {"text_input": "hello", "parameters": {**GOOD, "binary_data_output": True},
+                               "exclude_input_in_output": True})
+    assert ids(output["output_ids"]) == expected.token_ids
     responses: queue.Queue = queue.Queue()
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         client.start_stream(callback=lambda result, error: responses.put((result, error)))

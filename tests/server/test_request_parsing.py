@@ -70,7 +70,7 @@ def test_sampling_parameters_input_takes_precedence_over_request_parameters():
      f"{SamplingParams.field_names()}"),
     ({"text_input": text("a")}, '{"max_tokens": 3, "timeout": 1000}',
      "request parameter 'timeout' is a Triton request setting, which the generate endpoint passes to the model "
-     "without applying it; send it in a gRPC infer request, where Triton applies it"),
+     "without acting on it; Triton reads it from a gRPC infer request"),
     ({"text_input": text("a"), "sampling_parameters": text('{"max_tokens": -1}')}, "",
      "input 'sampling_parameters': sampling parameter 'max_tokens' must be an integer in [1, 2147483647], got -1"),
     ({"text_input": text("a"), "sampling_parameters": text('{"temperature": "hot"}')}, "",
