@@ -7,9 +7,9 @@ kernels launched plainly and dependent, in one run:
   - alone_us: one replay timed by events on an idle GPU: the host's launch is on its critical path;
   - busy_us: one replay queued behind a kernel that keeps the GPU busy: the graph's own device time;
   - exposed_us = alone_us - busy_us: what the launch leaves the GPU waiting, per forward.
-Each node is one program storing 128 floats, so busy_us is the nodes' launch gaps and not their work. A graph of
-dependent launches has replayed slower queued behind a busy GPU than alone on an H200: its exposed_us is then
-negative, and says only that busy_us is not its own time there.
+Each node is one program storing 128 floats, so busy_us is the nodes' launch gaps and not their work. Where a graph
+of dependent launches replays slower queued behind a busy GPU than alone (as on an H200), its exposed_us is negative
+and says only that busy_us is not its own time there.
 Writes graph_launch.csv/.md to --out. Needs a CUDA GPU (Hopper or later for the dependent launches).
 
     python benchmarks/graph_launch.py --out DIR
@@ -80,7 +80,7 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, default=pathlib.Path("benchmarks/results"))
     parser.add_argument("--nodes", default=NODES, help="node counts of the graphs, comma-separated")
-    parser.add_argument("--reps", type=int, default=30, help="replays timed a way")
+    parser.add_argument("--reps", type=int, default=30, help="replays timed each way")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_launch.py times CUDA graphs: it needs a CUDA GPU")

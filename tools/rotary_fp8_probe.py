@@ -1,9 +1,10 @@
 """Where `rotate_and_store_kv` and `store_kv` part over FP8 rows: the case of
 `tests/kernels/test_rotary.py::test_rotate_and_store_kv_equals_rotate_then_store[(5, 4, 2, 64)-fp8-rows-*-partial]`,
 rebuilt outside pytest, printing the K cache bytes and row scales that differ, with programmatic dependent launch
-and without it. The compiled kernels part on a GPU; on a CPU (TRITON_INTERPRET=1) the interpreter runs the case:
+and without it where the GPU has it. The compiled kernels part on a GPU; on a CPU the interpreter runs the case:
 
-    python tools/rotary_fp8_probe.py
+    python tools/rotary_fp8_probe.py                       # GPU
+    TRITON_INTERPRET=1 python tools/rotary_fp8_probe.py    # CPU
 """
 from __future__ import annotations
 
@@ -30,7 +31,8 @@ def compare(dtype: torch.dtype) -> None:
     positions = torch.randint(0, 4096, (TOKENS,), generator=gen, device=DEVICE)
     cos, sin = rotary_angles(positions, HEAD_DIM // 4, 10000.0)
     num_pages = TOKENS // PAGE_SIZE + 2
-    caches = [pack_fp8_rows(randn(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, gen=gen)) for _ in range(2)]
+    caches = [pack_fp8_rows(randn(num_pages, PAGE_SIZE, KV_HEADS, HEAD_DIM, dtype=dtype, gen=gen))
+              for _ in range(2)]
     slots = torch.randperm(num_pages * PAGE_SIZE, generator=torch.Generator().manual_seed(TOKENS))[:TOKENS]
     slots[::2] = -1
     expected = [cache.clone() for cache in caches]
@@ -47,11 +49,13 @@ def compare(dtype: torch.dtype) -> None:
         token = slots.tolist().index(slot)
         k = qk[token, HEADS + head].float()
         print(f"  slot {slot} (token {token}) head {head}: scale {got_scale[page, row, head].item():.7g}, "
-              f"store_kv's {want_scale[page, row, head].item():.7g}; largest |K| left in qkv {k.abs().max().item():.7g}")
+              f"store_kv's {want_scale[page, row, head].item():.7g}; "
+              f"largest |K| left in qkv {k.abs().max().item():.7g}")
 
 
 def main() -> int:
-    for dependent in (True, False):
+    probe = torch.zeros(1, device=DEVICE)
+    for dependent in dict.fromkeys((rotary.use_pdl(probe), False)):
         print(f"programmatic dependent launch: {dependent}")
         if not dependent:
             rotary.use_pdl = kv_store.use_pdl = lambda tensor: False

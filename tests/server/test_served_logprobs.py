@@ -82,8 +82,8 @@ def _refuse_constant(name: str):
 def test_alternatives_that_could_not_be_sampled_come_as_the_floor_in_valid_json(server, engine):
     """With two tokens left to sample (min_tokens bans the other stop ids) and five alternatives asked for, three
     alternatives have a log-probability of minus infinity: the generate endpoint writes them as -9999.0, as OpenAI
-    and vLLM do, in strict JSON, where it once wrote an infinity no JSON parser takes; the two that could be sampled
-    carry the engine's numbers."""
+    and vLLM do, and the response is strict JSON, with no infinity in it; the two that could be sampled carry the
+    engine's numbers."""
     vocab, mask = engine.model.arch.vocab_size, engine.config.mask_token_id
     keep = [5, 6]
     params = {"max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "temperature": 0, "logprobs": 5,

@@ -305,11 +305,13 @@ def test_config_pbtxt_parameters_reach_the_served_models_weights(checkpoints):
         Config(**bad)
 
 
+# DiffusionGemma's checkpoints have a writer of their own (testing/diffusion_gemma_checkpoint.py), not ModelArch's.
 @pytest.mark.parametrize("family", [name for name in AutoModelForDiffusionLM.keys() if name != "diffusion_gemma"])
 def test_the_release_writer_quantizes_exactly_the_projections_each_family_loads_in_fp8(tmp_path, family):
     """The FP8 releases the tests load are written by fp8_checkpoints.py, whose projection names are its own: for
-    every family, the weights it writes in fp8 are the checkpoint names of the parameters the engine quantizes, no
-    more and no fewer, so that no family's fp8 tests pass over a projection left in float."""
+    every family that write_random_checkpoint writes, the weights it writes in fp8 are the checkpoint names of the
+    parameters the engine quantizes, no more and no fewer, so that no family's fp8 tests pass over a projection left
+    in float."""
     source = write_random_checkpoint(tmp_path / "float", family, seed=3, **(MOE if family == "sdar_moe" else {}))
     write_fp8_pair(source, tmp_path / "fp8", tmp_path / "twin")
     written = {name for name, tensor in load_file(tmp_path / "fp8" / "model.safetensors").items()
@@ -317,5 +319,5 @@ def test_the_release_writer_quantizes_exactly_the_projections_each_family_loads_
     model = load_model(tmp_path / "fp8", model_name=family)  # Dream-Reasoner's config.json reads as Dream's
     quantized = set(fp8_params(model, lm_head=False))
     layout = model.checkpoint_layout()
-    assert written == {name for name, weight in layout.items() if weight.param in quantized}
+    assert written and written == {name for name, weight in layout.items() if weight.param in quantized}
     assert all(dict(model.named_parameters())[p].dtype == FP8 for p in quantized)
