@@ -930,6 +930,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
                               for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
         gaps = graph_gaps(lambda: engine_logits(engine, plans), device) if device.type == "cuda" else ""
+        parts = forward_parts(engine, plans, device, plan.reps)
         total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
         f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
                    plan.kv_cache_dtype)
@@ -941,9 +942,27 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                    **expert_columns(model, batch * BLOCK, routes),
                    note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
                         f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms (launches) by "
-                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches{gaps}")
+                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches{parts}{gaps}")
     del engine
     free_memory(device)
+
+
+def forward_parts(engine, plans: list[SeqPlan], device, reps: int) -> str:
+    """The forward's time without the host's work before it: with the batch built beforehand, its input copy and
+    graph replay (the runner's forward), and the replay of the captured graph alone; beside the whole forward (the
+    batch built, the replay, the LM head), they place the time between the forward's kernels and its end."""
+    runner = engine.runner
+    batch = runner.build_batch(plans)
+    with torch.inference_mode():
+        ready_ms = device_ms(lambda: runner.forward(batch), device, reps)
+    padded = runner.padded_forward
+    bucket = padded.bucket_for(batch) if padded is not None else None
+    graph = getattr(padded, "graphs", {}).get((bucket, False), (None,))[0]
+    if graph is None:
+        return f"; with the batch built beforehand, its copy and replay {ready_ms:.3f} ms (no graph)"
+    replay_ms = device_ms(graph.replay, device, reps)
+    return (f"; with the batch built beforehand, its copy and replay {ready_ms:.3f} ms, the graph's replay alone "
+            f"{replay_ms:.3f} ms")
 
 
 def graph_gaps(forward, device) -> str:

@@ -226,6 +226,9 @@ def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path
     profiles = {r["model"]: r["note"] for r in rows if r["section"] == "profile"}
     assert sorted(profiles) == ["smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8"]
     assert all("matmuls alone" in note for note in profiles.values())
+    # The forward without the host's work before it: on a CPU there is no graph to replay alone.
+    assert all(re.search(r"with the batch built beforehand, its copy and replay [0-9.]+ ms \(no graph\)", note)
+               for note in profiles.values())
     # Each kind's launches, and the forward's: a MoE layer launches more kernels than a dense one.
     launches = {model: int(re.search(r" in (\d+) launches(;|$)", note).group(1)) for model, note in profiles.items()}
     assert all(re.search(r"matmul [0-9.]+ \(\d+\)", note) for note in profiles.values())
