@@ -2,6 +2,7 @@
 a tritonclient gRPC stream get the engine's numbers, in TensorRT-LLM's output names as well as `log_probs`."""
 
 import json
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -79,26 +80,38 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} in the response")
 
 
-def test_alternatives_that_could_not_be_sampled_come_as_the_floor_in_valid_json(server, engine):
-    """With two tokens left to sample (min_tokens bans the other stop ids) and five alternatives asked for, three
-    alternatives have a log-probability of minus infinity: the generate endpoint writes them as -9999.0, as OpenAI
-    and vLLM do, and the response is strict JSON, with no infinity in it; the two that could be sampled carry the
-    engine's numbers."""
+def test_alternatives_that_could_not_be_sampled_come_as_the_floor_in_valid_json(server, engine, expected):
+    """With one or two tokens left to sample (min_tokens bans the other stop ids) and five alternatives asked for, the
+    rest have a log-probability of minus infinity: the generate endpoint writes them as -9999.0, as OpenAI and vLLM
+    do, and the response is strict JSON, with no infinity in it; the tokens that could be sampled carry the engine's
+    numbers. Sent at once beside four good requests, which get the engine's tokens and log-probabilities."""
     vocab, mask = engine.model.arch.vocab_size, engine.config.mask_token_id
-    keep = [5, 6]
-    params = {"max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "temperature": 0, "logprobs": 5,
-              "stop_token_ids": [t for t in range(vocab) if t not in keep and t != mask]}
-    (want,) = engine.generate([PROMPT], SamplingParams(**params))
-    status, payload = post(f"{server.http_url}/v2/models/diffulex/generate",
-                           {"text_input": PROMPT, "sampling_parameters": json.dumps(params),
-                            "exclude_input_in_output": True})
-    assert status == 200, payload
-    output = json.loads(payload, parse_constant=_refuse_constant)
-    assert ids(output["output_ids"]) == want.token_ids
-    top_ids = np.asarray(output["top_log_prob_ids"]).reshape(4, 5)
-    top_lps = np.asarray(output["top_log_probs"], dtype=np.float64).reshape(4, 5)
-    for position, alternatives in enumerate(want.top_logprobs):
-        assert sorted(top_ids[position, :2].tolist()) == keep
-        assert top_lps[position, :2].tolist() == pytest.approx(list(alternatives.values())[:2], **CLOSE)
-        assert top_lps[position, 2:].tolist() == [-9999.0] * 3
-        assert all(value == float("-inf") for value in list(alternatives.values())[2:])  # the engine's own
+    url = f"{server.http_url}/v2/models/diffulex/generate"
+    cases = []
+    for keep in ([5], [5, 6]):
+        params = {"max_tokens": 4, "min_tokens": 4, "ignore_eos": True, "temperature": 0, "logprobs": 5,
+                  "stop_token_ids": [t for t in range(vocab) if t not in keep and t != mask]}
+        cases.append((keep, params, engine.generate([PROMPT], SamplingParams(**params))[0]))
+    bodies = [{"text_input": PROMPT, "sampling_parameters": json.dumps(params), "exclude_input_in_output": True}
+              for _, params, _ in cases]
+    bodies += [{"text_input": PROMPT, "sampling_parameters": json.dumps({**GREEDY, "logprobs": 2}),
+                "exclude_input_in_output": True}] * 4
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        results = list(pool.map(lambda body: post(url, body), bodies))
+    for (status, payload), (keep, _, want) in zip(results, cases):
+        assert status == 200, payload
+        output = json.loads(payload, parse_constant=_refuse_constant)
+        assert ids(output["output_ids"]) == want.token_ids
+        top_ids = np.asarray(output["top_log_prob_ids"]).reshape(4, 5)
+        top_lps = np.asarray(output["top_log_probs"], dtype=np.float64).reshape(4, 5)
+        left = len(keep)
+        for position, alternatives in enumerate(want.top_logprobs):
+            assert sorted(top_ids[position, :left].tolist()) == keep
+            assert top_lps[position, :left].tolist() == pytest.approx(list(alternatives.values())[:left], **CLOSE)
+            assert top_lps[position, left:].tolist() == [-9999.0] * (5 - left)
+            assert all(value == float("-inf") for value in list(alternatives.values())[left:])  # the engine's own
+    for status, payload in results[len(cases):]:
+        assert status == 200, payload
+        output = json.loads(payload, parse_constant=_refuse_constant)
+        assert ids(output["output_ids"]) == expected.token_ids
+        assert flat(output["log_probs"]) == pytest.approx(expected.logprobs, **CLOSE)
