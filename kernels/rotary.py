@@ -73,47 +73,46 @@ def _rotary_kernel(
     if STORE_KV:
         slot = tl.load(slot_mapping_ptr + token)
         if slot >= 0:
-            # The k heads follow the q heads: write their values, as left in x, to the token's slot.
             cache_slot = slot.to(tl.int64) * stride_cache_slot
             scale_slot = slot.to(tl.int64) * stride_scale_slot
-            kv_head = heads - num_q_heads
-            is_k_head = (heads < num_heads) & (kv_head >= 0)
-            is_k = is_k_head[:, None]
-            k_dst = k_cache_ptr + cache_slot + kv_head[:, None] * stride_cache_head
-            if FP8:
-                # The row's scale covers every piece; a NaN in any makes it NaN, as the reference's amax does.
-                k1, k2 = rotated1.to(tl.float32), rotated2.to(tl.float32)
-                amax = tl.maximum(abs_max(k1, 1), abs_max(k2, 1), propagate_nan=tl.PropagateNan.ALL)
-                if PASS > 0:
-                    k3 = x3  # already a value of x's dtype: loaded from x, or normed and rounded to it
-                    amax = tl.maximum(amax, abs_max(k3, 1), propagate_nan=tl.PropagateNan.ALL)
-                k_scale = kv_row_scale(amax)
-                tl.store(k_dst + dims[None, :], to_e4m3(k1, k_scale), mask=is_k)
-                tl.store(k_dst + HALF + dims[None, :], to_e4m3(k2, k_scale), mask=is_k)
-                if PASS > 0:
-                    tl.store(k_dst + rest[None, :], to_e4m3(k3, k_scale), mask=is_k & rest_mask)
-                tl.store(k_scale_ptr + scale_slot + kv_head * stride_scale_head, k_scale, mask=is_k_head)
-            else:
-                tl.store(k_dst + dims[None, :], rotated1.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-                tl.store(k_dst + HALF + dims[None, :], rotated2.to(k_cache_ptr.dtype.element_ty), mask=is_k)
-                if PASS > 0:
-                    tl.store(k_dst + rest[None, :], x3.to(k_cache_ptr.dtype.element_ty), mask=is_k & rest_mask)
+            kv_heads = tl.arange(0, BLOCK_KV)
+            head_dims = tl.arange(0, BLOCK_D)
+            in_row = (head_dims < 2 * HALF + PASS)[None, :]
+            # The k heads follow the q heads. This program's are read back whole from x once every thread's stores
+            # are done, and stored as V is: one tile of rows, one reduction a row for an FP8 row's scale. The
+            # cache then holds what x holds, and no row's scale is put together from reductions over tiles of
+            # other shapes.
+            k_head = num_q_heads + kv_heads
+            first_head = tl.program_id(1) * BLOCK_H
+            is_k = (kv_heads < KV_HEADS) & (k_head >= first_head) & (k_head < first_head + BLOCK_H)
+            tl.debug_barrier()
+            k = tl.load(x_ptr + token * stride_xt + k_head[:, None] * stride_xh + head_dims[None, :],
+                        mask=is_k[:, None] & in_row, other=0.0)
+            _store_rows(k, is_k, in_row, k_cache_ptr + cache_slot, k_scale_ptr + scale_slot, kv_heads,
+                        stride_cache_head, stride_scale_head, head_dims, FP8)
             if tl.program_id(1) == 0:
-                kv_heads = tl.arange(0, BLOCK_KV)
-                head_dims = tl.arange(0, BLOCK_D)
-                is_v_head = kv_heads < KV_HEADS
-                v_mask = is_v_head[:, None] & (head_dims < 2 * HALF + PASS)[None, :]
-                # Masked lanes hold zeros: an FP8 row's scale is the largest magnitude over the whole tile.
-                v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :], mask=v_mask,
-                            other=0.0)
-                v_dst = v_cache_ptr + cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
-                if FP8:
-                    v = v.to(tl.float32)
-                    v_scale = kv_row_scale(abs_max(v, 1))
-                    tl.store(v_dst, to_e4m3(v, v_scale), mask=v_mask)
-                    tl.store(v_scale_ptr + scale_slot + kv_heads * stride_scale_head, v_scale, mask=is_v_head)
-                else:
-                    tl.store(v_dst, v.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+                is_v = kv_heads < KV_HEADS
+                v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :],
+                            mask=is_v[:, None] & in_row, other=0.0)
+                _store_rows(v, is_v, in_row, v_cache_ptr + cache_slot, v_scale_ptr + scale_slot, kv_heads,
+                            stride_cache_head, stride_scale_head, head_dims, FP8)
+
+
+@triton.jit
+def _store_rows(rows, is_row, in_row, dst, scale_dst, kv_heads, stride_cache_head, stride_scale_head, head_dims,
+                FP8: tl.constexpr):
+    """One token's K or V rows [BLOCK_KV, BLOCK_D] (those `is_row`, their values `in_row`, masked lanes zero) into
+    its cache slot: in the cache's dtype, or as FP8 rows, each with its own scale from its largest magnitude (a NaN
+    in a row makes its scale NaN, as `store_kv`'s is)."""
+    mask = is_row[:, None] & in_row
+    row_dst = dst + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
+    if FP8:
+        rows = rows.to(tl.float32)
+        scale = kv_row_scale(abs_max(rows, 1))
+        tl.store(row_dst, to_e4m3(rows, scale), mask=mask)
+        tl.store(scale_dst + kv_heads * stride_scale_head, scale, mask=is_row)
+    else:
+        tl.store(row_dst, rows.to(dst.dtype.element_ty), mask=mask)
 
 
 @triton.jit
@@ -182,9 +181,6 @@ def _launch(x, cos, sin, norm: HeadNorm | None, store: tuple | None) -> None:
         BLOCK_D=triton.next_power_of_2(head_dim), NORM=norm is not None, BLOCK_H=block_h,
         STORE_KV=store is not None, FP8=fp8, KV_HEADS=kv_heads, BLOCK_KV=triton.next_power_of_2(kv_heads),
         USE_PDL=use_pdl(x), num_warps=4, launch_pdl=use_pdl(x),
-        # No fused multiply-adds: the compiler may compute a rotated value once for qkv and again for the cache,
-        # and contract each copy its own way; with every product rounded apart, the copies round alike.
-        enable_fp_fusion=False,
     )
 
 
