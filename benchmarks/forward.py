@@ -950,19 +950,35 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
 def forward_parts(engine, plans: list[SeqPlan], device, reps: int) -> str:
     """The forward's time without the host's work before it: with the batch built beforehand, its input copy and
     graph replay (the runner's forward), and the replay of the captured graph alone; beside the whole forward (the
-    batch built, the replay, the LM head), they place the time between the forward's kernels and its end."""
+    batch built, the replay, the LM head), they place the time between the forward's kernels and its end. Then
+    the host's own time for the batch, its logit rows and the forward's launch, with the device idle."""
     runner = engine.runner
     batch = runner.build_batch(plans)
     with torch.inference_mode():
         ready_ms = device_ms(lambda: runner.forward(batch), device, reps)
+        launch_ms = host_ms(lambda: runner.forward(batch), device, reps)
+    host = (f"; on the host, the device idle: building the batch "
+            f"{host_ms(lambda: runner.build_batch(plans), device, reps):.3f} ms, its logit rows "
+            f"{host_ms(lambda: runner.logit_rows(plans), device, reps):.3f} ms, the forward's launch {launch_ms:.3f} ms")
     padded = runner.padded_forward
     bucket = padded.bucket_for(batch) if padded is not None else None
     graph = getattr(padded, "graphs", {}).get((bucket, False), (None,))[0]
     if graph is None:
-        return f"; with the batch built beforehand, its copy and replay {ready_ms:.3f} ms (no graph)"
+        return f"; with the batch built beforehand, its copy and forward {ready_ms:.3f} ms (no graph){host}"
     replay_ms = device_ms(graph.replay, device, reps)
     return (f"; with the batch built beforehand, its copy and replay {ready_ms:.3f} ms, the graph's replay alone "
-            f"{replay_ms:.3f} ms")
+            f"{replay_ms:.3f} ms{host}")
+
+
+def host_ms(fn, device: torch.device, reps: int) -> float:
+    """Median host time of fn until it returns, each call after the device has finished the one before."""
+    times = []
+    for _ in range(reps + 1):
+        synchronize(device)
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times[1:])
 
 
 def graph_gaps(forward, device) -> str:

@@ -227,8 +227,11 @@ def test_a_run_over_fp8_weights_follows_the_float_run_of_the_same_model(tmp_path
     assert sorted(profiles) == ["smoke", "smoke-fp8", "smoke-moe", "smoke-moe-fp8"]
     assert all("matmuls alone" in note for note in profiles.values())
     # The forward without the host's work before it: on a CPU there is no graph to replay alone.
-    assert all(re.search(r"with the batch built beforehand, its copy and replay [0-9.]+ ms \(no graph\)", note)
+    assert all(re.search(r"with the batch built beforehand, its copy and forward [0-9.]+ ms \(no graph\)", note)
                for note in profiles.values())
+    # And the host's own part of it, each piece timed.
+    assert all(re.search(r"building the batch [0-9.]+ ms, its logit rows [0-9.]+ ms, the forward's launch [0-9.]+ ms",
+                         note) for note in profiles.values())
     # Each kind's launches, and the forward's: a MoE layer launches more kernels than a dense one.
     launches = {model: int(re.search(r" in (\d+) launches(;|$)", note).group(1)) for model, note in profiles.items()}
     assert all(re.search(r"matmul [0-9.]+ \(\d+\)", note) for note in profiles.values())
