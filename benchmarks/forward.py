@@ -137,7 +137,7 @@ CANVAS_SECTIONS = ("canvas", "canvas_profile")  # the sections a canvas model ru
 @dataclass
 class Ceilings:
     bandwidth: float  # bytes/s, read + written
-    matmul_rate: float  # flop/s, bf16
+    matmul_rate: float  # flop/s, in the engines' dtype: bf16 on a GPU, float32 on a CPU
     fp8_matmul_rate: float | None = None  # flop/s, cuBLASLt fp8; measured when the run quantizes
 
     def rate_for(self, model) -> float:
@@ -203,7 +203,10 @@ def measure_ceilings(device: torch.device, plan: Plan, fp8: bool = False) -> Cei
     src = torch.randn(n, device=device).to(torch.bfloat16)
     dst = torch.empty_like(src)
     m = 256 if plan.smoke else 8192
-    a, b = (torch.randn(m, m, device=device).to(torch.bfloat16) for _ in range(2))
+    # The product in the dtype the engines run in: bf16 on a GPU, float32 on a CPU, where a CPU without bf16
+    # instructions multiplies bf16 many times slower than the float32 forward it would be the floor of.
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    a, b = (torch.randn(m, m, device=device).to(dtype) for _ in range(2))
     # An idle GPU starts at low clocks: a few calls are not enough warm-up (one run measured 633 TFLOP/s
     # after two, where the same kind of card gives about 790), so keep it busy for a while first.
     warm_until = time.perf_counter() + (0 if plan.smoke else 2.0)
@@ -929,7 +932,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         # At a decode step's few rows each launch also costs its gap in the graph: the counts say how many there are.
         breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
                               for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
-        gaps = graph_gaps(lambda: engine_logits(engine, plans), device) if device.type == "cuda" else ""
+        timeline = step_timeline(engine, plans, device, plan.reps)
         parts = forward_parts(engine, plans, device, plan.reps)
         total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
         f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
@@ -942,7 +945,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
                    **expert_columns(model, batch * BLOCK, routes),
                    note=f"the forward's matmuls alone, in one graph: {matmul_ms:.2f} ms "
                         f"({matmul_ms / floor_ms:.2f}x the larger floor); eager forward, device ms (launches) by "
-                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches{parts}{gaps}")
+                        f"kernel kind: {breakdown}; sum {total_ms:.2f} in {launches} launches{parts}{timeline}")
     del engine
     free_memory(device)
 
@@ -981,39 +984,47 @@ def host_ms(fn, device: torch.device, reps: int) -> float:
     return statistics.median(times[1:])
 
 
-def graph_gaps(forward, device) -> str:
-    """One run of the forward (its CUDA graph, then the LM head) under the profiler: the device time its kernels
-    take, and the time between the latest end so far and the next kernel's start, summed by the kind of the kernel
-    that starts after the gap. The profiler's own tracing lengthens the gaps: the forward's time without it, beside
-    its kernels', is the measure of what they cost."""
-    forward()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        forward()
-        synchronize(device)
-    kernels = sorted((event.time_range.start, event.time_range.end, event.name)
-                     for event in prof.events() if event.device_type == torch.autograd.DeviceType.CUDA)
-    if len(kernels) < 2:
-        return ""
-    by_kind: dict[str, list] = {}  # kind after the gap -> [us, gaps]
-    gaps = []  # (us, the kernel that ended last before it, the kernel after)
-    _, last_end, last = kernels[0]
-    for start, end, name in kernels[1:]:
-        gap = max(0.0, start - last_end)  # a launch that PDL overlaps with the ones before has none
-        totals = by_kind.setdefault(kernel_kind(name), [0.0, 0])
-        totals[0] += gap
-        totals[1] += 1
-        gaps.append((gap, last, name))
-        if end > last_end:
-            last_end, last = end, name
-    busy = sum(end - start for start, end, _ in kernels)
-    gap_us = sum(us for us, _ in by_kind.values())
-    listed = ", ".join(f"{kind} {us / 1e3:.2f} ({count}, {us / count:.2f} us each)"
-                       for kind, (us, count) in sorted(by_kind.items(), key=lambda kv: -kv[1][0]))
-    largest = ", ".join(f"{us:.0f} us from {before[:60]} to {after[:60]}"
-                        for us, before, after in sorted(gaps, reverse=True)[:4])
-    return (f"; one graph replay under the profiler: {(kernels[-1][1] - kernels[0][0]) / 1e3:.2f} ms from the first "
-            f"kernel's start to the last one's end, kernels {busy / 1e3:.2f} ms in {len(kernels)}, gaps "
-            f"{gap_us / 1e3:.2f} ms, by the kind after the gap: {listed}; the largest: {largest}")
+def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
+    """The whole step (runner.execute: the forward, sampling and acceptance, and the one wait for their tokens):
+    its wall time without the profiler; then three steps back to back under the profiler, tracing the host and the
+    device: the device's busy time a step, and the gaps of over 15 us in which it sat idle (within a step and
+    between two), the largest named with the host's longest CUDA call inside it. The profiler's tracing lengthens
+    the host's calls, a CUDA graph's launch most: the wall time beside the busy time is the measure of what the
+    device waits for without it."""
+    sched = SchedulerOutput(plans=plans)
+    with torch.inference_mode():
+        engine.runner.execute(sched)
+        wall = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device) for _ in range(reps + 1))
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+            for _ in range(3):
+                engine.runner.execute(sched)
+                synchronize(device)
+    on_device = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                       if e.device_type == torch.autograd.DeviceType.CUDA)
+    on_host = [(e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+               if e.device_type != torch.autograd.DeviceType.CUDA]
+    if not on_device:
+        return f"; the step {wall:.3f} ms (no device to trace)"
+    gaps = []  # (us, start, end, the device's next event), between the steps as within them
+    last_end = on_device[0][1]
+    for start, end, name in on_device[1:]:
+        if start - last_end > 15:
+            gaps.append((start - last_end, last_end, start, name))
+        last_end = max(last_end, end)
+    steps_span = on_device[-1][1] - on_device[0][0]
+    busy = sum(end - start for start, end, _ in on_device)
+
+    def longest_call(start: float, end: float) -> str:
+        calls = [(min(c_end, end) - max(c_start, start), name) for c_start, c_end, name in on_host
+                 if name.startswith("cu") and c_end > start and c_start < end]
+        return max(calls)[1] if calls else "none"
+
+    largest = ", ".join(f"{us:.0f} us before {after[:40]} (the host in {longest_call(start, end)})"
+                        for us, start, end, after in sorted(gaps, reverse=True)[:2])
+    return (f"; the step {wall:.3f} ms without the profiler; under it, the device busy {busy / 3e3:.3f} ms a step "
+            f"over {steps_span / 3e3:.3f} ms, idle {sum(g[0] for g in gaps) / 3e3:.3f} ms a step in gaps over "
+            f"15 us, the largest: {largest or 'none'}")
 
 
 def kernel_kind(name: str) -> str:
