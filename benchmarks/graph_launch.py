@@ -2,7 +2,8 @@
 
 A decode forward at batch 1 is one graph of about 300 to 500 short kernels (LLaDA-8B: 297 in bf16, 329 in fp8), each
 launched dependent on the one before (programmatic dependent launch, kernels/pdl.py). For each node count, with the
-kernels launched plainly and dependent, in one run:
+kernels launched plainly and dependent, dependent with every 32nd launched plainly, dependent with one
+device-to-device copy among them, and dependent over 16 distinct kernels, in one run:
   - host_us: the median time `CUDAGraph.replay()` holds the host;
   - alone_us: one replay timed by events on an idle GPU: the host's launch is on its critical path;
   - busy_us: one replay queued behind a kernel that keeps the GPU busy: the graph's own device time;
@@ -22,6 +23,7 @@ import pathlib
 import statistics
 import sys
 import time
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -34,16 +36,34 @@ NODES = "32,128,330,500,1000"
 
 
 @triton.jit
-def _node_kernel(x_ptr, USE_PDL: tl.constexpr):
+def _node_kernel(x_ptr, USE_PDL: tl.constexpr, KERNEL: tl.constexpr):
     wait_for_previous_kernel(USE_PDL)
     offs = tl.arange(0, 128)
-    tl.store(x_ptr + offs, tl.load(x_ptr + offs) + 1.0)
+    tl.store(x_ptr + offs, tl.load(x_ptr + offs) + KERNEL)
 
 
-def captured(nodes: int, dependent: bool, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+@dataclass(frozen=True)
+class GraphKind:
+    """A graph's makeup: its nodes launched dependent or plainly; with `plain_every`, every so many of the dependent
+    nodes launched plainly (as a forward's torch kernels are among its Triton ones); how many device-to-device
+    copies it holds (a memcpy node each, as a tensor's `copy_` captures); and how many distinct kernels its nodes
+    cycle through (each value of KERNEL compiles a kernel of its own, as a forward's many Triton kernels are)."""
+    dependent: bool
+    plain_every: int = 0
+    copies: int = 0
+    kernels: int = 1
+
+
+def captured(nodes: int, kind: GraphKind, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    copy_after = {nodes * (i + 1) // (kind.copies + 1) for i in range(kind.copies)}
+    y = torch.empty_like(x)
+
     def launches():
-        for _ in range(nodes):
-            _node_kernel[(1,)](x, USE_PDL=dependent, launch_pdl=dependent, num_warps=1)
+        for node in range(nodes):
+            dependent = kind.dependent and not (kind.plain_every and node % kind.plain_every == 0)
+            _node_kernel[(1,)](x, USE_PDL=dependent, KERNEL=node % kind.kernels, launch_pdl=dependent, num_warps=1)
+            if node in copy_after:
+                y.copy_(x)
 
     launches()  # compiles outside the capture
     torch.cuda.synchronize()
@@ -88,14 +108,18 @@ def main(argv=None) -> int:
     x = torch.zeros(128, device="cuda")
     # Long enough to cover the longest launch measured (2 ms at the GPU's clock), so the replay waits behind it.
     busy_cycles = int(getattr(torch.cuda.get_device_properties(0), "clock_rate", 2_000_000) * 2)  # kHz * 2 ms
-    table = ResultTable("graph_launch", ["nodes", "dependent", "host_us", "alone_us", "busy_us", "exposed_us",
-                                         "exposed_us_per_node"])
+    table = ResultTable("graph_launch", ["nodes", "dependent", "plain_every", "copies", "kernels", "host_us",
+                                         "alone_us", "busy_us", "exposed_us", "exposed_us_per_node"])
+    dependent = use_pdl(x)
+    kinds = dict.fromkeys((GraphKind(False), GraphKind(dependent), GraphKind(dependent, plain_every=32),
+                           GraphKind(dependent, copies=1), GraphKind(dependent, kernels=16)))
     for nodes in (int(n) for n in args.nodes.split(",")):
-        for dependent in dict.fromkeys((False, use_pdl(x))):
-            graph = captured(nodes, dependent, x)
+        for kind in kinds:
+            graph = captured(nodes, kind, x)
             host, alone, busy = replay_times(graph, args.reps, busy_cycles)
-            table.add(nodes=nodes, dependent=dependent, host_us=host, alone_us=alone, busy_us=busy,
-                      exposed_us=alone - busy, exposed_us_per_node=(alone - busy) / nodes)
+            table.add(nodes=nodes, dependent=kind.dependent, plain_every=kind.plain_every, copies=kind.copies,
+                      kernels=kind.kernels, host_us=host, alone_us=alone, busy_us=busy, exposed_us=alone - busy,
+                      exposed_us_per_node=(alone - busy) / nodes)
             del graph
     table.write(args.out, argv if argv is not None else sys.argv[1:])
     print(torch.cuda.get_device_name(0), flush=True)
