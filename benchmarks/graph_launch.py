@@ -1,6 +1,6 @@
 """What launching a CUDA graph costs the host, and how long the GPU waits for it, by the graph's node count.
 
-A decode forward at batch 1 is one graph of about 300 to 500 short kernels (LLaDA-8B: 297 in bf16, 329 in fp8), each
+A decode forward at batch 1 is one graph of about 300 to 500 short kernels (LLaDA-8B: about 300 in bf16, 330 in fp8), each
 launched dependent on the one before (programmatic dependent launch, kernels/pdl.py). For each node count, with the
 kernels launched plainly and dependent, dependent with every 32nd launched plainly, dependent with one
 device-to-device copy among them, and dependent over 16 distinct kernels, in one run:
