@@ -79,9 +79,8 @@ def _rotary_kernel(
             head_dims = tl.arange(0, BLOCK_D)
             in_row = (head_dims < 2 * HALF + PASS)[None, :]
             # The k heads follow the q heads. This program's are read back whole from x once every thread's stores
-            # are done, and stored as V is: one tile of rows, one reduction a row for an FP8 row's scale. The
-            # cache then holds what x holds, and no row's scale is put together from reductions over tiles of
-            # other shapes.
+            # are done, and stored as V is: the cache holds what x holds, and an FP8 row's scale is one reduction
+            # over that whole row.
             k_head = num_q_heads + kv_heads
             first_head = tl.program_id(1) * BLOCK_H
             is_k = (kv_heads < KV_HEADS) & (k_head >= first_head) & (k_head < first_head + BLOCK_H)
