@@ -1006,14 +1006,8 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
                if e.device_type != torch.autograd.DeviceType.CUDA]
     if not on_device:
         return f"; the step {wall:.3f} ms (no device to trace)"
-    gaps = []  # (us, start, end, the device's next event), between the steps as within them
-    last_end = on_device[0][1]
-    for start, end, name in on_device[1:]:
-        if start - last_end > 15:
-            gaps.append((start - last_end, last_end, start, name))
-        last_end = max(last_end, end)
-    steps_span = on_device[-1][1] - on_device[0][0]
-    busy = sum(end - start for start, end, _ in on_device)
+    busy, steps_span, gaps = busy_and_gaps(on_device)
+    gaps = [gap for gap in gaps if gap[0] > 15]  # between the steps as within them
 
     def longest_call(start: float, end: float) -> str:
         calls = [(min(c_end, end) - max(c_start, start), name) for c_start, c_end, name in on_host
@@ -1025,6 +1019,21 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
     return (f"; the step {wall:.3f} ms without the profiler; under it, the device busy {busy / 3e3:.3f} ms a step "
             f"over {steps_span / 3e3:.3f} ms, idle {sum(g[0] for g in gaps) / 3e3:.3f} ms a step in gaps over "
             f"15 us, the largest: {largest or 'none'}")
+
+
+def busy_and_gaps(events: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, float, float, str]]]:
+    """Of device events (start, end, name) sorted by start: the time covered by at least one of them (their union:
+    a dependent launch's event starts while the kernel before it still runs, so their sum counts that time twice),
+    the span from the first start to the last end, and each gap in which none runs, as (length, start, end, the
+    name of the event after it)."""
+    gaps = []
+    last_end = events[0][1]
+    for start, end, name in events[1:]:
+        if start > last_end:
+            gaps.append((start - last_end, last_end, start, name))
+        last_end = max(last_end, end)
+    span = last_end - events[0][0]
+    return span - sum(gap[0] for gap in gaps), span, gaps
 
 
 def kernel_kind(name: str) -> str:

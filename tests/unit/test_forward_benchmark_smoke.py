@@ -333,3 +333,15 @@ def test_a_canvas_run_times_diffusion_gemma_s_steps_and_nothing_else(tmp_path):
         steps = int(row["note"].split(" steps,")[0])
         assert 2 < steps <= 2 * TINY_SCHEDULE.max_denoising_steps + 1
     assert float(canvas[1]["compute_floor_ms"]) == pytest.approx(2 * float(canvas[0]["compute_floor_ms"]), rel=2e-3)
+
+
+def test_a_step_s_device_time_is_the_union_of_its_events_and_its_gaps_lie_between_them():
+    forward = import_forward_benchmark()
+    # Two dependent launches that overlap, a gap of 10, then two kernels 1 apart.
+    events = [(0.0, 10.0, "a"), (5.0, 20.0, "b"), (30.0, 40.0, "c"), (41.0, 50.0, "d")]
+    busy, span, gaps = forward.busy_and_gaps(events)
+    assert (busy, span) == (39.0, 50.0)  # not the sum, 44
+    assert gaps == [(10.0, 20.0, 30.0, "c"), (1.0, 40.0, 41.0, "d")]
+    # A kernel inside an earlier one's time leaves no gap and adds nothing.
+    assert forward.busy_and_gaps([(0.0, 10.0, "a"), (2.0, 3.0, "b"), (12.0, 13.0, "c")]) == (
+        11.0, 13.0, [(2.0, 10.0, 12.0, "c")])
