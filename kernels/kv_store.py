@@ -166,22 +166,25 @@ def _store_kv_kernel(
     src_k = key_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :]
     src_v = value_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :]
     dst = slot.to(tl.int64) * stride_cache_slot + heads[:, None] * stride_cache_head + dims[None, :]
-    k = tl.load(src_k, mask=mask)
-    v = tl.load(src_v, mask=mask)
+    scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
+    store_rows(tl.load(src_k, mask=mask), k_cache_ptr + dst, k_scale_ptr + scale_dst, mask, head_valid, FP8)
+    store_rows(tl.load(src_v, mask=mask), v_cache_ptr + dst, v_scale_ptr + scale_dst, mask, head_valid, FP8)
+
+
+@triton.jit
+def store_rows(rows, row_dst, scale_dst, mask, is_row, FP8: tl.constexpr):
+    """One token's K or V rows [heads, head_dim] into its cache slot (`row_dst`, pointers of the same shape; `mask`
+    the values stored, `is_row` [heads] the rows): in the cache's dtype, or as FP8 rows, each cast with its own
+    scale (to `scale_dst` [heads]) from its largest magnitude. The store launch and the RoPE launch that stores K/V
+    (rotary.py) share it, so both write the same bytes."""
     if FP8:
-        scale_dst = slot.to(tl.int64) * stride_scale_slot + heads * stride_scale_head
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-        # A NaN in a head's row makes its scale NaN, as the reference's amax does (kernels/fp8_cast.py).
-        k_scale = kv_row_scale(abs_max(k, 1))  # [BLOCK_H]
-        v_scale = kv_row_scale(abs_max(v, 1))
-        tl.store(k_cache_ptr + dst, to_e4m3(k, k_scale), mask=mask)
-        tl.store(v_cache_ptr + dst, to_e4m3(v, v_scale), mask=mask)
-        tl.store(k_scale_ptr + scale_dst, k_scale, mask=head_valid)
-        tl.store(v_scale_ptr + scale_dst, v_scale, mask=head_valid)
+        rows = rows.to(tl.float32)
+        # A NaN in a row makes its scale NaN, as the reference's amax does (kernels/fp8_cast.py).
+        scale = kv_row_scale(abs_max(rows, 1))
+        tl.store(row_dst, to_e4m3(rows, scale), mask=mask)
+        tl.store(scale_dst, scale, mask=is_row)
     else:
-        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(row_dst, rows.to(row_dst.dtype.element_ty), mask=mask)
 
 
 def store_kv(

@@ -18,8 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import abs_max
-from .kv_store import kv_row_scale, to_e4m3, typed_slots
+from .kv_store import store_rows, typed_slots
 from .pdl import use_pdl, wait_for_previous_kernel
 
 
@@ -40,7 +39,8 @@ def _rotary_kernel(
     rotary launch would leave it."""
     wait_for_previous_kernel(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    first_head = tl.program_id(1) * BLOCK_H
+    heads = first_head + tl.arange(0, BLOCK_H)
     dims = tl.arange(0, HALF)
     rest = 2 * HALF + tl.arange(0, BLOCK_PASS)
     in_head = rest < 2 * HALF + PASS
@@ -82,36 +82,20 @@ def _rotary_kernel(
             # are done, and stored as V is: the cache holds what x holds, and an FP8 row's scale is one reduction
             # over that whole row.
             k_head = num_q_heads + kv_heads
-            first_head = tl.program_id(1) * BLOCK_H
             is_k = (kv_heads < KV_HEADS) & (k_head >= first_head) & (k_head < first_head + BLOCK_H)
             tl.debug_barrier()
-            k = tl.load(x_ptr + token * stride_xt + k_head[:, None] * stride_xh + head_dims[None, :],
-                        mask=is_k[:, None] & in_row, other=0.0)
-            _store_rows(k, is_k, in_row, k_cache_ptr + cache_slot, k_scale_ptr + scale_slot, kv_heads,
-                        stride_cache_head, stride_scale_head, head_dims, FP8)
+            row_dst = cache_slot + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
+            scale_dst = scale_slot + kv_heads * stride_scale_head
+            k_mask = is_k[:, None] & in_row
+            k = tl.load(x_ptr + token * stride_xt + k_head[:, None] * stride_xh + head_dims[None, :], mask=k_mask,
+                        other=0.0)
+            store_rows(k, k_cache_ptr + row_dst, k_scale_ptr + scale_dst, k_mask, is_k, FP8)
             if tl.program_id(1) == 0:
                 is_v = kv_heads < KV_HEADS
+                v_mask = is_v[:, None] & in_row
                 v = tl.load(v_ptr + token * stride_vt + kv_heads[:, None] * stride_vh + head_dims[None, :],
-                            mask=is_v[:, None] & in_row, other=0.0)
-                _store_rows(v, is_v, in_row, v_cache_ptr + cache_slot, v_scale_ptr + scale_slot, kv_heads,
-                            stride_cache_head, stride_scale_head, head_dims, FP8)
-
-
-@triton.jit
-def _store_rows(rows, is_row, in_row, dst, scale_dst, kv_heads, stride_cache_head, stride_scale_head, head_dims,
-                FP8: tl.constexpr):
-    """One token's K or V rows [BLOCK_KV, BLOCK_D] (those `is_row`, their values `in_row`, masked lanes zero) into
-    its cache slot: in the cache's dtype, or as FP8 rows, each with its own scale from its largest magnitude (a NaN
-    in a row makes its scale NaN, as `store_kv`'s is)."""
-    mask = is_row[:, None] & in_row
-    row_dst = dst + kv_heads[:, None] * stride_cache_head + head_dims[None, :]
-    if FP8:
-        rows = rows.to(tl.float32)
-        scale = kv_row_scale(abs_max(rows, 1))
-        tl.store(row_dst, to_e4m3(rows, scale), mask=mask)
-        tl.store(scale_dst + kv_heads * stride_scale_head, scale, mask=is_row)
-    else:
-        tl.store(row_dst, rows.to(dst.dtype.element_ty), mask=mask)
+                            mask=v_mask, other=0.0)
+                store_rows(v, v_cache_ptr + row_dst, v_scale_ptr + scale_dst, v_mask, is_v, FP8)
 
 
 @triton.jit
