@@ -3,6 +3,7 @@ recording at a time, and is refused by name where no profile_dir was given."""
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -101,3 +102,37 @@ def test_a_profile_dir_that_is_no_writable_directory_fails_the_load_by_name(llad
     with pytest.raises(ValueError, match=re.escape(f"config field 'profile_dir' must be a writable directory or null, "
                                                    f"got {str(path)!r}")):
         tiny_engine(llada_checkpoint, profile_dir=str(path))
+
+
+def test_a_cuda_recording_detaches_the_profiler_when_it_stops_unless_the_process_says_otherwise(monkeypatch):
+    """Kineto keeps CUPTI attached after a recording unless TEARDOWN_CUPTI=1, and every later launch pays for it
+    (benchmarks/profiler_residue.py measures how much on a GPU). A recording that traces CUDA sets it; one that does not
+    leaves the environment alone, and a value the process was started with wins."""
+    from torch.profiler import ProfilerActivity
+
+    from diffulex_backend.profiling import device_profile
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    device_profile([ProfilerActivity.CPU])
+    assert "TEARDOWN_CUPTI" not in os.environ
+    device_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    monkeypatch.setenv("TEARDOWN_CUPTI", "0")
+    device_profile([ProfilerActivity.CUDA])
+    assert os.environ["TEARDOWN_CUPTI"] == "0"
+
+
+def test_a_gpu_engine_s_recording_detaches_the_profiler(monkeypatch, tmp_path):
+    """The engine's recordings are the ones that must not slow the server after them: a CUDA engine's StepProfiler
+    records CUDA, so its first recording sets the teardown (a CPU build of torch records the CPU side alone)."""
+    import torch
+
+    from diffulex_backend.profiling import StepProfiler
+
+    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    recorder = StepProfiler(str(tmp_path), torch.device("cuda"))
+    recorder.request(1, "r")
+    recorder.before_step()
+    recorder.after_step(engine_idle=True)
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    assert len(traces(tmp_path)) == 1
