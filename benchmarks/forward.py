@@ -74,6 +74,7 @@ from diffulex_backend.model_setup import attention_backend_name, select_attentio
 from diffulex_backend.layers import fused_forward, moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
+from diffulex_backend.profiling import device_profile  # noqa: E402
 from diffulex_backend.quantization import has_fp8, quantize_model  # noqa: E402
 from diffulex_backend.layers.fp8_linear import Fp8Linear, quantize_weight  # noqa: E402
 from diffulex_backend.runner import kv_cache_layout  # noqa: E402
@@ -743,7 +744,7 @@ def canvas_profile_section(report: Report, name: str, model, model_dir: str, dev
         engine.step()
     cuda = device.type == "cuda"
     activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with torch.profiler.profile(activities=activities) as prof:
+    with device_profile(activities) as prof:
         synchronize(device)
         start = time.perf_counter()
         for _ in range(PROFILED_STEPS):
@@ -918,7 +919,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
             model(input_ids, positions, meta, engine.runner.kv_cache)  # warm
             activity = (torch.profiler.ProfilerActivity.CUDA if device.type == "cuda"
                         else torch.profiler.ProfilerActivity.CPU)
-            with torch.profiler.profile(activities=[activity]) as prof:
+            with device_profile([activity]) as prof:
                 model.compute_logits(model(input_ids, positions, meta, engine.runner.kv_cache))
                 synchronize(device)
         kinds: dict[str, list] = {}  # kind -> [device ms, launches]
@@ -932,7 +933,7 @@ def profile_section(report: Report, name: str, model, model_dir: str, device, pl
         # At a decode step's few rows each launch also costs its gap in the graph: the counts say how many there are.
         breakdown = ", ".join(f"{kind} {ms:.2f} ({launches})"
                               for kind, (ms, launches) in sorted(kinds.items(), key=lambda kv: -kv[1][0]))
-        timeline = step_timeline(engine, plans, device, plan.reps)
+        timeline = step_timeline(engine, plans, device, plan.reps) + step_phases(engine, plans, device, plan.reps)
         parts = forward_parts(engine, plans, device, plan.reps)
         total_ms, launches = sum(ms for ms, _ in kinds.values()), sum(n for _, n in kinds.values())
         f = floors(model, ceilings, batch, context, batch * BLOCK, touched(routes, model),
@@ -995,8 +996,7 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
     with torch.inference_mode():
         engine.runner.execute(sched)
         wall = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device) for _ in range(reps + 1))
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
-                                                torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with device_profile([torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
             for _ in range(3):
                 engine.runner.execute(sched)
                 synchronize(device)
@@ -1019,6 +1019,68 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
     return (f"; the step {wall:.3f} ms without the profiler; under it, the device busy {busy / 3e3:.3f} ms a step "
             f"over {steps_span / 3e3:.3f} ms, idle {sum(g[0] for g in gaps) / 3e3:.3f} ms a step in gaps over "
             f"15 us, the largest: {largest or 'none'}")
+
+
+def step_phases(engine, plans: list[SeqPlan], device, reps: int) -> str:
+    """The whole step (runner.execute) split into its phases without the profiler, each the median over `reps` steps
+    begun with the device idle: on the device, when the forward's input copy and graph begin and end, when the
+    logits, the sampler's and the acceptance's kernels end (CUDA events recorded around the runner's calls); on the
+    host, when it has queued the forward and the acceptance, and when the step returns. A device time later than the
+    host's queueing of the next phase is the device's; one earlier says that the device waited for the host."""
+    if device.type != "cuda":
+        return ""
+    runner = engine.runner
+    model = runner.model
+    marks: dict[str, list[float]] = {}
+    events: dict[str, torch.cuda.Event] = {}
+
+    def mark(name: str) -> None:
+        events[name] = torch.cuda.Event(enable_timing=True)
+        events[name].record()
+        marks.setdefault(f"host {name}", []).append(time.perf_counter())
+
+    def around(obj, attr: str, before: str | None, after: str):
+        call = getattr(obj, attr)
+
+        def timed(*args, **kwargs):
+            if before is not None:
+                mark(before)
+            result = call(*args, **kwargs)
+            mark(after)
+            return result
+        setattr(obj, attr, timed)
+
+    sched = SchedulerOutput(plans=plans)
+    around(runner, "forward", "graph begins", "graph ends")
+    around(model, "compute_logits", None, "logits end")
+    around(runner, "accept", "sampler ends", "acceptance ends")
+    phases: dict[str, list[float]] = {}
+    try:
+        with torch.inference_mode():
+            for rep in range(reps + 2):
+                events.clear()
+                marks.clear()
+                synchronize(device)
+                mark("step")
+                runner.execute(sched)
+                returned = time.perf_counter()
+                synchronize(device)
+                if rep < 2:
+                    continue
+                start, host_start = events["step"], marks["host step"][0]
+                for name, event in events.items():
+                    if name != "step":
+                        phases.setdefault(name, []).append(start.elapsed_time(event))
+                phases.setdefault("host queued the forward", []).append(
+                    1e3 * (marks["host graph ends"][0] - host_start))
+                phases.setdefault("host queued the acceptance", []).append(
+                    1e3 * (marks["host acceptance ends"][0] - host_start))
+                phases.setdefault("host returns", []).append(1e3 * (returned - host_start))
+    finally:
+        for obj, attr in ((runner, "forward"), (model, "compute_logits"), (runner, "accept")):
+            del obj.__dict__[attr]
+    return ("; the step's phases, ms from its start (median of " + str(reps) + " steps, no profiler): "
+            + ", ".join(f"{name} {statistics.median(times):.3f}" for name, times in phases.items()))
 
 
 def busy_and_gaps(events: list[tuple[float, float, str]]) -> tuple[float, float, list[tuple[float, float, float, str]]]:
