@@ -69,12 +69,14 @@ SECTIONS = (
     # Eight workers: the kernel tests compile hundreds of variants, each on a core of its own.
     Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py"),
             ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=238),
-    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py"), seconds=38),
+    # Profiling records CUDA on a GPU only, and must leave the engine's graphs and speed as they were.
+    Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py",
+                            "tests/unit/test_profiling.py"), seconds=64),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
             "test_triton_server.py", "test_thread_death.py", "test_data_parallel.py", "test_page_retention_served.py",
-            "test_integer_limits.py", "test_served_logprobs.py")),
+            "test_integer_limits.py", "test_served_logprobs.py", "test_profiling_served.py")),
         "tests/client/test_client.py", "tests/client/test_cli.py"), seconds=339),
     Section("tensor parallelism, one rank on each of two GPUs: the collectives over peer memory, then served",
             (TWO_GPU_KERNEL_TESTS, "tests/server/test_tensor_parallel_gpu.py"), seconds=58, gpus=2),
