@@ -1,9 +1,10 @@
 """What a torch.profiler recording leaves behind: a CUDA graph's launch time on the host before and after each of
 three recordings, with CUPTI torn down when a recording stops (TEARDOWN_CUPTI=1, as diffulex_backend.profiling's
 device_profile sets it) and without (TEARDOWN_CUPTI=0, torch's default here). Each setting runs in a process of its
-own, since the variable acts for the life of the process. The graph is graph_launch.py's: 330 dependent one-program
-kernels over 16 distinct ones, about an fp8 LLaDA-8B forward's count. After each recording the replay's result is checked, and the
-recording's device events are counted, so that a teardown that broke the next recording would show.
+own, since the variable acts for the life of the process. The graph is graph_launch.py's: 330 dependent
+one-program kernels over 16 distinct ones, about an fp8 LLaDA-8B forward's count. After each recording the replay's
+result is checked, and the recording's device events are counted, so that a teardown that broke the next recording
+would show.
 
     python benchmarks/profiler_residue.py --out DIR
 """

@@ -53,11 +53,12 @@ class NvtxRange:
 
 
 def device_profile(activities: list[ProfilerActivity], **kwargs) -> profile:
-    """A torch.profiler over `activities` that leaves the device as it found it once it stops. The profiler traces CUDA
-    through CUPTI, and without TEARDOWN_CUPTI=1 it keeps CUPTI attached after the recording: every later launch pays
-    for the attachment, a captured forward's replay most (a graph of 330 kernels held the host 31 to 34 times as long
-    on one H200: benchmarks/profiler_residue.py), for as long as the process lives. With the teardown a later recording attaches CUPTI again, CUDA graphs included. A TEARDOWN_CUPTI the
-    process was started with is left as it is."""
+    """A torch.profiler over `activities` that leaves the device as it found it once it stops. The profiler traces
+    CUDA through CUPTI, and without TEARDOWN_CUPTI=1 it keeps CUPTI attached after the recording: every later launch
+    pays for the attachment, a captured forward's replay most (a graph of 330 kernels held the host 31 to 34 times as
+    long on one H200: benchmarks/profiler_residue.py), for as long as the process lives. With the teardown a later
+    recording attaches CUPTI again, CUDA graphs included. A TEARDOWN_CUPTI the process was started with is left as
+    it is."""
     if ProfilerActivity.CUDA in activities:
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
     return profile(activities=activities, **kwargs)

@@ -106,8 +106,8 @@ def test_a_profile_dir_that_is_no_writable_directory_fails_the_load_by_name(llad
 
 def test_a_cuda_recording_detaches_the_profiler_when_it_stops_unless_the_process_says_otherwise(monkeypatch):
     """Kineto keeps CUPTI attached after a recording unless TEARDOWN_CUPTI=1, and every later launch pays for it
-    (benchmarks/profiler_residue.py measures how much on a GPU). A recording that traces CUDA sets it; one that does not
-    leaves the environment alone, and a value the process was started with wins."""
+    (benchmarks/profiler_residue.py measures how much on a GPU). A recording that traces CUDA sets it; one that does
+    not leaves the environment alone, and a value the process was started with wins."""
     from torch.profiler import ProfilerActivity
 
     from diffulex_backend.profiling import device_profile
