@@ -52,15 +52,34 @@ class NvtxRange:
         torch.cuda.nvtx.range_pop()
 
 
-def device_profile(activities: list[ProfilerActivity], **kwargs) -> profile:
-    """A torch.profiler over `activities` that leaves the device as it found it once it stops. The profiler traces
-    CUDA through CUPTI, and without TEARDOWN_CUPTI=1 it keeps CUPTI attached after the recording: every later launch
-    pays for the attachment, a captured forward's replay most (a graph of 330 kernels held the host 31 to 34 times as
-    long on one H200: benchmarks/profiler_residue.py), for as long as the process lives. With the teardown a later
-    recording attaches CUPTI again, CUDA graphs included. A TEARDOWN_CUPTI the process was started with is left as
-    it is."""
-    if ProfilerActivity.CUDA in activities:
+# Torch tears CUPTI down with CUDA graphs in the process from CUDA 12.6 on; before it, a recording after a teardown
+# could crash (torch/profiler/profiler.py keeps CUPTI attached there).
+TEARDOWN_MIN_CUDA = (12, 6)
+
+
+def activities_for(device: torch.device) -> list[ProfilerActivity]:
+    """What a recording on `device` traces: the host, and CUDA on a GPU."""
+    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+
+def tear_down_cupti_after_recordings() -> None:
+    """Has every later recording that traces CUDA detach CUPTI when it stops (TEARDOWN_CUPTI=1). Without it the
+    profiler keeps CUPTI attached after a recording, and every later launch pays for the attachment, a captured
+    forward's replay most, for as long as the process lives (benchmarks/profiler_residue.py measures it; its CSV in
+    docs/performance). Kineto reads the variable when a recording stops and when the next one starts, so it is set
+    before the first and left set; the engine sets it when it is built, before its serving threads start, so that no
+    thread reads the environment while another writes it. Left alone: a value the process was started with (TEARDOWN_CUPTI=0 keeps CUPTI attached, as
+    before), and a build without CUDA or with a CUDA older than TEARDOWN_MIN_CUDA."""
+    cuda = torch.version.cuda
+    if cuda is not None and tuple(int(part) for part in cuda.split(".")[:2]) >= TEARDOWN_MIN_CUDA:
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
+
+
+def device_profile(activities: list[ProfilerActivity], **kwargs) -> profile:
+    """A torch.profiler over `activities` that leaves the device as it found it once it stops, where the CUDA build
+    allows (tear_down_cupti_after_recordings)."""
+    if ProfilerActivity.CUDA in activities:
+        tear_down_cupti_after_recordings()
     return profile(activities=activities, **kwargs)
 
 
@@ -76,7 +95,9 @@ class StepProfiler:
 
     def __init__(self, profile_dir: str | None, device: torch.device):
         self.profile_dir = None if profile_dir is None else Path(profile_dir)
-        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self.activities = activities_for(device)
+        if self.profile_dir is not None and ProfilerActivity.CUDA in self.activities:
+            tear_down_cupti_after_recordings()
         self.state = RecordingState.IDLE
         self.num_steps = 0  # asked for by the recording armed or under way
         self.num_recorded = 0

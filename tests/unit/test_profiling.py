@@ -104,35 +104,57 @@ def test_a_profile_dir_that_is_no_writable_directory_fails_the_load_by_name(llad
         tiny_engine(llada_checkpoint, profile_dir=str(path))
 
 
-def test_a_cuda_recording_detaches_the_profiler_when_it_stops_unless_the_process_says_otherwise(monkeypatch):
+@pytest.fixture
+def teardown_unset(monkeypatch):
+    """TEARDOWN_CUPTI absent for the test and as it was after it (set first, so that monkeypatch restores it)."""
+    monkeypatch.setenv("TEARDOWN_CUPTI", "unset by the test")
+    monkeypatch.delenv("TEARDOWN_CUPTI")
+
+
+@pytest.mark.parametrize("cuda, tears_down", [("13.0", True), ("12.6", True), ("12.4", False), (None, False)])
+def test_a_cuda_recording_detaches_the_profiler_where_the_cuda_build_allows(teardown_unset, monkeypatch, cuda,
+                                                                            tears_down):
     """Kineto keeps CUPTI attached after a recording unless TEARDOWN_CUPTI=1, and every later launch pays for it
-    (benchmarks/profiler_residue.py measures how much on a GPU). A recording that traces CUDA sets it; one that does
-    not leaves the environment alone, and a value the process was started with wins."""
+    (benchmarks/profiler_residue.py measures how much on a GPU). A recording that traces CUDA sets it where torch
+    tears CUPTI down with CUDA graphs (CUDA 12.6 on); one that traces the host alone leaves the environment alone."""
+    import torch
     from torch.profiler import ProfilerActivity
 
     from diffulex_backend.profiling import device_profile
 
-    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
     device_profile([ProfilerActivity.CPU])
     assert "TEARDOWN_CUPTI" not in os.environ
     device_profile([ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    assert os.environ["TEARDOWN_CUPTI"] == "1"
+    assert os.environ.get("TEARDOWN_CUPTI") == ("1" if tears_down else None)
+
+
+def test_a_teardown_setting_the_process_was_started_with_wins(monkeypatch):
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    from diffulex_backend.profiling import device_profile
+
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
     monkeypatch.setenv("TEARDOWN_CUPTI", "0")
     device_profile([ProfilerActivity.CUDA])
     assert os.environ["TEARDOWN_CUPTI"] == "0"
 
 
-def test_a_gpu_engine_s_recording_detaches_the_profiler(monkeypatch, tmp_path):
-    """The engine's recordings are the ones that must not slow the server after them: a CUDA engine's StepProfiler
-    records CUDA, so its first recording sets the teardown (a CPU build of torch records the CPU side alone)."""
+def test_a_gpu_engine_with_a_profile_dir_sets_the_teardown_when_built(teardown_unset, monkeypatch, tmp_path):
+    """The engine's recordings are the ones that must not slow the server after them. A CUDA engine with a
+    profile_dir sets the teardown when it is built, before any thread serves a request, rather than from the decoding
+    thread at its first recording; its recordings then trace as before (a CPU build of torch drops the CUDA side)."""
     import torch
 
     from diffulex_backend.profiling import StepProfiler
 
-    monkeypatch.delenv("TEARDOWN_CUPTI", raising=False)
+    monkeypatch.setattr(torch.version, "cuda", "13.0")
+    StepProfiler(None, torch.device("cuda"))
+    assert "TEARDOWN_CUPTI" not in os.environ  # no profile_dir: no recording can happen
     recorder = StepProfiler(str(tmp_path), torch.device("cuda"))
+    assert os.environ["TEARDOWN_CUPTI"] == "1"
     recorder.request(1, "r")
     recorder.before_step()
     recorder.after_step(engine_idle=True)
-    assert os.environ["TEARDOWN_CUPTI"] == "1"
     assert len(traces(tmp_path)) == 1
