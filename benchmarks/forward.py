@@ -74,7 +74,7 @@ from diffulex_backend.model_setup import attention_backend_name, select_attentio
 from diffulex_backend.layers import fused_forward, moe as moe_layer  # noqa: E402
 from diffulex_backend.layers.moe import MoE, experts_reference  # noqa: E402
 from diffulex_backend.plan import SeqPlan  # noqa: E402
-from diffulex_backend.profiling import device_profile  # noqa: E402
+from diffulex_backend.profiling import activities_for, device_profile  # noqa: E402
 from diffulex_backend.quantization import has_fp8, quantize_model  # noqa: E402
 from diffulex_backend.layers.fp8_linear import Fp8Linear, quantize_weight  # noqa: E402
 from diffulex_backend.runner import kv_cache_layout  # noqa: E402
@@ -743,8 +743,7 @@ def canvas_profile_section(report: Report, name: str, model, model_dir: str, dev
     for _ in range(6):  # the prompts' step and every bucket's capture before the profile
         engine.step()
     cuda = device.type == "cuda"
-    activities = [torch.profiler.ProfilerActivity.CPU] + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])
-    with device_profile(activities) as prof:
+    with device_profile(activities_for(device)) as prof:
         synchronize(device)
         start = time.perf_counter()
         for _ in range(PROFILED_STEPS):
@@ -1023,10 +1022,11 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
 
 def step_phases(engine, plans: list[SeqPlan], device, reps: int) -> str:
     """The whole step (runner.execute) split into its phases without the profiler, each the median over `reps` steps
-    begun with the device idle: on the device, when the forward's input copy and graph begin and end, when the
-    logits, the sampler's and the acceptance's kernels end (CUDA events recorded around the runner's calls); on the
-    host, when it has queued the forward and the acceptance, and when the step returns. A device time later than the
-    host's queueing of the next phase is the device's; one earlier says that the device waited for the host."""
+    begun with the device idle: on the device, when the host calls the forward (before it queues the input copy and
+    the graph: the device is idle until then), when the graph ends, when the logits, the sampler's and the
+    acceptance's kernels end (CUDA events recorded around the runner's calls); on the host, when it has queued the
+    forward and the acceptance, and when the step returns. A device time later than the host's queueing of the next
+    phase is the device's; one earlier says that the device waited for the host."""
     if device.type != "cuda":
         return ""
     runner = engine.runner
@@ -1051,11 +1051,11 @@ def step_phases(engine, plans: list[SeqPlan], device, reps: int) -> str:
         setattr(obj, attr, timed)
 
     sched = SchedulerOutput(plans=plans)
-    around(runner, "forward", "graph begins", "graph ends")
-    around(model, "compute_logits", None, "logits end")
-    around(runner, "accept", "sampler ends", "acceptance ends")
     phases: dict[str, list[float]] = {}
     try:
+        around(runner, "forward", "forward called", "graph ends")
+        around(model, "compute_logits", None, "logits end")
+        around(runner, "accept", "sampler ends", "acceptance ends")
         with torch.inference_mode():
             for rep in range(reps + 2):
                 events.clear()
@@ -1076,9 +1076,9 @@ def step_phases(engine, plans: list[SeqPlan], device, reps: int) -> str:
                 phases.setdefault("host queued the acceptance", []).append(
                     1e3 * (marks["host acceptance ends"][0] - host_start))
                 phases.setdefault("host returns", []).append(1e3 * (returned - host_start))
-    finally:
+    finally:  # the runner's own methods again, whichever were wrapped
         for obj, attr in ((runner, "forward"), (model, "compute_logits"), (runner, "accept")):
-            del obj.__dict__[attr]
+            obj.__dict__.pop(attr, None)
     return ("; the step's phases, ms from its start (median of " + str(reps) + " steps, no profiler): "
             + ", ".join(f"{name} {statistics.median(times):.3f}" for name, times in phases.items()))
 

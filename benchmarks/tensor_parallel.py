@@ -53,7 +53,7 @@ import torch
 
 import diffulex_backend.runner as runner_module
 from diffulex_backend import Diffulex, SamplingParams
-from diffulex_backend.profiling import device_profile
+from diffulex_backend.profiling import activities_for, device_profile
 from diffulex_backend.testing.checkpoint import RELEASED_SHAPES, write_random_checkpoint
 from forward import BLOCK, FULL, SMOKE, SMOKE_SHAPE, measure_ceilings
 from result_table import ResultTable
@@ -223,10 +223,7 @@ def run_engine(checkpoint: str, size: int, batches: list[int], smoke: bool, devi
                         times.append(time.perf_counter() - start)
                 return requests, times
 
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if device.type == "cuda":
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            profile = device_profile(activities)
+            profile = device_profile(activities_for(device))
             with clock.attached(engine):
                 # Three request sets: the step time on its own, for the profiler slows a host-bound step; the
                 # collectives' time under the profiler; the host's phases under the clock.
