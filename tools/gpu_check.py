@@ -71,7 +71,7 @@ SECTIONS = (
             ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=238),
     # Profiling records CUDA on a GPU only, and must leave the engine's graphs and speed as they were.
     Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py",
-                            "tests/unit/test_profiling.py"), seconds=64),
+                            "tests/unit/test_profiling.py"), seconds=70),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
