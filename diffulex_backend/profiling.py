@@ -68,8 +68,9 @@ def tear_down_cupti_after_recordings() -> None:
     forward's replay most, for as long as the process lives (benchmarks/profiler_residue.py measures it; its CSV in
     docs/performance). Kineto reads the variable when a recording stops and when the next one starts, so it is set
     before the first and left set; the engine sets it when it is built, before its serving threads start, so that no
-    thread reads the environment while another writes it. Left alone: a value the process was started with (TEARDOWN_CUPTI=0 keeps CUPTI attached, as
-    before), and a build without CUDA or with a CUDA older than TEARDOWN_MIN_CUDA."""
+    thread reads the environment while another writes it. Left alone: a value the process was started with
+    (TEARDOWN_CUPTI=0 keeps CUPTI attached, as before), and a build without CUDA or with a CUDA older than
+    TEARDOWN_MIN_CUDA."""
     cuda = torch.version.cuda
     if cuda is not None and tuple(int(part) for part in cuda.split(".")[:2]) >= TEARDOWN_MIN_CUDA:
         os.environ.setdefault("TEARDOWN_CUPTI", "1")
