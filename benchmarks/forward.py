@@ -995,7 +995,7 @@ def step_timeline(engine, plans: list[SeqPlan], device, reps: int) -> str:
     with torch.inference_mode():
         engine.runner.execute(sched)
         wall = statistics.median(wall_ms(lambda: engine.runner.execute(sched), device) for _ in range(reps + 1))
-        with device_profile([torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]) as prof:
+        with device_profile(activities_for(device)) as prof:
             for _ in range(3):
                 engine.runner.execute(sched)
                 synchronize(device)
