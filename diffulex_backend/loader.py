@@ -36,6 +36,10 @@ class CheckpointError(ValueError):
     """A checkpoint directory that cannot be loaded; the message names the file and the key."""
 
 
+class CorruptWeight(CheckpointError):
+    """A weight whose values no family could load: the same whichever family the checkpoint is read as."""
+
+
 def read_json(path: Path) -> dict:
     if not path.is_file():
         raise CheckpointError(f"{path}: file not found")
@@ -149,7 +153,14 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
                         for rows, source in expected.pieces:
-                            param[rows].copy_(f.get_tensor(name) if source == () else tensor[source])
+                            piece = param[rows]
+                            piece.copy_(f.get_tensor(name) if source == () else tensor[source])
+                            bad = non_finite_count(piece)
+                            if bad:
+                                raise CorruptWeight(
+                                    f"{file}: weight {name!r} is not finite in "
+                                    f"{str(piece.dtype).removeprefix('torch.')} at {bad} of its {piece.numel()} "
+                                    "values (NaN or infinite; a value past the dtype's range becomes infinite)")
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
             except ValueError as e:
@@ -159,6 +170,18 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
             # A large model reads for a minute or more: say how far it got.
             logger.info("read weights file %d of %d, %s (%.2f GiB), in %.1f s", number, len(by_file), file.name,
                         file.stat().st_size / 2**30, time.monotonic() - started)
+
+
+def non_finite_count(values: torch.Tensor) -> int:
+    """How many of a float tensor's values are NaN or infinite: a corrupt file or a diverged training run loads
+    without error and decodes noise (every token the same one, often), so a loader refuses it by name. Two
+    reductions and one device sync on the way in, and a count only when there is something to count. fp8 tensors
+    are not read: their scales are checked instead (quantization.expand_scale)."""
+    if not values.is_floating_point() or values.dtype == FP8 or not values.numel():
+        return 0
+    if torch.stack([values.amax(), values.amin()]).isfinite().all():
+        return 0
+    return int((~values.isfinite()).sum())
 
 
 def _check_fp8(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:
@@ -231,6 +254,8 @@ def load_model(
         if scheme is not None:
             _prepare_fp8(model, scheme, config_path)
         load_weights(model, directory, scheme)
+    except CorruptWeight:
+        raise
     except CheckpointError as e:
         raise _read_as(e, name, model_name) from e
     if quantization or scheme is not None:

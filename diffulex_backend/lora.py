@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .layers.lora import LoraBatch, LoraStack
-from .loader import CheckpointError, read_json
+from .loader import CheckpointError, non_finite_count, read_json
 from .models.decoder_lm import DecoderLM
 from .plan import SeqPlan
 
@@ -88,6 +88,11 @@ def load_adapter(path: str | Path, model: DecoderLM, name: str, max_rank: int) -
             tensors = {key: f.get_tensor(key) for key in f.keys()}
     except (SafetensorError, OSError) as e:
         raise LoraError(f"{weights_path}: not a readable safetensors file: {e}") from e
+    for key, tensor in tensors.items():
+        bad = non_finite_count(tensor)
+        if bad:
+            raise LoraError(f"{weights_path}: adapter '{name}': tensor {key!r} is not finite at {bad} of its "
+                            f"{tensor.numel()} values (NaN or infinite)")
     return LoraAdapter(name, directory, rank, scale, _place(tensors, model, rank, targets, weights_path))
 
 

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from diffulex_backend.testing.checkpoint import write_random_checkpoint
-from diffulex_backend.loader import CheckpointError, detect_model_name, load_model
+from diffulex_backend.loader import CheckpointError, CorruptWeight, detect_model_name, load_model
 from diffulex_backend.registry import AutoModelForDiffusionLM
 
 
@@ -215,3 +215,61 @@ def test_index_that_lists_a_weight_its_shard_lacks(tmp_path):
     with raises(f"{directory / 'model-00001-of-00002.safetensors'}: missing weight {moved!r}"
                 " that model.safetensors.index.json lists in it"):
         load_model(directory)
+
+
+# ---- weights whose values no family can load ----------------------------------------------------------------------
+def poison(name, *cells):
+    """An edit that writes each (row, column, value) into weight `name`."""
+    def edit(tensors):
+        for row, column, value in cells:
+            tensors[name][row, column] = value
+    return edit
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_weight_that_is_not_finite_is_refused_naming_it_whichever_family_reads_it(broken, value):
+    name = "model.transformer.blocks.0.ff_out.weight"
+    edit_weights(broken, poison(name, (3, 5, value)))
+    message = (f"{broken / 'model.safetensors'}: weight {name!r} is not finite in float32 at 1 of its 8192 values "
+               "(NaN or infinite")
+    with pytest.raises(CorruptWeight, match=re.escape(message) + r"[^(]*$"):  # no guess at another family
+        load_model(broken)
+    with pytest.raises(CorruptWeight, match=re.escape(message)):
+        load_model(broken, model_name="llada")
+
+
+def test_every_value_that_is_not_finite_is_counted(broken):
+    name = "model.transformer.wte.weight"
+    edit_weights(broken, poison(name, (0, 0, float("nan")), (7, 1, float("nan")), (9, 2, float("inf")),
+                                (9, 3, float("-inf")), (128, 63, float("nan"))))
+    with raises(f"weight {name!r} is not finite in float32 at 5 of its"):
+        load_model(broken)
+
+
+def test_a_finite_value_past_the_dtype_s_range_is_refused_in_that_dtype_only(broken):
+    name = "model.transformer.blocks.0.q_proj.weight"
+    edit_weights(broken, poison(name, (1, 1, 1e5)))  # finite in float32 and bfloat16, infinite in float16
+    with raises(f"weight {name!r} is not finite in float16 at 1 of its 4096 values"):
+        load_model(broken, dtype=torch.float16)
+    assert load_model(broken, dtype=torch.bfloat16).layers[0].attn.qkv_proj.weight[1, 1] == 1e5 - 1e5 % 512
+
+
+def test_a_shard_that_is_not_finite_is_named(tmp_path):
+    directory = write_random_checkpoint(tmp_path / "ckpt", "sdar", num_layers=1, num_shards=2)
+    shard = directory / "model-00002-of-00002.safetensors"
+    tensors = load_file(shard)
+    name = sorted(n for n, t in tensors.items() if t.dim() == 2)[0]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, shard)
+    with raises(f"{shard}: weight {name!r} is not finite"):
+        load_model(directory)
+
+
+def test_under_tensor_parallelism_the_rank_whose_share_is_not_finite_refuses_it(broken):
+    from diffulex_backend.tensor_parallel import TensorParallel
+
+    name = "model.transformer.blocks.0.q_proj.weight"  # column-parallel: rank 1 holds rows 32 to 63
+    edit_weights(broken, poison(name, (40, 0, float("nan"))))
+    load_model(broken, tp=TensorParallel(rank=0, size=2))
+    with raises(f"weight {name!r} is not finite in float32 at 1 of its 2048 values"):
+        load_model(broken, tp=TensorParallel(rank=1, size=2))
