@@ -153,14 +153,11 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
                         for rows, source in expected.pieces:
+                            values = f.get_tensor(name) if source == () else tensor[source]
                             piece = param[rows]
-                            piece.copy_(f.get_tensor(name) if source == () else tensor[source])
-                            bad = non_finite_count(piece)
-                            if bad:
-                                raise CorruptWeight(
-                                    f"{file}: weight {name!r} is not finite in "
-                                    f"{str(piece.dtype).removeprefix('torch.')} at {bad} of its {piece.numel()} "
-                                    "values (NaN or infinite; a value past the dtype's range becomes infinite)")
+                            piece.copy_(values)
+                            if non_finite_count(piece):
+                                raise CorruptWeight(_not_finite(file, name, values, piece))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
             except ValueError as e:
@@ -182,6 +179,19 @@ def non_finite_count(values: torch.Tensor) -> int:
     if torch.stack([values.amax(), values.amin()]).isfinite().all():
         return 0
     return int((~values.isfinite()).sum())
+
+
+def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor) -> str:
+    """Why a weight's piece (`values` as read, `piece` as loaded) is not finite: NaN or infinities in the file, or
+    finite values past the range of the dtype the model loads in."""
+    read = f"of the {values.numel()} values read"  # this rank's share, under tensor parallelism
+    in_file = non_finite_count(values)
+    if in_file:
+        return f"{file}: weight {name!r} holds NaN or infinite values: {in_file} {read}"
+    dtype = str(piece.dtype).removeprefix("torch.")
+    return (f"{file}: weight {name!r} is finite in the file but past the range of {dtype} (largest "
+            f"{torch.finfo(piece.dtype).max:g}), the dtype the model loads in, at {non_finite_count(piece)} {read}; "
+            "load it in a wider one, such as bfloat16 or float32")
 
 
 def _check_fp8(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:

@@ -227,29 +227,39 @@ def poison(name, *cells):
 
 
 @pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
-def test_a_weight_that_is_not_finite_is_refused_naming_it_whichever_family_reads_it(broken, value):
+def test_a_weight_that_is_not_finite_is_refused_naming_it_with_no_guess_at_another_family(broken, value):
     name = "model.transformer.blocks.0.ff_out.weight"
     edit_weights(broken, poison(name, (3, 5, value)))
-    message = (f"{broken / 'model.safetensors'}: weight {name!r} is not finite in float32 at 1 of its 8192 values "
-               "(NaN or infinite")
-    with pytest.raises(CorruptWeight, match=re.escape(message) + r"[^(]*$"):  # no guess at another family
-        load_model(broken)
-    with pytest.raises(CorruptWeight, match=re.escape(message)):
-        load_model(broken, model_name="llada")
+    message = (f"{broken / 'model.safetensors'}: weight {name!r} holds NaN or infinite values: 1 of the 8192 values "
+               "read")
+    # Detected or named, the family is not the fault: the message ends without the hint at another family.
+    for model_name in (None, "llada"):
+        with pytest.raises(CorruptWeight, match=re.escape(message) + "$"):
+            load_model(broken, model_name=model_name)
 
 
 def test_every_value_that_is_not_finite_is_counted(broken):
     name = "model.transformer.wte.weight"
     edit_weights(broken, poison(name, (0, 0, float("nan")), (7, 1, float("nan")), (9, 2, float("inf")),
                                 (9, 3, float("-inf")), (128, 63, float("nan"))))
-    with raises(f"weight {name!r} is not finite in float32 at 5 of its"):
+    with raises(f"weight {name!r} holds NaN or infinite values: 5 of the"):
         load_model(broken)
+
+
+def test_a_bfloat16_checkpoint_that_is_not_finite_is_refused(tmp_path):
+    directory = write_random_checkpoint(tmp_path / "ckpt", "llada", num_layers=1, dtype=torch.bfloat16)
+    name = "model.transformer.blocks.0.up_proj.weight"
+    edit_weights(directory, poison(name, (0, 0, float("inf"))))
+    for dtype in (torch.bfloat16, torch.float32):
+        with raises(f"weight {name!r} holds NaN or infinite values: 1 of the 8192 values read"):
+            load_model(directory, dtype=dtype)
 
 
 def test_a_finite_value_past_the_dtype_s_range_is_refused_in_that_dtype_only(broken):
     name = "model.transformer.blocks.0.q_proj.weight"
     edit_weights(broken, poison(name, (1, 1, 1e5)))  # finite in float32 and bfloat16, infinite in float16
-    with raises(f"weight {name!r} is not finite in float16 at 1 of its 4096 values"):
+    with raises(f"weight {name!r} is finite in the file but past the range of float16 (largest 65504), the dtype "
+                "the model loads in, at 1 of the 4096 values read; load it in a wider one"):
         load_model(broken, dtype=torch.float16)
     assert load_model(broken, dtype=torch.bfloat16).layers[0].attn.qkv_proj.weight[1, 1] == 1e5 - 1e5 % 512
 
@@ -261,7 +271,7 @@ def test_a_shard_that_is_not_finite_is_named(tmp_path):
     name = sorted(n for n, t in tensors.items() if t.dim() == 2)[0]
     tensors[name][0, 0] = float("nan")
     save_file(tensors, shard)
-    with raises(f"{shard}: weight {name!r} is not finite"):
+    with raises(f"{shard}: weight {name!r} holds NaN or infinite values"):
         load_model(directory)
 
 
@@ -271,5 +281,5 @@ def test_under_tensor_parallelism_the_rank_whose_share_is_not_finite_refuses_it(
     name = "model.transformer.blocks.0.q_proj.weight"  # column-parallel: rank 1 holds rows 32 to 63
     edit_weights(broken, poison(name, (40, 0, float("nan"))))
     load_model(broken, tp=TensorParallel(rank=0, size=2))
-    with raises(f"weight {name!r} is not finite in float32 at 1 of its 2048 values"):
+    with raises(f"weight {name!r} holds NaN or infinite values: 1 of the 2048 values read"):
         load_model(broken, tp=TensorParallel(rank=1, size=2))

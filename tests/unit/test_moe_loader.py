@@ -84,6 +84,16 @@ def test_an_expert_of_the_wrong_shape_is_named_with_its_file_and_both_shapes(cop
         load_model(copy)
 
 
+def test_an_expert_that_is_not_finite_is_named_with_its_shard(copy):
+    name = f"{LAYER1}experts.9.up_proj.weight"
+    shard = shard_of(copy, name)
+    _rewrite(shard, lambda t: t[name][4].fill_(float("nan")))
+    with pytest.raises(CheckpointError,
+                       match=re.escape(f"{shard}: weight {name!r} holds NaN or infinite values: 64 of the 2048 "
+                                       "values read")):
+        load_model(copy)
+
+
 def test_an_expert_beyond_num_experts_is_unexpected(copy):
     name = f"{LAYER1}experts.16.gate_proj.weight"
     shard = shard_of(copy, f"{LAYER1}experts.2.gate_proj.weight")
