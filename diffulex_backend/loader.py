@@ -173,7 +173,7 @@ def non_finite_count(values: torch.Tensor) -> int:
     """How many of a float tensor's values are NaN or infinite: a corrupt file or a diverged training run loads
     without error and decodes noise (every token the same one, often), so a loader refuses it by name. Two
     reductions and one device sync on the way in, and a count only when there is something to count. fp8 tensors
-    are not read: their scales are checked instead (quantization.expand_scale)."""
+    are not read: a NaN byte in one goes unnoticed (their scales are checked, quantization.expand_scale)."""
     if not values.is_floating_point() or values.dtype == FP8 or not values.numel():
         return 0
     if torch.stack([values.amax(), values.amin()]).isfinite().all():

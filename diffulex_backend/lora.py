@@ -91,8 +91,8 @@ def load_adapter(path: str | Path, model: DecoderLM, name: str, max_rank: int) -
     for key, tensor in tensors.items():
         bad = non_finite_count(tensor)
         if bad:
-            raise LoraError(f"{weights_path}: adapter '{name}': tensor {key!r} is not finite at {bad} of its "
-                            f"{tensor.numel()} values (NaN or infinite)")
+            raise LoraError(f"{weights_path}: adapter '{name}': tensor {key!r} holds NaN or infinite values: {bad} "
+                            f"of its {tensor.numel()}")
     return LoraAdapter(name, directory, rank, scale, _place(tensors, model, rank, targets, weights_path))
 
 
