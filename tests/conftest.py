@@ -9,7 +9,8 @@ picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strate
 `diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (a LoRA
 adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
 engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
-`diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses), `diffulex_host_inputs` and
+`diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses), `diffulex_corrupt_*` (weights or
+an adapter that are not finite), `diffulex_host_inputs` and
 `diffulex_device_inputs` (the Python backend's FORCE_CPU_ONLY_INPUT_TENSORS, taken and refused), `diffulex_failing`
 (an engine that fails at every step) and `diffulex_dying_*` (a thread of the engine loop that ends;
 tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
@@ -33,6 +34,8 @@ import pytest  # noqa: E402
 from triton_server import (  # noqa: E402
     BAD_SETTINGS, DATA_PARALLEL_SETTINGS, FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS,
     TritonServer, TENSOR_PARALLEL_SETTINGS, add_model, data_parallel_group)
+
+from safetensors.torch import load_file, save_file  # noqa: E402
 
 from diffulex_backend import Diffulex  # noqa: E402
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint  # noqa: E402
@@ -78,6 +81,40 @@ def math_adapter(tmp_path_factory, checkpoint) -> Path:
                               ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"], rank=4, seed=1)
 
 
+# Weights no family can load, each with the words its refusal must hold: model name -> (settings, words).
+CORRUPT_WEIGHT = "model.transformer.blocks.0.ff_out.weight"
+CORRUPT_ADAPTER_TENSOR = "base_model.model.model.transformer.blocks.1.q_proj.lora_A.weight"
+
+
+@pytest.fixture(scope="session")
+def corrupt_models(tmp_path_factory, checkpoint) -> dict[str, tuple[dict, str]]:
+    """Copies of the session checkpoint (or of its adapter) with one value that is not finite: NaN and -inf in a
+    weight, a finite 1e5 that float16 cannot hold, and NaN in a LoRA adapter's tensor."""
+    root = tmp_path_factory.mktemp("corrupt")
+
+    def with_value(name: str, value: float) -> Path:
+        directory = Path(shutil.copytree(checkpoint, root / name))
+        tensors = load_file(directory / "model.safetensors")
+        tensors[CORRUPT_WEIGHT][3, 5] = value
+        save_file(tensors, directory / "model.safetensors")
+        return directory
+
+    adapter = write_peft_adapter(root / "adapter", checkpoint, ["q_proj"], rank=4, seed=2)
+    tensors = load_file(adapter / "adapter_model.safetensors")
+    tensors[CORRUPT_ADAPTER_TENSOR][0, 0] = float("nan")
+    save_file(tensors, adapter / "adapter_model.safetensors")
+    in_file = f"weight {CORRUPT_WEIGHT!r} holds NaN or infinite values: 1 of the"
+    return {
+        "diffulex_corrupt_nan": ({"model": with_value("nan", float("nan"))}, in_file),
+        "diffulex_corrupt_negative_infinity": ({"model": with_value("inf", float("-inf"))}, in_file),
+        "diffulex_corrupt_float16_range": ({"model": with_value("range", 1e5), "dtype": "float16"},
+                                           f"weight {CORRUPT_WEIGHT!r} is finite in the file but past the range of "
+                                           "float16"),
+        "diffulex_corrupt_adapter": ({"model": checkpoint, "lora_modules": f"bad={adapter}"},
+                                     f"adapter 'bad': tensor {CORRUPT_ADAPTER_TENSOR!r} holds NaN or infinite values"),
+    }
+
+
 @pytest.fixture(scope="session")
 def missing_checkpoint(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("empty") / "no-such-checkpoint"
@@ -91,7 +128,7 @@ def engine(checkpoint) -> Diffulex:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, coder_and_reasoner_checkpoints,
-           unknown_key_checkpoint, math_adapter, missing_checkpoint):
+           unknown_key_checkpoint, math_adapter, missing_checkpoint, corrupt_models):
     repository = tmp_path_factory.mktemp("model_repository")
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
@@ -109,6 +146,8 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
               instance_group=data_parallel_group(torch.cuda.device_count())[0], **DATA_PARALLEL_SETTINGS)
     add_model(repository, "diffulex_tensor_parallel", model=checkpoint, **TENSOR_PARALLEL_SETTINGS)
     add_model(repository, "diffulex_bad_path", model=missing_checkpoint)
+    for name, (settings, _) in corrupt_models.items():
+        add_model(repository, name, **{**TEST_SETTINGS, **settings})
     # Settings of each class the load refuses by name (tests/server/test_triton_server.py, BAD_SETTINGS).
     for name, (values, _) in BAD_SETTINGS.items():
         add_model(repository, f"diffulex_bad_{name}", model=checkpoint, **values)

@@ -358,6 +358,20 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert client.is_model_ready("diffulex")
 
 
+def test_weights_that_are_not_finite_fail_the_load_by_name_and_the_loaded_model_keeps_serving(server, engine,
+                                                                                               corrupt_models):
+    (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        for name, (_, words) in corrupt_models.items():
+            with pytest.raises(InferenceServerException) as caught:
+                client.load_model(name)
+            assert words in caught.value.message(), name
+            assert not client.is_model_ready(name)
+            output = generate(server, {"text_input": PROMPTS[0], "parameters": GREEDY,
+                                       "exclude_input_in_output": True})
+            assert ids(output["output_ids"]) == expected.token_ids
+
+
 @pytest.mark.parametrize("name", sorted(BAD_SETTINGS))
 def test_a_bad_setting_fails_the_load_by_its_name_and_the_loaded_model_keeps_serving(server, engine, name):
     _, message = BAD_SETTINGS[name]
