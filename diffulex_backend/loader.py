@@ -28,6 +28,9 @@ from diffulex_backend.tensor_parallel import TensorParallel, check_shardable
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+# The safetensors dtypes a float parameter loads from; fp8 comes with a quantization_config's scales.
+FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
+WIDER_DTYPE = "load it in a wider one, such as bfloat16 or float32"
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +151,7 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                                 f"{file}: weight {name!r} has shape {shape}, expected {expected.shape}"
                             )
                         param = params[expected.param]
-                        _check_fp8(file, name, tensor.get_dtype(), param.dtype)
+                        _check_dtype(file, name, tensor.get_dtype(), param.dtype)
                         if expected.expert is not None:
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
@@ -172,10 +175,13 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
 def non_finite_count(values: torch.Tensor) -> int:
     """How many of a float tensor's values are NaN or infinite: a corrupt file or a diverged training run loads
     without error and decodes noise (every token the same one, often), so a loader refuses it by name. Two
-    reductions and one device sync on the way in, and a count only when there is something to count. fp8 tensors
-    are not read: a NaN byte in one goes unnoticed (their scales are checked, quantization.expand_scale)."""
-    if not values.is_floating_point() or values.dtype == FP8 or not values.numel():
+    reductions and one device sync on the way in, and a count only when there is something to count. float8_e4m3fn
+    has no infinities; its NaN is every byte whose low seven bits are set."""
+    if not values.is_floating_point() or not values.numel():
         return 0
+    if values.dtype == FP8:
+        nan = (values.view(torch.uint8) & 0x7F) == 0x7F
+        return int(nan.sum()) if nan.any() else 0
     if torch.stack([values.amax(), values.amin()]).isfinite().all():
         return 0
     return int((~values.isfinite()).sum())
@@ -188,28 +194,39 @@ def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor
     in_file = non_finite_count(values)
     if in_file:
         return f"{file}: weight {name!r} holds NaN or infinite values: {in_file} {read}"
-    dtype = str(piece.dtype).removeprefix("torch.")
-    return (f"{file}: weight {name!r} is finite in the file but past the range of {dtype} (largest "
-            f"{torch.finfo(piece.dtype).max:g}), the dtype the model loads in, at {non_finite_count(piece)} {read}; "
-            "load it in a wider one, such as bfloat16 or float32")
+    return (f"{file}: weight {name!r} is finite in the file but {past_range(piece.dtype)}, at "
+            f"{non_finite_count(piece)} {read}; {WIDER_DTYPE}")
 
 
-def _check_fp8(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:
-    """An fp8 tensor goes to an fp8 parameter only, and an fp8 parameter takes an fp8 tensor only: a float8 byte
-    read as a number, or a float rounded to float8 without its scale, would load without error and decode noise."""
-    if (stored == SAFETENSORS_FP8) == (param_dtype == FP8):
-        return
-    if stored == SAFETENSORS_FP8:
+def past_range(dtype: torch.dtype) -> str:
+    """Words for values that overflow the model's dtype, with its largest finite value."""
+    return (f"past the range of {str(dtype).removeprefix('torch.')} (largest {torch.finfo(dtype).max:g}), the dtype "
+            "the model loads in")
+
+
+def _check_dtype(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:
+    """A float parameter takes a float tensor only, and an fp8 parameter an fp8 tensor only: integers, or a float8
+    byte read as a number, or a float rounded to float8 without its scale, would load without error and decode
+    noise."""
+    if param_dtype == FP8:
+        if stored != SAFETENSORS_FP8:
+            raise CheckpointError(f"{file}: weight {name!r} is {stored}, but config.json's '{QUANTIZATION_CONFIG}' "
+                                  "makes it a float8_e4m3fn weight")
+    elif stored == SAFETENSORS_FP8:
         raise CheckpointError(f"{file}: weight {name!r} is float8_e4m3fn, but config.json has no "
                               f"'{QUANTIZATION_CONFIG}' with quant_method 'fp8' that says how it is scaled")
-    raise CheckpointError(f"{file}: weight {name!r} is {stored}, but config.json's '{QUANTIZATION_CONFIG}' "
-                          "makes it a float8_e4m3fn weight")
+    elif stored not in FLOAT_DTYPES:
+        raise CorruptWeight(f"{file}: weight {name!r} is stored as {stored}; a weight loads from "
+                            f"{', '.join(FLOAT_DTYPES)}, or from {SAFETENSORS_FP8} with a '{QUANTIZATION_CONFIG}'")
 
 
 def _load_scale(tensor: torch.Tensor, weight: CheckpointWeight, params: dict, scheme: Fp8Scheme, where: str) -> None:
     """A checkpoint scale into the rows (and column blocks) of the weight's scale parameter that this rank holds."""
     rows, columns = weight.shape[-2:]
-    expanded = expand_scale(tensor, rows, columns, scheme.block, where)  # [rows, G of the whole tensor]
+    scale = tensor.to(torch.float32)
+    if non_finite_count(scale) or not (scale > 0).all():
+        raise CorruptWeight(f"{where} holds a scale that is not a finite positive number in float32")
+    expanded = expand_scale(scale, rows, columns, scheme.block, where)  # [rows, G of the whole tensor]
     param = params[scale_param(weight.param)]
     if weight.expert is not None:
         param = param[weight.expert]

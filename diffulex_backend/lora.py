@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .layers.lora import LoraBatch, LoraStack
-from .loader import CheckpointError, non_finite_count, read_json
+from .loader import WIDER_DTYPE, CheckpointError, non_finite_count, past_range, read_json
 from .models.decoder_lm import DecoderLM
 from .plan import SeqPlan
 
@@ -189,7 +189,18 @@ def merge_adapter(model: DecoderLM, adapter: LoraAdapter) -> None:
             target = params[m.param][m.rows]
             dtype = torch.promote_types(target.dtype, torch.float32)
             delta = m.b.to(target.device, dtype) @ m.a.to(target.device, dtype)
-            target.copy_(target.to(dtype) + adapter.scale * delta)
+            merged = (target.to(dtype) + adapter.scale * delta).to(target.dtype)
+            _check_in_range(merged, f"adapter '{adapter.name}' merged into {m.module}")
+            target.copy_(merged)
+
+
+def _check_in_range(values: torch.Tensor, what: str) -> None:
+    """An adapter's values, finite in its file, must stay finite in the model's dtype: an infinity in a weight
+    decodes noise."""
+    bad = non_finite_count(values)
+    if bad:
+        raise LoraError(f"{what} is {past_range(values.dtype)}, at {bad} of its {values.numel()} values; "
+                        f"{WIDER_DTYPE}")
 
 
 def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
@@ -216,9 +227,12 @@ def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
                 stack = stacks[m.param] = LoraStack(
                     a=param.new_zeros(len(adapters), columns, param.shape[1], dtype=dtype),
                     b=param.new_zeros(len(adapters), param.shape[0], columns, dtype=dtype))
+            a, b = m.a.to(stack.a.dtype), (adapter.scale * m.b).to(stack.b.dtype)
+            _check_in_range(a, f"adapter '{adapter.name}': {m.module}'s lora_A")
+            _check_in_range(b, f"adapter '{adapter.name}': {m.module}'s lora_B times lora_alpha / r")
             first = starts.index(m.rows.start) * width
-            stack.a[slot, first:first + adapter.rank] = m.a
-            stack.b[slot, m.rows, first:first + adapter.rank] = adapter.scale * m.b
+            stack.a[slot, first:first + adapter.rank] = a
+            stack.b[slot, m.rows, first:first + adapter.rank] = b
     for param, stack in stacks.items():
         layer, suffix = _LAYER_PARAM.fullmatch(param).groups()
         owner, attribute = TARGETS[suffix]

@@ -88,21 +88,32 @@ CORRUPT_ADAPTER_TENSOR = "base_model.model.model.transformer.blocks.1.q_proj.lor
 
 @pytest.fixture(scope="session")
 def corrupt_models(tmp_path_factory, checkpoint) -> dict[str, tuple[dict, str]]:
-    """Copies of the session checkpoint (or of its adapter) with one value that is not finite: NaN and -inf in a
-    weight, a finite 1e5 that float16 cannot hold, and NaN in a LoRA adapter's tensor."""
+    """Copies of the session checkpoint (or of its adapter) whose values no model could load: NaN and -inf in a
+    weight, a finite 1e5 that float16 cannot hold, a weight stored as int8, NaN in a LoRA adapter's tensor, and an
+    adapter's finite 1e9 that float16 cannot hold."""
     root = tmp_path_factory.mktemp("corrupt")
 
-    def with_value(name: str, value: float) -> Path:
-        directory = Path(shutil.copytree(checkpoint, root / name))
-        tensors = load_file(directory / "model.safetensors")
-        tensors[CORRUPT_WEIGHT][3, 5] = value
-        save_file(tensors, directory / "model.safetensors")
+    def edited(directory: Path, file: str, edit) -> Path:
+        tensors = load_file(directory / file)
+        edit(tensors)
+        save_file(tensors, directory / file)
         return directory
 
-    adapter = write_peft_adapter(root / "adapter", checkpoint, ["q_proj"], rank=4, seed=2)
-    tensors = load_file(adapter / "adapter_model.safetensors")
-    tensors[CORRUPT_ADAPTER_TENSOR][0, 0] = float("nan")
-    save_file(tensors, adapter / "adapter_model.safetensors")
+    def with_value(name: str, value: float) -> Path:
+        def edit(tensors):
+            tensors[CORRUPT_WEIGHT][3, 5] = value
+        return edited(Path(shutil.copytree(checkpoint, root / name)), "model.safetensors", edit)
+
+    def adapter_with_value(name: str, value: float) -> Path:
+        def edit(tensors):
+            tensors[CORRUPT_ADAPTER_TENSOR][0, 0] = value
+        adapter = write_peft_adapter(root / name, checkpoint, ["q_proj"], rank=4, seed=2)
+        return edited(adapter, "adapter_model.safetensors", edit)
+
+    def as_int8(tensors):
+        tensors[CORRUPT_WEIGHT] = (tensors[CORRUPT_WEIGHT] * 100).to(torch.int8)
+
+    integers = edited(Path(shutil.copytree(checkpoint, root / "int8")), "model.safetensors", as_int8)
     in_file = f"weight {CORRUPT_WEIGHT!r} holds NaN or infinite values: 1 of the"
     return {
         "diffulex_corrupt_nan": ({"model": with_value("nan", float("nan"))}, in_file),
@@ -110,8 +121,14 @@ def corrupt_models(tmp_path_factory, checkpoint) -> dict[str, tuple[dict, str]]:
         "diffulex_corrupt_float16_range": ({"model": with_value("range", 1e5), "dtype": "float16"},
                                            f"weight {CORRUPT_WEIGHT!r} is finite in the file but past the range of "
                                            "float16"),
-        "diffulex_corrupt_adapter": ({"model": checkpoint, "lora_modules": f"bad={adapter}"},
+        "diffulex_corrupt_int8": ({"model": integers}, f"weight {CORRUPT_WEIGHT!r} is stored as I8; a weight loads "
+                                                       "from F16, BF16, F32, F64"),
+        "diffulex_corrupt_adapter": ({"model": checkpoint,
+                                      "lora_modules": f"bad={adapter_with_value('nan', float('nan'))}"},
                                      f"adapter 'bad': tensor {CORRUPT_ADAPTER_TENSOR!r} holds NaN or infinite values"),
+        "diffulex_corrupt_adapter_float16_range": (
+            {"model": checkpoint, "dtype": "float16", "lora_modules": f"wide={adapter_with_value('range', 1e9)}"},
+            "adapter 'wide': model.transformer.blocks.1.q_proj's lora_A is past the range of float16"),
     }
 
 

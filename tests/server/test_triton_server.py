@@ -358,8 +358,8 @@ def test_model_fails_to_load_with_its_message_on_a_bad_model_path(server, missin
         assert client.is_model_ready("diffulex")
 
 
-def test_weights_that_are_not_finite_fail_the_load_by_name_and_the_loaded_model_keeps_serving(server, engine,
-                                                                                               corrupt_models):
+def test_weights_no_model_could_load_fail_the_load_by_name_and_the_loaded_model_keeps_serving(server, engine,
+                                                                                              corrupt_models):
     (expected,) = reference(engine, [PROMPTS[0]], **GREEDY)
     with grpcclient.InferenceServerClient(server.grpc_url) as client:
         for name, (_, words) in corrupt_models.items():

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from diffulex_backend import Config, SamplingParams
 from diffulex_backend.attention import AttentionMetadata
 from diffulex_backend.layers.fp8_linear import FP8, Fp8Linear, dequantize_weight
-from diffulex_backend.loader import CheckpointError, load_model
+from diffulex_backend.loader import CheckpointError, CorruptWeight, load_model
 from diffulex_backend.quantization import fp8_params
 from diffulex_backend.registry import AutoModelForDiffusionLM
 from diffulex_backend.testing.checkpoint import MASK_TOKEN_ID, write_random_checkpoint
@@ -203,12 +203,28 @@ def _set(name, value):
     (_set(Q0 + "weight_scale_inv", torch.tensor([[1.0, float("nan")], [1.0, 1.0]])),
      f"scale '{Q0}weight_scale_inv' holds a scale that is not a finite positive number"),
     (_set(Q0 + "weight_scale_inv", torch.tensor([[1.0, 0.0], [1.0, 1.0]])), "not a finite positive number"),
+    (_set(Q0 + "weight_scale_inv", torch.tensor([[1.0, 1e300], [1.0, 1.0]], dtype=torch.float64)),
+     "not a finite positive number in float32"),
     (_set(Q0 + "weight", torch.zeros(64, 64)), f"weight '{Q0}weight' is F32, but config.json's 'quantization_config'"),
-], ids=["missing", "misshapen", "nan", "zero", "float-weight"])
+], ids=["missing", "misshapen", "nan", "zero", "past-float32", "float-weight"])
 def test_a_scale_that_is_missing_misshapen_or_not_finite_is_refused_with_its_key(checkpoints, tmp_path, edit,
                                                                                    message):
     with pytest.raises(CheckpointError, match=re.escape(message)):
         load_model(edited_release(checkpoints, tmp_path, tensor_edit=edit))
+
+
+@pytest.mark.parametrize("byte", [0x7F, 0xFF])
+def test_an_fp8_weight_with_nan_bytes_is_refused_as_corrupt_whatever_family_reads_it(checkpoints, tmp_path, byte):
+    """float8_e4m3fn's NaN is 0x7F and 0xFF; it has no infinities. A bad scale, like a bad weight, is the file's
+    fault: neither message guesses at another family."""
+    def nan_bytes(tensors):
+        tensors[Q0 + "weight"].view(torch.uint8)[3, 5:7] = byte
+    with pytest.raises(CorruptWeight, match=re.escape(f"weight '{Q0}weight' holds NaN or infinite values: 2 of the "
+                                                      "4096 values read") + "$"):
+        load_model(edited_release(checkpoints, tmp_path, tensor_edit=nan_bytes))
+    scale_nan = _set(Q0 + "weight_scale_inv", torch.tensor([[1.0, float("nan")], [1.0, 1.0]]))
+    with pytest.raises(CorruptWeight, match="not a finite positive number in float32$"):
+        load_model(edited_release(checkpoints, tmp_path / "scale", tensor_edit=scale_nan))
 
 
 def test_fp8_weights_without_a_quantization_config_are_refused(checkpoints, tmp_path):

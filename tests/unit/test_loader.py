@@ -275,6 +275,18 @@ def test_a_shard_that_is_not_finite_is_named(tmp_path):
         load_model(directory)
 
 
+@pytest.mark.parametrize("dtype,stored", [(torch.int8, "I8"), (torch.uint8, "U8"), (torch.int32, "I32"),
+                                          (torch.int64, "I64"), (torch.bool, "BOOL"), (torch.float8_e5m2, "F8_E5M2")])
+def test_a_weight_stored_as_anything_but_a_float_is_refused_naming_its_dtype(broken, dtype, stored):
+    """Integers would load as numbers, and e5m2 bytes without a scale as coarse values: no error, then noise."""
+    name = "model.transformer.blocks.0.ff_out.weight"
+    edit_weights(broken, lambda tensors: tensors.__setitem__(name, (tensors[name] * 10).to(dtype)))
+    message = (f"{broken / 'model.safetensors'}: weight {name!r} is stored as {stored}; a weight loads from F16, BF16, "
+               "F32, F64, or from F8_E4M3 with a 'quantization_config'")
+    with pytest.raises(CorruptWeight, match=re.escape(message) + "$"):
+        load_model(broken)
+
+
 def test_under_tensor_parallelism_the_rank_whose_share_is_not_finite_refuses_it(broken):
     from diffulex_backend.tensor_parallel import TensorParallel
 

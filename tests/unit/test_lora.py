@@ -282,6 +282,30 @@ def test_bad_adapter_tensors_are_refused_naming_the_key(llada_checkpoint, llada_
         load_adapter(directory, llada_model, "a", max_rank=4)
 
 
+@pytest.mark.parametrize("setting", ["lora_modules", "lora_path"])
+def test_adapter_values_past_the_model_dtype_are_refused_attached_or_merged(llada_checkpoint, tmp_path, setting):
+    """Finite in the adapter's float32 file, infinite once cast to a float16 model (attached) or added into its
+    weight (merged): either would decode noise, so the load fails, naming the adapter, the module and the count."""
+    from diffulex_backend.config import Config
+    from diffulex_backend.model_setup import load_model_with_adapters
+
+    key = "base_model.model.model.transformer.blocks.1.q_proj.lora_A.weight"
+    directory = rewrite(write_peft_adapter(tmp_path / "a", llada_checkpoint, ["q_proj"]),
+                        tensors_change=lambda t: t[key][0].fill_(1e9))
+    if setting == "lora_modules":
+        config = Config(model=str(llada_checkpoint), lora_modules=f"a={directory}", max_lora_rank=4)
+        message = (r"adapter 'a': model.transformer.blocks.1.q_proj's lora_A is past the range of float16 \(largest "
+                   r"65504\), the dtype the model loads in, at 64 of its 256 values; load it in a wider one")
+    else:
+        config = Config(model=str(llada_checkpoint), lora_path=str(directory), pre_merge_lora=True, max_lora_rank=4)
+        message = (r"adapter 'lora_path' merged into model.transformer.blocks.1.q_proj is past the range of float16 "
+                   r"\(largest 65504\), the dtype the model loads in, at \d+ of its 4096 values")
+    with pytest.raises(LoraError, match=message):
+        load_model_with_adapters(config, torch.device("cpu"), torch.float16)
+    # In float32 the same adapter loads.
+    load_model_with_adapters(config, torch.device("cpu"), torch.float32)
+
+
 def test_unreadable_adapter_files_are_refused(llada_checkpoint, llada_model, tmp_path):
     with pytest.raises(LoraError, match="directory not found"):
         load_adapter(tmp_path / "absent", llada_model, "a", max_rank=4)
