@@ -139,6 +139,7 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
             started = time.monotonic()
             try:
                 with safe_open(file, framework="pt") as f:
+                    loaded = []  # (name, source, piece, whether the piece is finite) of each piece copied in
                     for name in names:
                         if name in scales:
                             _load_scale(f.get_tensor(name), scales[name], params, scheme, f"{file}: scale {name!r}")
@@ -156,11 +157,12 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
                         for rows, source in expected.pieces:
-                            values = f.get_tensor(name) if source == () else tensor[source]
                             piece = param[rows]
-                            piece.copy_(values)
-                            if non_finite_count(piece):
-                                raise CorruptWeight(_not_finite(file, name, values, piece))
+                            piece.copy_(_read(f, name, source))
+                            loaded.append((name, source, piece, is_finite(piece)))
+                    # One wait on the device a file, not one a piece: the next piece's copy starts while the last
+                    # one's is still on its way (LLaDA2-mini has about 15k expert pieces).
+                    _check_finite(file, f, loaded)
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
             except ValueError as e:
@@ -172,19 +174,42 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                         file.stat().st_size / 2**30, time.monotonic() - started)
 
 
+def _read(f, name: str, source: tuple) -> torch.Tensor:
+    """A piece of tensor `name` from the open file `f`: the whole of it, or the rows and columns `source` takes."""
+    return f.get_tensor(name) if source == () else f.get_slice(name)[source]
+
+
+def is_finite(values: torch.Tensor) -> torch.Tensor:
+    """Whether a float tensor holds no NaN and no infinity, as a bool on its device, so a caller decides when to
+    wait for it. float8_e4m3fn has no infinities; its NaN is every byte whose low seven bits are set."""
+    if not values.numel():
+        return torch.ones((), dtype=torch.bool, device=values.device)
+    if values.dtype == FP8:
+        return (values.view(torch.uint8) & 0x7F).amax() != 0x7F
+    return torch.stack([values.amax(), values.amin()]).isfinite().all()
+
+
 def non_finite_count(values: torch.Tensor) -> int:
     """How many of a float tensor's values are NaN or infinite: a corrupt file or a diverged training run loads
-    without error and decodes noise (every token the same one, often), so a loader refuses it by name. Two
-    reductions and one device sync on the way in, and a count only when there is something to count. float8_e4m3fn
-    has no infinities; its NaN is every byte whose low seven bits are set."""
-    if not values.is_floating_point() or not values.numel():
+    without error and decodes noise (every token the same one, often), so a loader refuses it by name. Counted
+    only when there is something to count."""
+    if not values.is_floating_point() or is_finite(values):
         return 0
     if values.dtype == FP8:
-        nan = (values.view(torch.uint8) & 0x7F) == 0x7F
-        return int(nan.sum()) if nan.any() else 0
-    if torch.stack([values.amax(), values.amin()]).isfinite().all():
-        return 0
+        return int(((values.view(torch.uint8) & 0x7F) == 0x7F).sum())
     return int((~values.isfinite()).sum())
+
+
+def _check_finite(file: Path, f, loaded: list[tuple[str, tuple, torch.Tensor, torch.Tensor]]) -> None:
+    """Refuses the first of a file's loaded pieces that is not finite, by name, reading it again from `f` to say
+    whether the file or the model's dtype is at fault."""
+    if not loaded:
+        return
+    finite = torch.stack([ok for *_, ok in loaded])
+    if finite.all():
+        return
+    name, source, piece, _ = loaded[int((~finite).nonzero()[0])]
+    raise CorruptWeight(_not_finite(file, name, _read(f, name, source), piece))
 
 
 def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor) -> str:
