@@ -139,7 +139,6 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
             started = time.monotonic()
             try:
                 with safe_open(file, framework="pt") as f:
-                    loaded = []  # (name, source, piece, whether the piece is finite) of each piece copied in
                     for name in names:
                         if name in scales:
                             _load_scale(f.get_tensor(name), scales[name], params, scheme, f"{file}: scale {name!r}")
@@ -157,12 +156,7 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
                         for rows, source in expected.pieces:
-                            piece = param[rows]
-                            piece.copy_(_read(f, name, source))
-                            loaded.append((name, source, piece, is_finite(piece)))
-                    # One wait on the device a file, not one a piece: the next piece's copy starts while the last
-                    # one's is still on its way (LLaDA2-mini has about 15k expert pieces).
-                    _check_finite(file, f, loaded)
+                            param[rows].copy_(_read(f, name, source))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
             except ValueError as e:
@@ -172,6 +166,7 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
             # A large model reads for a minute or more: say how far it got.
             logger.info("read weights file %d of %d, %s (%.2f GiB), in %.1f s", number, len(by_file), file.name,
                         file.stat().st_size / 2**30, time.monotonic() - started)
+        _check_finite(layout, params, files)
 
 
 def _read(f, name: str, source: tuple) -> torch.Tensor:
@@ -200,16 +195,25 @@ def non_finite_count(values: torch.Tensor) -> int:
     return int((~values.isfinite()).sum())
 
 
-def _check_finite(file: Path, f, loaded: list[tuple[str, tuple, torch.Tensor, torch.Tensor]]) -> None:
-    """Refuses the first of a file's loaded pieces that is not finite, by name, reading it again from `f` to say
-    whether the file or the model's dtype is at fault."""
-    if not loaded:
-        return
-    finite = torch.stack([ok for *_, ok in loaded])
+def _check_finite(layout: dict[str, CheckpointWeight], params: dict[str, torch.Tensor], files: dict[str, Path]
+                  ) -> None:
+    """Refuses the first checkpoint weight (in file order) whose loaded piece is not finite, by name, reading it
+    again to say whether the file or the model's dtype is at fault. Each parameter is checked whole, with one wait on
+    the device for them all: a check a piece cost LLaDA2-mini's 15k expert pieces their launches."""
+    loaded = sorted({weight.param for weight in layout.values()})
+    finite = torch.stack([is_finite(params[name]) for name in loaded])
     if finite.all():
         return
-    name, source, piece, _ = loaded[int((~finite).nonzero()[0])]
-    raise CorruptWeight(_not_finite(file, name, _read(f, name, source), piece))
+    bad = {loaded[i] for i in (~finite).nonzero().flatten().tolist()}
+    for name in sorted(layout, key=lambda n: (files[n], n)):
+        weight = layout[name]
+        if weight.param not in bad:
+            continue
+        param = params[weight.param] if weight.expert is None else params[weight.param][weight.expert]
+        for rows, source in weight.pieces:
+            if non_finite_count(param[rows]):
+                with safe_open(files[name], framework="pt") as f:
+                    raise CorruptWeight(_not_finite(files[name], name, _read(f, name, source), param[rows]))
 
 
 def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor) -> str:
