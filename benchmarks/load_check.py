@@ -2,7 +2,8 @@
 
 The loader copies each expert of each MoE layer into its stacked device parameter, one piece at a time (19 MoE
 layers of 256 experts, three pieces an expert: gate, up, down; 14592 pieces). This copies that many pieces from host
-memory, in bf16 and in fp8, three ways in one run:
+memory (gate, up and down as three stacks, where the model fuses gate and up into one), in bf16 and in fp8, three
+ways in one run:
   - none: the copies alone;
   - each piece: `non_finite_count` after each copy, which waits on the device once a piece;
   - whole parameters: the loader's way, `is_finite` over each stacked parameter once its pieces are in, and one wait

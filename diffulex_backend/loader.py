@@ -30,7 +30,6 @@ WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 # The safetensors dtypes a float parameter loads from; fp8 comes with a quantization_config's scales.
 FLOAT_DTYPES = ("F16", "BF16", "F32", "F64")
-WIDER_DTYPE = "load it in a wider one, such as bfloat16 or float32"
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +140,9 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                 with safe_open(file, framework="pt") as f:
                     for name in names:
                         if name in scales:
-                            _load_scale(f.get_tensor(name), scales[name], params, scheme, f"{file}: scale {name!r}")
+                            where = f"{file}: scale {name!r}"
+                            _check_scale_dtype(where, f.get_slice(name).get_dtype())
+                            _load_scale(f.get_tensor(name), scales[name], params, scheme, where)
                             continue
                         expected = layout[name]
                         tensor = f.get_slice(name)
@@ -156,7 +157,7 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
                             param = param[expected.expert]
                         # Each rank reads only its pieces of the tensor, not the whole of it.
                         for rows, source in expected.pieces:
-                            param[rows].copy_(_read(f, name, source))
+                            param[rows].copy_(_read(f, tensor, name, source))
             except (SafetensorError, OSError) as e:
                 raise CheckpointError(f"{file}: not a readable safetensors file: {e}") from e
             except ValueError as e:
@@ -166,21 +167,27 @@ def load_weights(model: DecoderLM, directory: Path, scheme: Fp8Scheme | None = N
             # A large model reads for a minute or more: say how far it got.
             logger.info("read weights file %d of %d, %s (%.2f GiB), in %.1f s", number, len(by_file), file.name,
                         file.stat().st_size / 2**30, time.monotonic() - started)
-        _check_finite(layout, params, files)
+        _check_finite(layout, params, sorted(by_file.items()))
 
 
-def _read(f, name: str, source: tuple) -> torch.Tensor:
-    """A piece of tensor `name` from the open file `f`: the whole of it, or the rows and columns `source` takes."""
-    return f.get_tensor(name) if source == () else f.get_slice(name)[source]
+def _read(f, tensor, name: str, source: tuple) -> torch.Tensor:
+    """A piece of tensor `name` (`tensor`, its slice in the open file `f`): the whole of it, or the rows and columns
+    `source` takes."""
+    return f.get_tensor(name) if source == () else tensor[source]
+
+
+def _fp8_nan(values: torch.Tensor) -> torch.Tensor:
+    """Where float8_e4m3fn values are NaN: every byte whose low seven bits are set (it has no infinities)."""
+    return (values.view(torch.uint8) & 0x7F) == 0x7F
 
 
 def is_finite(values: torch.Tensor) -> torch.Tensor:
     """Whether a float tensor holds no NaN and no infinity, as a bool on its device, so a caller decides when to
-    wait for it. float8_e4m3fn has no infinities; its NaN is every byte whose low seven bits are set."""
+    wait for it."""
     if not values.numel():
         return torch.ones((), dtype=torch.bool, device=values.device)
     if values.dtype == FP8:
-        return (values.view(torch.uint8) & 0x7F).amax() != 0x7F
+        return ~_fp8_nan(values).any()
     return torch.stack([values.amax(), values.amin()]).isfinite().all()
 
 
@@ -191,29 +198,33 @@ def non_finite_count(values: torch.Tensor) -> int:
     if not values.is_floating_point() or is_finite(values):
         return 0
     if values.dtype == FP8:
-        return int(((values.view(torch.uint8) & 0x7F) == 0x7F).sum())
+        return int(_fp8_nan(values).sum())
     return int((~values.isfinite()).sum())
 
 
-def _check_finite(layout: dict[str, CheckpointWeight], params: dict[str, torch.Tensor], files: dict[str, Path]
-                  ) -> None:
-    """Refuses the first checkpoint weight (in file order) whose loaded piece is not finite, by name, reading it
-    again to say whether the file or the model's dtype is at fault. Each parameter is checked whole, with one wait on
-    the device for them all: a check a piece cost LLaDA2-mini's 15k expert pieces their launches."""
+def _check_finite(layout: dict[str, CheckpointWeight], params: dict[str, torch.Tensor],
+                  files: list[tuple[Path, list[str]]]) -> None:
+    """Refuses the first checkpoint weight, in the order `files` were read, whose loaded piece is not finite, by
+    name, reading it again to say whether the file or the model's dtype is at fault. Each parameter is checked whole,
+    with one wait on the device for them all: a check a piece cost LLaDA2-mini's 15k expert pieces their launches."""
     loaded = sorted({weight.param for weight in layout.values()})
     finite = torch.stack([is_finite(params[name]) for name in loaded])
     if finite.all():
         return
-    bad = {loaded[i] for i in (~finite).nonzero().flatten().tolist()}
-    for name in sorted(layout, key=lambda n: (files[n], n)):
-        weight = layout[name]
-        if weight.param not in bad:
-            continue
-        param = params[weight.param] if weight.expert is None else params[weight.param][weight.expert]
-        for rows, source in weight.pieces:
-            if non_finite_count(param[rows]):
-                with safe_open(files[name], framework="pt") as f:
-                    raise CorruptWeight(_not_finite(files[name], name, _read(f, name, source), param[rows]))
+    bad = [loaded[i] for i in (~finite).nonzero().flatten().tolist()]
+    for file, names in files:
+        for name in names:
+            weight = layout.get(name)
+            if weight is None or weight.param not in bad:
+                continue  # a scale, or a weight whose parameter is finite
+            param = params[weight.param] if weight.expert is None else params[weight.param][weight.expert]
+            for rows, source in weight.pieces:
+                if non_finite_count(param[rows]):
+                    with safe_open(file, framework="pt") as f:
+                        values = _read(f, f.get_slice(name), name, source)
+                    raise CorruptWeight(_not_finite(file, name, values, param[rows]))
+    # Rows no checkpoint weight fills are the family's to set (a padded vocabulary's rows are zeros).
+    raise CheckpointError(f"parameter {bad[0]!r} is not finite in rows that no checkpoint weight fills")
 
 
 def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor) -> str:
@@ -224,7 +235,7 @@ def _not_finite(file: Path, name: str, values: torch.Tensor, piece: torch.Tensor
     if in_file:
         return f"{file}: weight {name!r} holds NaN or infinite values: {in_file} {read}"
     return (f"{file}: weight {name!r} is finite in the file but {past_range(piece.dtype)}, at "
-            f"{non_finite_count(piece)} {read}; {WIDER_DTYPE}")
+            f"{non_finite_count(piece)} {read}; {wider_dtype(piece.dtype)}")
 
 
 def past_range(dtype: torch.dtype) -> str:
@@ -233,20 +244,34 @@ def past_range(dtype: torch.dtype) -> str:
             "the model loads in")
 
 
+def wider_dtype(dtype: torch.dtype) -> str:
+    """What to do about values past `dtype`'s range: a wider dtype where one serves, else nothing does."""
+    if torch.finfo(dtype).max < torch.finfo(torch.float32).max:
+        return "load it in a wider one, such as bfloat16 or float32"
+    return "no dtype the model serves in but float64 holds them"
+
+
 def _check_dtype(file: Path, name: str, stored: str, param_dtype: torch.dtype) -> None:
     """A float parameter takes a float tensor only, and an fp8 parameter an fp8 tensor only: integers, or a float8
     byte read as a number, or a float rounded to float8 without its scale, would load without error and decode
     noise."""
-    if param_dtype == FP8:
-        if stored != SAFETENSORS_FP8:
-            raise CheckpointError(f"{file}: weight {name!r} is {stored}, but config.json's '{QUANTIZATION_CONFIG}' "
-                                  "makes it a float8_e4m3fn weight")
-    elif stored == SAFETENSORS_FP8:
-        raise CheckpointError(f"{file}: weight {name!r} is float8_e4m3fn, but config.json has no "
-                              f"'{QUANTIZATION_CONFIG}' with quant_method 'fp8' that says how it is scaled")
-    elif stored not in FLOAT_DTYPES:
+    if stored not in (*FLOAT_DTYPES, SAFETENSORS_FP8):
         raise CorruptWeight(f"{file}: weight {name!r} is stored as {stored}; a weight loads from "
-                            f"{', '.join(FLOAT_DTYPES)}, or from {SAFETENSORS_FP8} with a '{QUANTIZATION_CONFIG}'")
+                            f"{', '.join(FLOAT_DTYPES)}, or from {SAFETENSORS_FP8} (float8_e4m3fn) with a "
+                            f"'{QUANTIZATION_CONFIG}'")
+    if param_dtype == FP8 and stored != SAFETENSORS_FP8:
+        raise CheckpointError(f"{file}: weight {name!r} is stored as {stored}, but config.json's "
+                              f"'{QUANTIZATION_CONFIG}' makes it a {SAFETENSORS_FP8} (float8_e4m3fn) weight")
+    if param_dtype != FP8 and stored == SAFETENSORS_FP8:
+        raise CheckpointError(f"{file}: weight {name!r} is stored as {SAFETENSORS_FP8} (float8_e4m3fn), but "
+                              f"config.json has no '{QUANTIZATION_CONFIG}' with quant_method 'fp8' that says how it "
+                              "is scaled")
+
+
+def _check_scale_dtype(where: str, stored: str) -> None:
+    """A scale is a float: integers or booleans would load as numbers and scale the weight by them."""
+    if stored not in FLOAT_DTYPES:
+        raise CorruptWeight(f"{where} is stored as {stored}; a scale loads from {', '.join(FLOAT_DTYPES)}")
 
 
 def _load_scale(tensor: torch.Tensor, weight: CheckpointWeight, params: dict, scheme: Fp8Scheme, where: str) -> None:

@@ -27,7 +27,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from .layers.lora import LoraBatch, LoraStack
-from .loader import WIDER_DTYPE, CheckpointError, non_finite_count, past_range, read_json
+from .loader import CheckpointError, non_finite_count, past_range, read_json, wider_dtype
 from .models.decoder_lm import DecoderLM
 from .plan import SeqPlan
 
@@ -200,7 +200,7 @@ def _check_in_range(values: torch.Tensor, what: str) -> None:
     bad = non_finite_count(values)
     if bad:
         raise LoraError(f"{what} is {past_range(values.dtype)}, at {bad} of its {values.numel()} values; "
-                        f"{WIDER_DTYPE}")
+                        f"{wider_dtype(values.dtype)}")
 
 
 def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
@@ -229,7 +229,7 @@ def attach_adapters(model: DecoderLM, adapters: list[LoraAdapter]) -> None:
                     b=param.new_zeros(len(adapters), param.shape[0], columns, dtype=dtype))
             a, b = m.a.to(stack.a.dtype), (adapter.scale * m.b).to(stack.b.dtype)
             _check_in_range(a, f"adapter '{adapter.name}': {m.module}'s lora_A")
-            _check_in_range(b, f"adapter '{adapter.name}': {m.module}'s lora_B times lora_alpha / r")
+            _check_in_range(b, f"adapter '{adapter.name}': {m.module}'s lora_B times the adapter's scale")
             first = starts.index(m.rows.start) * width
             stack.a[slot, first:first + adapter.rank] = a
             stack.b[slot, m.rows, first:first + adapter.rank] = b

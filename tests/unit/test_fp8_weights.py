@@ -205,7 +205,8 @@ def _set(name, value):
     (_set(Q0 + "weight_scale_inv", torch.tensor([[1.0, 0.0], [1.0, 1.0]])), "not a finite positive number"),
     (_set(Q0 + "weight_scale_inv", torch.tensor([[1.0, 1e300], [1.0, 1.0]], dtype=torch.float64)),
      "not a finite positive number in float32"),
-    (_set(Q0 + "weight", torch.zeros(64, 64)), f"weight '{Q0}weight' is F32, but config.json's 'quantization_config'"),
+    (_set(Q0 + "weight", torch.zeros(64, 64)),
+     f"weight '{Q0}weight' is stored as F32, but config.json's 'quantization_config'"),
 ], ids=["missing", "misshapen", "nan", "zero", "past-float32", "float-weight"])
 def test_a_scale_that_is_missing_misshapen_or_not_finite_is_refused_with_its_key(checkpoints, tmp_path, edit,
                                                                                    message):
@@ -227,6 +228,19 @@ def test_an_fp8_weight_with_nan_bytes_is_refused_as_corrupt_whatever_family_read
         load_model(edited_release(checkpoints, tmp_path / "scale", tensor_edit=scale_nan))
 
 
+@pytest.mark.parametrize("name,value,message", [
+    (Q0 + "weight", torch.ones(64, 64, dtype=torch.int8),
+     f"weight '{Q0}weight' is stored as I8; a weight loads from F16, BF16, F32, F64, or from F8_E4M3 "
+     "(float8_e4m3fn) with a 'quantization_config'"),
+    (Q0 + "weight_scale_inv", torch.ones(2, 2, dtype=torch.int32),
+     f"scale '{Q0}weight_scale_inv' is stored as I32; a scale loads from F16, BF16, F32, F64"),
+], ids=["integer-weight", "integer-scale"])
+def test_integers_for_an_fp8_weight_or_its_scale_are_refused_as_corrupt(checkpoints, tmp_path, name, value,
+                                                                         message):
+    with pytest.raises(CorruptWeight, match=re.escape(message) + "$"):
+        load_model(edited_release(checkpoints, tmp_path, tensor_edit=_set(name, value)))
+
+
 def test_fp8_weights_without_a_quantization_config_are_refused(checkpoints, tmp_path):
     directory = edited_release(checkpoints, tmp_path, block=None)
     config = json.loads((directory / "config.json").read_text())
@@ -235,7 +249,8 @@ def test_fp8_weights_without_a_quantization_config_are_refused(checkpoints, tmp_
     tensors = load_file(directory / "model.safetensors")
     save_file({k: v for k, v in tensors.items() if not k.endswith("weight_scale")}, directory / "model.safetensors")
     with pytest.raises(CheckpointError, match=re.escape(
-            "is float8_e4m3fn, but config.json has no 'quantization_config' with quant_method 'fp8'")):
+            "is stored as F8_E4M3 (float8_e4m3fn), but config.json has no 'quantization_config' with quant_method "
+            "'fp8'")):
         load_model(directory)
 
 

@@ -264,6 +264,16 @@ def test_a_finite_value_past_the_dtype_s_range_is_refused_in_that_dtype_only(bro
     assert load_model(broken, dtype=torch.bfloat16).layers[0].attn.qkv_proj.weight[1, 1] == 1e5 - 1e5 % 512
 
 
+def test_a_float64_value_past_float32_is_refused_with_no_wider_dtype_to_offer(broken):
+    name = "model.transformer.blocks.0.q_proj.weight"
+    edit_weights(broken, lambda tensors: tensors.__setitem__(name, tensors[name].double()))
+    edit_weights(broken, poison(name, (1, 1, 1e300)))
+    with raises(f"weight {name!r} is finite in the file but past the range of float32 (largest 3.40282e+38), the "
+                "dtype the model loads in, at 1 of the 4096 values read; no dtype the model serves in but float64 "
+                "holds them"):
+        load_model(broken, dtype=torch.float32)
+
+
 def test_a_shard_that_is_not_finite_is_named(tmp_path):
     directory = write_random_checkpoint(tmp_path / "ckpt", "sdar", num_layers=1, num_shards=2)
     shard = directory / "model-00002-of-00002.safetensors"
@@ -282,9 +292,26 @@ def test_a_weight_stored_as_anything_but_a_float_is_refused_naming_its_dtype(bro
     name = "model.transformer.blocks.0.ff_out.weight"
     edit_weights(broken, lambda tensors: tensors.__setitem__(name, (tensors[name] * 10).to(dtype)))
     message = (f"{broken / 'model.safetensors'}: weight {name!r} is stored as {stored}; a weight loads from F16, BF16, "
-               "F32, F64, or from F8_E4M3 with a 'quantization_config'")
+               "F32, F64, or from F8_E4M3 (float8_e4m3fn) with a 'quantization_config'")
     with pytest.raises(CorruptWeight, match=re.escape(message) + "$"):
         load_model(broken)
+
+
+def test_of_two_weights_that_are_not_finite_the_one_read_first_is_named(tmp_path):
+    """Layer 2's in the first shard, layer 10's in the second: the shards are read in order, and the first named."""
+    directory = write_random_checkpoint(tmp_path / "ckpt", "sdar", num_layers=11, num_shards=2)
+    index = json.loads((directory / "model.safetensors.index.json").read_text())["weight_map"]
+    shards = sorted(set(index.values()))
+    for shard in shards:
+        tensors = load_file(directory / shard)
+        for name in ("model.layers.2.mlp.down_proj.weight", "model.layers.10.mlp.down_proj.weight"):
+            if name in tensors:
+                tensors[name][0, 0] = float("nan")
+        save_file(tensors, directory / shard)
+    first = sorted((shards.index(index[n]), n) for n in ("model.layers.2.mlp.down_proj.weight",
+                                                          "model.layers.10.mlp.down_proj.weight"))[0][1]
+    with raises(f"{directory / index[first]}: weight {first!r} holds NaN"):
+        load_model(directory)
 
 
 def test_under_tensor_parallelism_the_rank_whose_share_is_not_finite_refuses_it(broken):
