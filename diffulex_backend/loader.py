@@ -206,7 +206,8 @@ def _check_finite(layout: dict[str, CheckpointWeight], params: dict[str, torch.T
                   files: list[tuple[Path, list[str]]]) -> None:
     """Refuses the first checkpoint weight, in the order `files` were read, whose loaded piece is not finite, by
     name, reading it again to say whether the file or the model's dtype is at fault. Each parameter is checked whole,
-    with one wait on the device for them all: a check a piece cost LLaDA2-mini's 15k expert pieces their launches."""
+    with one wait on the device for them all: a check a piece costs LLaDA2-mini's 15k expert pieces about 2 s of
+    launches and waits (benchmarks/load_check.py)."""
     loaded = sorted({weight.param for weight in layout.values()})
     finite = torch.stack([is_finite(params[name]) for name in loaded])
     if finite.all():
