@@ -10,7 +10,7 @@ replay copies that buffer as it is into one static device buffer, of which the b
 The Triton kernels, and flash-attn's paged kernel where it takes a wide group's context, read lengths, pages and
 slots from those device buffers and size their grids from the bucket's host bounds (its tokens per sequence, and
 max_model_len for the context), so one graph serves every batch that fits its bucket. Padded rows compute values that no real row reads: outside attention every op of
-the forward is row by row. Graphs are captured on first use, into one memory pool.
+the forward is row by row. Graphs are captured on first use, on one stream, into one memory pool.
 
 With LoRA adapters attached, a step with adapter rows replays a second graph of its bucket, whose forward adds
 each adapted projection's delta (layers/fused_forward.py). It reads the step's adapter segments from one more
@@ -183,6 +183,10 @@ class CUDAGraphForward(PaddedForward):
         # By (bucket, with the LoRA delta): a bucket has a second graph once a step with adapter rows used it.
         self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
+        # Every capture, and the eager run before it, on this one stream: cuBLAS keeps a workspace for each stream
+        # it has run on, for as long as the process lives (32 MiB on Hopper), so a stream per capture held one more
+        # workspace each, past what the KV cache's sizing leaves for.
+        self.capture_stream = torch.cuda.Stream(device)
 
     def _forward(self, bucket: GraphBucket, batch: ForwardBatch, with_lora: bool = False) -> torch.Tensor:
         key = (bucket, with_lora)
@@ -198,15 +202,14 @@ class CUDAGraphForward(PaddedForward):
         soft = self._static_soft(bucket)
         lora = self._static_lora(bucket) if with_lora else None
         rows = self._static_rows(bucket)
-        # One eager run on a side stream first, as capture requires: Triton compiles its kernels and cuBLAS
-        # sets up its workspaces outside the graph. It stores the same K/V the replay stores again.
+        # One eager run on the capture stream first, as capture requires: Triton compiles its kernels and cuBLAS
+        # sets up the stream's workspace outside the graph. It stores the same K/V the replay stores again.
         main = torch.cuda.current_stream(self.device)
-        warmup = torch.cuda.Stream(self.device)
-        warmup.wait_stream(main)
-        with torch.cuda.stream(warmup):
+        self.capture_stream.wait_stream(main)
+        with torch.cuda.stream(self.capture_stream):
             self._model_forward(input_ids, positions, meta, soft, lora, rows)
-        main.wait_stream(warmup)
+        main.wait_stream(self.capture_stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             hidden = self._model_forward(input_ids, positions, meta, soft, lora, rows)
         return graph, hidden

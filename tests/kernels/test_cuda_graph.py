@@ -1,11 +1,15 @@
-"""Paged attention captured once in a CUDA graph serves later steps whose metadata changed in place."""
+"""Paged attention captured once in a CUDA graph serves later steps whose metadata changed in place, and an engine's
+graphs captured while it serves hold their outputs and nothing more."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 import diffulex_kernels
+from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.attention import paged_attention_reference
+from diffulex_backend.cuda_graph import GraphBucket
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 from diffulex_kernels.attention import plan_launch
 from kernel_cases import REL_TOL, relative_error
 from test_paged_attention import HEAD_SHAPES, SEQUENCES, make_batch
@@ -59,3 +63,32 @@ def test_graph_replay_follows_new_lengths_and_pages(num_splits):
     assert relative_error(out[:num_tokens], ref) < REL_TOL[torch.bfloat16]
     torch.cuda.synchronize()
     assert torch.equal(captured.k_cache[: step.k_cache.shape[0]], step.k_cache)
+
+
+def test_graphs_captured_while_serving_hold_their_outputs_and_nothing_more(tmp_path):
+    """A bucket first met while serving captures its graph then. Every capture, and the eager run before it, goes
+    on the runner's one capture stream: cuBLAS keeps a workspace for each stream it has run on (32 MiB on Hopper),
+    so a stream of its own per capture held one more workspace for every graph, past what the KV cache's sizing
+    leaves for."""
+    checkpoint = write_random_checkpoint(tmp_path / "llada", "llada", hidden_size=128, num_heads=2, num_kv_heads=2,
+                                         head_dim=64, intermediate_size=256)
+    engine = Diffulex(str(checkpoint), device="cuda", dtype="bfloat16", block_size=32, page_size=16,
+                      max_model_len=256, max_num_reqs=8, num_kv_pages=64)  # warmed up: its buckets are captured
+    for prompt in ("the first prompt", "a second one"):
+        engine.add_request(prompt, SamplingParams(max_tokens=64, ignore_eos=True))
+    engine.step()  # the prompts' prefill; the next step decodes over a cached context
+    batch = engine.runner.build_batch(engine.scheduler.schedule().plans)
+    forward = engine.runner.padded_forward
+    # Past 64 rows the products go to cuBLAS, and no warm-up step pads to these.
+    buckets = [GraphBucket(tokens, 8, 64) for tokens in (160, 192, 224)]
+    assert batch.num_tokens <= 160 and not any((bucket, False) in forward.graphs for bucket in buckets)
+    with torch.inference_mode():
+        torch.cuda.synchronize()
+        allocated = torch.cuda.memory_allocated()
+        for bucket in buckets:
+            forward.run(bucket, batch)
+        torch.cuda.synchronize()
+        grown = torch.cuda.memory_allocated() - allocated
+    outputs = sum(-(-forward.graphs[(bucket, False)][1].untyped_storage().nbytes() // 512) * 512
+                  for bucket in buckets)  # the caching allocator's 512-byte rounding
+    assert 0 < outputs and grown <= outputs, f"{grown} bytes held for {len(buckets)} graphs' outputs of {outputs}"
