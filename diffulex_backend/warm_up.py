@@ -84,7 +84,9 @@ def warm_up(engine) -> WarmUpReport:
         for length, own in zip(lengths, tokens):
             engine.add_request([own] * length, params, request_id=f"warm-up-prefill-{length}")
             run_to_completion(engine, length + max_tokens)
-    for size in sizes:
+    # Largest first: the graphs share one memory pool, and each smaller graph's activations then fit in blocks a
+    # larger capture has freed, where the other way round every capture needs blocks larger than any freed yet.
+    for size in reversed(sizes):
         size_started = time.monotonic()
         for i in range(size):
             engine.add_request([token] * prompt_len, params, request_id=f"warm-up-{size}-{i}")
