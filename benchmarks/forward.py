@@ -1119,21 +1119,39 @@ def kernel_kind(name: str) -> str:
 
 
 def memory_section(report: Report, name: str, model, model_dir: str, device, plan: Plan, ceilings: Ceilings):
-    """KV pool sizing from gpu_memory_utilization after a profiling forward."""
+    """KV pool sizing from gpu_memory_utilization after a profiling forward, and what the device holds against
+    what it allows: once the engine is built (warmed up, its CUDA graphs captured), at the peak, and after
+    generating, with the CUDA graphs' memory pool and the streams the caching allocator holds memory on."""
     if device.type != "cuda":
         return
     utilization = 0.6
+    torch.cuda.reset_peak_memory_stats(device)
     engine = make_engine(model, model_dir, device, plan, gpu_memory_utilization=utilization, max_model_len=2048)
+    built = device_used(device)
     pages = engine.kv_cache.num_pages
     generator = torch.Generator().manual_seed(6)
     engine.generate([random_prompt(512, model.arch.vocab_size, generator) for _ in range(8)],
                     SamplingParams(max_tokens=2 * BLOCK, ignore_eos=True))
-    free, total = torch.cuda.mem_get_info(device)
+    used = device_used(device)
+    # The allocator's peak, plus what the process holds outside it (CUDA's context, loaded modules), as now.
+    peak = torch.cuda.max_memory_reserved(device) + used - torch.cuda.memory_reserved(device)
+    segments = torch.cuda.memory_snapshot()
+    graphs = getattr(engine.runner.padded_forward, "graphs", {})
+    pool = sum(s["total_size"] for s in segments if s["segment_pool_id"] != (0, 0))  # the graphs' private pool
+    streams = len({s["stream"] for s in segments})
+    allowed = utilization * torch.cuda.mem_get_info(device)[1]
     report.add(section="memory", model=name, case=f"gpu_memory_utilization={utilization}",
-               note=f"{pages} KV pages ({pages * page_bytes(model, plan.kv_cache_dtype) / 1e9:.1f} GB); after generating, the device "
-                    f"holds {(total - free) / 1e9:.1f} GB in use of the {utilization * total / 1e9:.1f} GB allowed")
+               note=f"{pages} KV pages ({pages * page_bytes(model, plan.kv_cache_dtype) / 1e9:.1f} GB); of the "
+                    f"{allowed / 1e9:.3f} GB allowed the device holds {built / 1e9:.3f} GB once the engine is built, "
+                    f"{peak / 1e9:.3f} GB at the peak and {used / 1e9:.3f} GB after generating; {len(graphs)} CUDA "
+                    f"graphs, their pool {pool / 1e9:.3f} GB; the allocator holds memory on {streams} streams")
     del engine
     free_memory(device)
+
+
+def device_used(device: torch.device) -> int:
+    free, total = torch.cuda.mem_get_info(device)
+    return total - free
 
 
 # In the order they run: the main table first, then the end-to-end runs, the checks, the pool sizing.
