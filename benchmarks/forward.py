@@ -1137,7 +1137,7 @@ def memory_section(report: Report, name: str, model, model_dir: str, device, pla
     peak = torch.cuda.max_memory_reserved(device) + used - torch.cuda.memory_reserved(device)
     segments = torch.cuda.memory_snapshot()
     graphs = getattr(engine.runner.padded_forward, "graphs", {})
-    pool = sum(s["total_size"] for s in segments if s["segment_pool_id"] != (0, 0))  # the graphs' private pool
+    pool = sum(s["total_size"] for s in segments if s["segment_pool_id"] != (0, 0))  # private pools: the graphs' one
     streams = len({s["stream"] for s in segments})
     allowed = utilization * torch.cuda.mem_get_info(device)[1]
     report.add(section="memory", model=name, case=f"gpu_memory_utilization={utilization}",

@@ -10,7 +10,9 @@ replay copies that buffer as it is into one static device buffer, of which the b
 The Triton kernels, and flash-attn's paged kernel where it takes a wide group's context, read lengths, pages and
 slots from those device buffers and size their grids from the bucket's host bounds (its tokens per sequence, and
 max_model_len for the context), so one graph serves every batch that fits its bucket. Padded rows compute values that no real row reads: outside attention every op of
-the forward is row by row. Graphs are captured on first use, on one stream, into one memory pool.
+the forward is row by row. Graphs are captured on first use, on one stream, into one memory pool. Graphs
+share their temporaries' blocks, since one replays at a time, and each keeps its output's; a replay overwrites its
+output, so a row kept across steps is cloned out of it (runner.py).
 
 With LoRA adapters attached, a step with adapter rows replays a second graph of its bucket, whose forward adds
 each adapted projection's delta (layers/fused_forward.py). It reads the step's adapter segments from one more
@@ -183,9 +185,10 @@ class CUDAGraphForward(PaddedForward):
         # By (bucket, with the LoRA delta): a bucket has a second graph once a step with adapter rows used it.
         self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
-        # Every capture, and the eager run before it, on this one stream: cuBLAS keeps a workspace for each stream
-        # it has run on, for as long as the process lives (32 MiB on Hopper), so a stream per capture held one more
-        # workspace each, past what the KV cache's sizing leaves for.
+        # Every capture, and the eager run before it, on this one stream: PyTorch keeps a cuBLAS workspace for each
+        # stream cuBLAS has run on, for as long as the process lives (32 MiB on Hopper), and the KV cache's sizing
+        # counts none of them. A fresh stream for each eager run held one more each, up to the 32 streams PyTorch
+        # hands out in turn.
         self.capture_stream = torch.cuda.Stream(device)
 
     def _forward(self, bucket: GraphBucket, batch: ForwardBatch, with_lora: bool = False) -> torch.Tensor:

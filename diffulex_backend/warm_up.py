@@ -2,7 +2,7 @@
 CUDA graph, which made the first generation after a load take several times as long as a warm one.
 
 Short requests go through the real engine at each batch size the scheduler can form (1, 2, 4, ... up to
-max_num_reqs), so every decode bucket that serving will hit is compiled and captured now. Prefill runs eagerly, and
+max_num_reqs, run largest first), so every decode bucket that serving will hit is compiled and captured now. Prefill runs eagerly, and
 its kernels pick tiles by the number of tokens: one request per prompt length around each power of two (1, 2, 3,
 5, 9, 17, ...) prefills at every tile size once. The attention kernel's launches, which also depend on context
 lengths, are all compiled when the runner is built. On a CPU the kernels

@@ -66,10 +66,10 @@ def test_graph_replay_follows_new_lengths_and_pages(num_splits):
 
 
 def test_graphs_captured_while_serving_hold_their_outputs_and_nothing_more(tmp_path):
-    """A bucket first met while serving captures its graph then. Every capture, and the eager run before it, goes
-    on the runner's one capture stream: cuBLAS keeps a workspace for each stream it has run on (32 MiB on Hopper),
-    so a stream of its own per capture held one more workspace for every graph, past what the KV cache's sizing
-    leaves for."""
+    """A bucket first met while serving captures its graph then, and the memory allocated grows by the graph's
+    output only: the eager run before the capture goes on the runner's one capture stream, whose cuBLAS workspace
+    (32 MiB on Hopper) the warm-up's graphs of more than 64 rows have made already. (An eager run on a stream
+    PyTorch had not yet run cuBLAS on would hold one more workspace.)"""
     checkpoint = write_random_checkpoint(tmp_path / "llada", "llada", hidden_size=128, num_heads=2, num_kv_heads=2,
                                          head_dim=64, intermediate_size=256)
     engine = Diffulex(str(checkpoint), device="cuda", dtype="bfloat16", block_size=32, page_size=16,
