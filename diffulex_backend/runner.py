@@ -224,25 +224,34 @@ class ModelRunner:
         self.attn_flops_per_pair = 4.0 * model.arch.num_layers * model.arch.num_heads * model.arch.head_dim
         self.use_kernels = model.fused_kernels
         self.padded_forward: PaddedForward | None = None
-        self.token_merge = self.make_token_merge()
+        self.token_merge = self.token_merge_for(config)
         if model.replays_graphs() and not config.enforce_eager and self.kv_cache is not None:
             self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
-        # Else the first steps of each size compile them, while requests wait.
-        if self.use_kernels:
+        self.compile_kernels(config, model, device, dtype)
+
+    @classmethod
+    def compile_kernels(cls, config: Config, model, device: torch.device, dtype: torch.dtype) -> None:
+        """Compiles every sampler and attention launch the steps can take, and loads it onto the device, so that
+        none compiles while requests wait; the KV cache's sizing runs this first (model_setup.num_kv_pages), which
+        counts the memory the loaded kernels take. The graphs' forward compiles as the warm-up captures it."""
+        if model.fused_kernels:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
             compile_sampler(model.arch.vocab_size, dtype, device)
-            if model.tp.size > 1 and self.token_merge is None:  # greedy steps sample over the ranks' shares
+            if model.tp.size > 1 and cls.token_merge_for(config) is None:  # greedy steps sample over the ranks' shares
                 from diffulex_kernels.sampling import compile_shard_launches
 
                 columns = model.embed_tokens.num_embeddings
                 held, mask_column = shard_columns(columns, model.vocab_start, model.arch.vocab_size,
-                                                  acceptance.mask_token_id)
+                                                  config.mask_token_id)
                 compile_shard_launches(columns, model.vocab_start, held, mask_column, model.tp.size, dtype, device)
-        blocks_attention = attention_fn.blocks if self.flash_attn else attention_fn
+        attention_fn = model.layers[0].attn.attention_fn
+        flash_attn = isinstance(attention_fn, FlashAttention)
+        blocks_attention = attention_fn.blocks if flash_attn else attention_fn
         if blocks_attention not in (None, paged_attention_reference):  # the Triton kernel
             from diffulex_kernels.attention import compile_launches as compile_attention
 
+            cache_dtype = kv_cache_layout(model, 1, config.page_size, dtype, config.kv_cache_dtype)[1]
             # Each layer kind's heads, head size and window (DiffusionGemma's sliding and full layers differ).
             layouts = {(layer.attn.num_heads, layer.attn.num_kv_heads, layer.attn.head_dim, layer.attn.window)
                        for layer in model.layers}
@@ -250,10 +259,10 @@ class ModelRunner:
             # An fp8 o_proj takes the attention's output cast per token, by the merge where the context is split.
             fp8_out = any(isinstance(getattr(layer.attn, "o_proj", None), Fp8Linear) for layer in model.layers)
             for heads, kv_heads, head_dim, window in layouts:
-                flash_context = self.flash_attn and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
+                flash_context = flash_attn and attention_fn.takes_context_of(heads, kv_heads, cache_dtype, dtype)
                 compile_attention(heads, kv_heads, head_dim, config.page_size, dtype, device, window=window,
                                   kv_fp8=kv_fp8, prior=flash_context, fp8_out=fp8_out)
-                if self.flash_attn:
+                if flash_attn:
                     attention_fn.compile(heads, kv_heads, head_dim, dtype, device, config.page_size, cache_dtype)
 
     @torch.inference_mode()
@@ -312,8 +321,9 @@ class ModelRunner:
             kept[plan.request_id] = (select_pages(scores, plan.retention.ratio, plan.retention.head_select), pages)
         return kept
 
-    def make_token_merge(self) -> TokenMerge | None:
-        """The soft-input setting every forward of this runner takes (dmax), or None: inputs are token ids."""
+    @staticmethod
+    def token_merge_for(config: Config) -> TokenMerge | None:
+        """The soft-input setting every forward of such a runner takes (dmax), or None: inputs are token ids."""
         return None
 
     def forget(self, request_ids: list[str]) -> None:

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from ..acceptance import AcceptanceBatch, AcceptanceRule
+from ..config import Config
 from ..sampling import SamplingMode
 from ..kv_cache import KVCacheManager
 from ..models.decoder_lm import TokenMerge
@@ -110,10 +111,10 @@ class DMaxRequest(BlockDiffusionRequest):
 class DMaxRunner(ModelRunner):
     """Feeds soft inputs and returns each step's top-k; applies the edits after the acceptance rule."""
 
-    def make_token_merge(self) -> TokenMerge:
-        c = self.config
-        return TokenMerge(self.acceptance.mask_token_id, c.token_merge_mode, c.token_merge_renormalize,
-                          c.token_merge_top_k)
+    @staticmethod
+    def token_merge_for(config: Config) -> TokenMerge:
+        return TokenMerge(config.mask_token_id, config.token_merge_mode, config.token_merge_renormalize,
+                          config.token_merge_top_k)
 
     def accept(self, batch: AcceptanceBatch, logits: torch.Tensor, blocks: list[tuple[SeqPlan, LogitBlock]]
                ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
