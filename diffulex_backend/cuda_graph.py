@@ -191,6 +191,13 @@ class CUDAGraphForward(PaddedForward):
         # hands out in turn.
         self.capture_stream = torch.cuda.Stream(device)
 
+    def capture_largest(self) -> None:
+        """Captures the graph of the largest bucket a step can pad into, over the static buffers as they are: the
+        graph whose temporaries the pool must hold, smaller graphs' fitting in the blocks it frees. The KV cache's
+        sizing measures what this takes (model_setup.num_kv_pages), over a cache of its own."""
+        bucket = GraphBucket(self.max_tokens, self.max_seqs, self.max_seqlen_q)
+        self.graphs[(bucket, False)] = self._capture(bucket, self._static_batch(bucket), False)
+
     def _forward(self, bucket: GraphBucket, batch: ForwardBatch, with_lora: bool = False) -> torch.Tensor:
         key = (bucket, with_lora)
         if key not in self.graphs:

@@ -4,12 +4,14 @@ the tensor-parallel workers build theirs through these same functions (`load_ran
 so every rank agrees on them."""
 from __future__ import annotations
 
+import logging
 import os
 
 import torch
 
 from .attention import paged_attention_reference
 from .config import Config
+from .cuda_graph import CUDAGraphForward
 from .flash_attention import FlashAttention, refusal as flash_refusal
 from .loader import check_fp8_device, load_model
 from .lora import attach_adapters, load_adapter, merge_adapter
@@ -17,6 +19,8 @@ from .quantization import has_fp8, quantize_model
 from .registry import STRATEGIES
 from .runner import kv_cache_layout, profile_peak_memory
 from .tensor_parallel import TensorParallel
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -132,17 +136,32 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
         return _fits_memory(config.max_num_reqs * per_request, page_bytes, device,
                             f"config fields 'max_num_reqs' ({config.max_num_reqs}) and 'max_model_len' "
                             f"({config.max_model_len}) size the KV cache where 'num_kv_pages' is unset")
-    # Whatever gpu_memory_utilization leaves after the weights and the largest step, measured by running it: its
-    # forward, or its output with the logits and the sampler (runner_cls's), whichever peaks higher. The forward
-    # counts once more where CUDA graphs replay it: their memory pool holds its activations, and the caching
-    # allocator cannot hand that pool to eager work. The logits and the sampler run outside the graphs.
-    forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
-    activation_bytes = max(forward_bytes, sampler_bytes)
-    if model.replays_graphs() and not config.enforce_eager:
-        activation_bytes += forward_bytes
+    # Whatever gpu_memory_utilization leaves after the weights and what the steps reserve, measured by running the
+    # largest step: its forward, its logits and the sampler (runner_cls's), and where CUDA graphs replay the forward,
+    # the capture of the largest graph over a one-page cache of its own. The caching allocator keeps what it reserves
+    # for each, and the graphs' pool takes none of the eager steps' blocks, nor they the pool's: what it holds at the
+    # end is what serving holds, each block rounded as the allocator rounds it, with the graphs' static inputs and
+    # the capture stream's cuBLAS workspace. The runner's sampler and attention kernels load first, so that the free
+    # memory counts their modules.
+    runner_cls.compile_kernels(config, model, device, dtype)
     torch.cuda.empty_cache()
+    reserved = torch.cuda.memory_reserved(device)
+    forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
+    eager_bytes = torch.cuda.memory_reserved(device) - reserved
+    graphs = None
+    if model.replays_graphs() and not config.enforce_eager:
+        graphs = CUDAGraphForward(model, torch.zeros(shape, dtype=cache_dtype, device=device), config, device,
+                                  runner_cls.token_merge_for(config))
+        graphs.capture_largest()
+        torch.cuda.synchronize(device)
+    step_bytes = torch.cuda.memory_reserved(device) - reserved - (page_bytes if graphs is not None else 0)
+    del graphs  # its pool and cache go back to the device with the eager blocks
+    torch.cuda.empty_cache()
+    logger.info("the largest step reserves %.3f GB: its eager forward and sampler %.3f GB (allocated at their peaks: "
+                "%.3f and %.3f GB), the CUDA graphs %.3f GB", step_bytes / 1e9, eager_bytes / 1e9, forward_bytes / 1e9,
+                sampler_bytes / 1e9, (step_bytes - eager_bytes) / 1e9)
     free, total = torch.cuda.mem_get_info(device)
-    budget = free - (1 - config.gpu_memory_utilization) * total - activation_bytes
+    budget = free - (1 - config.gpu_memory_utilization) * total - step_bytes
     if budget < page_bytes * per_request:
         raise ValueError(f"config field 'gpu_memory_utilization' ({config.gpu_memory_utilization}) leaves no room "
                          f"for one max_model_len sequence of KV cache after the weights")
