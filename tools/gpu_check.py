@@ -5,7 +5,7 @@ is submitted. It needs the runtime that `tools/pack_gpu_runtime.py pack` builds 
 tritonserver, numpy 1.26 for the stub, tritonclient's gRPC client); it installs it here first, unless it already is.
 Then it runs, each as a pytest process of its own with the runtime's Python:
   * the kernels, CUDA graphs and fused forward against their references (tests/kernels and the MoE fused forward);
-  * the offline API on the GPU (the demo model's answers, the warm start);
+  * the offline API on the GPU (the demo model's answers, the warm start, the KV pool within gpu_memory_utilization);
   * every family and every decoding strategy served through a real tritonserver on the GPU, with config.pbtxt's
     defaults and with a KIND_GPU instance, a LoRA adapter and page retention among them, token-equal to the
     in-process engine at batch 1; and the shipped model_repository as `make serve` runs it;
@@ -71,8 +71,9 @@ SECTIONS = (
     Section("kernels, CUDA graphs and the fused forward", ("tests/kernels", "tests/unit/test_moe_fused_forward.py"),
             ("-n", "8", f"--ignore={TWO_GPU_KERNEL_TESTS}"), seconds=238),
     # Profiling records CUDA on a GPU only, and must leave the engine's graphs and speed as they were.
+    # gpu_memory_utilization's share is the device's: the sizing test needs the GPU to itself.
     Section("offline API", ("tests/unit/test_demo_model.py", "tests/unit/test_offline_warm_up.py",
-                            "tests/unit/test_profiling.py"), seconds=70),
+                            "tests/unit/test_profiling.py", "tests/unit/test_offline_kv_sizing.py"), seconds=70),
     # One process and one session server, in order: a model here sizes its KV cache from the free GPU memory.
     Section("served: server and client suites, on the GPU", (
         *(f"tests/server/{name}" for name in (
