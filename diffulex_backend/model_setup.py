@@ -138,28 +138,33 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
                             f"({config.max_model_len}) size the KV cache where 'num_kv_pages' is unset")
     # Whatever gpu_memory_utilization leaves after the weights and what the steps reserve, measured by running the
     # largest step: its forward, its logits and the sampler (runner_cls's), and where CUDA graphs replay the forward,
-    # the capture of the largest graph over a one-page cache of its own. The caching allocator keeps what it reserves
-    # for each, and the graphs' pool takes none of the eager steps' blocks, nor they the pool's: what it holds at the
-    # end is what serving holds, each block rounded as the allocator rounds it, with the graphs' static inputs and
-    # the capture stream's cuBLAS workspace. The runner's sampler and attention kernels load first, so that the free
-    # memory counts their modules.
+    # the capture of the largest graph over a one-page cache of its own. Reservations, not allocations, because the
+    # caching allocator keeps each block, rounded, for its stream or its pool. A capture's eager run reserves its
+    # activations on the capture stream beside the eager steps' blocks (it peaks with both), and then the capture
+    # releases every cached block but keeps the graphs' pool, which no eager step can take: a capture met while
+    # serving, the pool full, peaks at that peak plus the pool. The runner's sampler and attention kernels load
+    # first, so that the free memory counts their modules.
     runner_cls.compile_kernels(config, model, device, dtype)
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
-    eager_bytes = torch.cuda.memory_reserved(device) - reserved
-    graphs = None
+    step_bytes = eager_bytes = torch.cuda.memory_reserved(device) - reserved
     if model.replays_graphs() and not config.enforce_eager:
+        torch.cuda.reset_peak_memory_stats(device)  # the peak from here counts the eager blocks the profile keeps
         graphs = CUDAGraphForward(model, torch.zeros(shape, dtype=cache_dtype, device=device), config, device,
                                   runner_cls.token_merge_for(config))
         graphs.capture_largest()
         torch.cuda.synchronize(device)
-    step_bytes = torch.cuda.memory_reserved(device) - reserved - (page_bytes if graphs is not None else 0)
-    del graphs  # its pool and cache go back to the device with the eager blocks
+        capture_bytes = torch.cuda.max_memory_reserved(device) - reserved - page_bytes
+        pool_bytes = torch.cuda.memory_reserved(device) - reserved - page_bytes
+        step_bytes = capture_bytes + pool_bytes
+        del graphs  # its pool and cache go back to the device
+        logger.info("a capture reserves %.3f GB at its peak, with the eager steps' %.3f GB, and the CUDA graphs keep "
+                    "%.3f GB", capture_bytes / 1e9, eager_bytes / 1e9, pool_bytes / 1e9)
     torch.cuda.empty_cache()
-    logger.info("the largest step reserves %.3f GB: its eager forward and sampler %.3f GB (allocated at their peaks: "
-                "%.3f and %.3f GB), the CUDA graphs %.3f GB", step_bytes / 1e9, eager_bytes / 1e9, forward_bytes / 1e9,
-                sampler_bytes / 1e9, (step_bytes - eager_bytes) / 1e9)
+    logger.info("the largest step reserves %.3f GB (its forward and sampler allocate %.3f and %.3f GB at their "
+                "peaks); %.3f GB are kept for steps", eager_bytes / 1e9, forward_bytes / 1e9, sampler_bytes / 1e9,
+                step_bytes / 1e9)
     free, total = torch.cuda.mem_get_info(device)
     budget = free - (1 - config.gpu_memory_utilization) * total - step_bytes
     if budget < page_bytes * per_request:

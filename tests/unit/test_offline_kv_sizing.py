@@ -28,7 +28,8 @@ def test_the_engine_holds_no_more_than_gpu_memory_utilization_allows_at_its_peak
         pytest.skip("FP8 K/V rows need compute capability 8.9 or newer")
     # Head size 64 and a vocabulary wide enough that a step's logits outweigh its tiny forward.
     checkpoint = write_random_checkpoint(tmp_path / "llada", "llada", hidden_size=256, num_heads=4, num_kv_heads=4,
-                                         head_dim=64, intermediate_size=512, vocab_size=32768)
+                                         head_dim=64, intermediate_size=512, vocab_size=32768,
+                                         max_position_embeddings=1024)
     torch.cuda.empty_cache()
     total = torch.cuda.mem_get_info(device)[1]
     utilization = (device_used(device) + ROOM) / total
