@@ -214,7 +214,11 @@ class CUDAGraphForward(PaddedForward):
         rows = self._static_rows(bucket)
         # One eager run on the capture stream first, as capture requires: Triton compiles its kernels and cuBLAS
         # sets up the stream's workspace outside the graph. It stores the same K/V the replay stores again.
+        # The eager steps' cached blocks go back first: the capture releases them anyway, and a capture met while
+        # serving would otherwise peak with them, the eager run's and the full pool at once.
         main = torch.cuda.current_stream(self.device)
+        main.synchronize()
+        torch.cuda.empty_cache()
         self.capture_stream.wait_stream(main)
         with torch.cuda.stream(self.capture_stream):
             self._model_forward(input_ids, positions, meta, soft, lora, rows)

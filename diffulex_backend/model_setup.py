@@ -139,11 +139,12 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     # Whatever gpu_memory_utilization leaves after the weights and what the steps reserve, measured by running the
     # largest step: its forward, its logits and the sampler (runner_cls's), and where CUDA graphs replay the forward,
     # the capture of the largest graph over a one-page cache of its own. Reservations, not allocations, because the
-    # caching allocator keeps each block, rounded, for its stream or its pool. A capture's eager run reserves its
-    # activations on the capture stream beside the eager steps' blocks (it peaks with both), and then the capture
-    # releases every cached block but keeps the graphs' pool, which no eager step can take: a capture met while
-    # serving, the pool full, peaks at that peak plus the pool. The runner's sampler and attention kernels load
-    # first, so that the free memory counts their modules.
+    # caching allocator keeps each block, rounded, for its stream or its pool. The eager steps reserve theirs; a
+    # capture's eager run reserves its activations on the capture stream, and the capture keeps the graphs' pool,
+    # which no eager step can take. The count is their sum, the eager steps' and the capture's peak and the pool:
+    # serving peaks at the pool with one of the others (a capture releases the eager steps' blocks before its eager
+    # run), and the steps of many shapes that serving meets cache more blocks than the one profiled step. The
+    # runner's sampler and attention kernels load first, so that the free memory counts their modules.
     runner_cls.compile_kernels(config, model, device, dtype)
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
