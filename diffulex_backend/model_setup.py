@@ -151,17 +151,18 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
     step_bytes = eager_bytes = torch.cuda.memory_reserved(device) - reserved
     if model.replays_graphs() and not config.enforce_eager:
-        torch.cuda.reset_peak_memory_stats(device)  # the peak from here counts the eager blocks the profile keeps
+        torch.cuda.empty_cache()  # as a capture does first, so that the peak from here is the capture's own
+        torch.cuda.reset_peak_memory_stats(device)
         graphs = CUDAGraphForward(model, torch.zeros(shape, dtype=cache_dtype, device=device), config, device,
                                   runner_cls.token_merge_for(config))
         graphs.capture_largest()
         torch.cuda.synchronize(device)
         capture_bytes = torch.cuda.max_memory_reserved(device) - reserved - page_bytes
         pool_bytes = torch.cuda.memory_reserved(device) - reserved - page_bytes
-        step_bytes = capture_bytes + pool_bytes
+        step_bytes = eager_bytes + capture_bytes + pool_bytes
         del graphs  # its pool and cache go back to the device
-        logger.info("a capture reserves %.3f GB at its peak, with the eager steps' %.3f GB, and the CUDA graphs keep "
-                    "%.3f GB", capture_bytes / 1e9, eager_bytes / 1e9, pool_bytes / 1e9)
+        logger.info("a capture reserves %.3f GB at its peak, and the CUDA graphs keep %.3f GB", capture_bytes / 1e9,
+                    pool_bytes / 1e9)
     torch.cuda.empty_cache()
     logger.info("the largest step reserves %.3f GB (its forward and sampler allocate %.3f and %.3f GB at their "
                 "peaks); %.3f GB are kept for steps", eager_bytes / 1e9, forward_bytes / 1e9, sampler_bytes / 1e9,
