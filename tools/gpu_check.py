@@ -19,8 +19,8 @@ check within one ten-minute command, these run on CI's CPU only: request parsing
 hostile requests, perf_analyzer, genai-perf).
 On a machine of several GPUs the sections are shared out, longest first, and the GPUs run their shares at once,
 each section in a process that sees its GPU alone; each section's `seconds` is about what it took on two H200s
-sharing them. One after another the four take about 680 s on one H200 (docs/gpu-check.md), more than one
-ten-minute command holds: on one GPU they run as two commands of two sections each (--only). A section that needs
+sharing them. One after another the four take about 930 s on one H200 (docs/gpu-check.md), more than one
+ten-minute command holds: on one GPU they run as two or three commands of a few sections each (--only). A section that needs
 two GPUs runs after the shares, seeing the first two.
 
     python3 tools/gpu_check.py [--runtime .gpu-runtime] [--out DIR] [--commit SHA] [--gpus N]
