@@ -186,9 +186,9 @@ class CUDAGraphForward(PaddedForward):
         self.graphs: dict[tuple[GraphBucket, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self.pool = torch.cuda.graph_pool_handle()
         # Every capture, and the eager run before it, on this one stream: PyTorch keeps a cuBLAS workspace for each
-        # stream cuBLAS has run on, for as long as the process lives (32 MiB on Hopper), and the KV cache's sizing
-        # counts none of them. A fresh stream for each eager run held one more each, up to the 32 streams PyTorch
-        # hands out in turn.
+        # stream cuBLAS has run on, for as long as the process lives (32 MiB on Hopper). The KV cache's sizing
+        # counts one, its trial capture's, which stays reserved beside this one. A fresh stream for each eager run
+        # held one more each, up to the 32 streams PyTorch hands out in turn.
         self.capture_stream = torch.cuda.Stream(device)
 
     def capture_largest(self) -> None:

@@ -141,17 +141,20 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     # the capture of the largest graph over a one-page cache of its own. Reservations, not allocations, because the
     # caching allocator keeps each block, rounded, for its stream or its pool. The eager steps reserve theirs; a
     # capture's eager run reserves its activations on the capture stream, and the capture keeps the graphs' pool,
-    # which no eager step can take. The count is their sum, the eager steps' and the capture's peak and the pool:
-    # serving peaks at the pool with one of the others (a capture releases the eager steps' blocks before its eager
-    # run), and the steps of many shapes that serving meets cache more blocks than the one profiled step. The
-    # runner's sampler and attention kernels load first, so that the free memory counts their modules.
+    # which no eager step can take. The count is the eager steps' reservation, plus the capture's peak (its eager
+    # run, or the pool it fills, whichever is larger), plus the pool: serving peaks at the pool with the eager
+    # blocks or a capture's eager run (a capture releases the eager blocks before its eager run), and the sum's
+    # margin holds what the steps of many shapes that serving meets cache beyond the one profiled step. Each part
+    # is read against the reservation before the profile, so the blocks the profile leaves allocated (the default
+    # stream's cuBLAS workspace) count in each. The runner's sampler and attention kernels load first, so that the
+    # free memory counts their modules.
     runner_cls.compile_kernels(config, model, device, dtype)
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
     step_bytes = eager_bytes = torch.cuda.memory_reserved(device) - reserved
     if model.replays_graphs() and not config.enforce_eager:
-        torch.cuda.empty_cache()  # as a capture does first, so that the peak from here is the capture's own
+        torch.cuda.empty_cache()  # as a capture does first: the peak from here is the capture's with what stays
         torch.cuda.reset_peak_memory_stats(device)
         graphs = CUDAGraphForward(model, torch.zeros(shape, dtype=cache_dtype, device=device), config, device,
                                   runner_cls.token_merge_for(config))
@@ -160,7 +163,7 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
         capture_bytes = torch.cuda.max_memory_reserved(device) - reserved - page_bytes
         pool_bytes = torch.cuda.memory_reserved(device) - reserved - page_bytes
         step_bytes = eager_bytes + capture_bytes + pool_bytes
-        del graphs  # its pool and cache go back to the device
+        del graphs  # its pool and cache go back to the device; its capture stream's cuBLAS workspace stays
         logger.info("a capture reserves %.3f GB at its peak, and the CUDA graphs keep %.3f GB", capture_bytes / 1e9,
                     pool_bytes / 1e9)
     torch.cuda.empty_cache()
