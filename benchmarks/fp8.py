@@ -25,12 +25,11 @@ streaming kernel (`linear_partials`) at the same shape: the row `choose_tiles` m
 best row of each case says whether that rule is still the fastest there. o_proj and down_proj run as split-K partials,
 qkv and gate_up as one product over cuts of one K slice, as the engine runs each.
 
-The casts section times the kernels that write a layer's rows, one launch at a time at 32 to 1024 rows: the
+The casts section times the kernels that write a layer's rows, one launch at a time at 32 and 1024 rows: the
 residual-add RMSNorm over the split-K partials the engine hands it (as many as `choose_tiles` splits o_proj and
 down_proj into; one bf16 product where cuBLASLt takes the rows), writing bf16 rows or casting them, at 4, 8 and 16
-warps a row (the engine's marked); the SiLU-and-mul, writing bf16 rows or casting them, the cast both ways (two
-launches, and a row a program over several cuts); and `quantize_rows` of the attention output. Each against the floor
-of the bytes it moves.
+warps a row (the engine's marked); the SiLU-and-mul, writing bf16 rows or casting them; and `quantize_rows` of the
+attention output. Each against the floor of the bytes it moves.
 
 Floors, per layer: weight streaming = the weights' bytes (2 a weight in bf16, 1 in fp8) over the HBM bandwidth (a
 large device copy, bytes read plus written); compute = 2·rows·N·K over the matmul rate measured for that dtype (a
@@ -53,9 +52,7 @@ import torch.nn.functional as F
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are defined
 
-from diffulex_kernels.activation import (  # noqa: E402
-    WHOLE_ROW_CHUNK, WHOLE_ROW_WARPS, WHOLE_ROWS_FROM, silu_and_mul, silu_and_mul_fp8,
-)
+from diffulex_kernels.activation import silu_and_mul, silu_and_mul_fp8  # noqa: E402
 from diffulex_kernels.fp8 import (  # noqa: E402
     FP8, Tiles, choose_tiles, fp8_matmul, fp8_matmul_partials, fp8_rows_partials, pipeline_bytes, quantize_rows,
     quantize_rows_reference, scaled_mm,
@@ -80,8 +77,6 @@ FIELDS = ["rows", "way", "us_per_layer", "speedup_vs_bf16", "floor_us", "vs_floo
 TILE_FIELDS = ["projection", "rows", "tiles", "us", "floor_us", "vs_floor", "weight_tb_per_s", "bf16_kernel_us",
                "bf16_kernel_vs_floor", "note"]
 CAST_FIELDS = ["rows", "kernel", "writes", "inputs", "num_warps", "us", "floor_us", "vs_floor", "note"]
-CAST_ROWS = (32, 128, 256, 512, 1024)  # one block to 32, across the SiLU-and-mul's change of way
-WHOLE_ROW_CUTS = ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))  # (chunk, warps) of a row a program
 TILE_ROWS = (32, 64)  # one block and two: a decode step's rows per request
 # The grid's cuts whose pipeline fits what an H100 gives a program (227 KB), less room for the epilogue.
 SHARED_MEMORY_BYTES = 180 * 1024
@@ -259,7 +254,7 @@ def casts_section(shapes, layer_fp8, bandwidth: float, device, smoke: bool, out:
         many = lambda: [fn() for _ in range(reps)]  # noqa: E731
         return 1e3 * (wall_ms(many, device) if smoke else graph_replay_ms(many, device, reps=5)) / reps
 
-    for rows in (4,) if smoke else CAST_ROWS:
+    for rows in (4,) if smoke else (32, 1024):
         residual = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
         weight = torch.rand(hidden, device=device).to(torch.bfloat16) + 0.5
         # What o_proj and down_proj hand the norm at these rows, as the engine takes their products: the Triton
@@ -284,21 +279,14 @@ def casts_section(shapes, layer_fp8, bandwidth: float, device, smoke: bool, out:
                               note="the engine's" if warps == engine else "")
         gate_up = torch.randn(rows, 2 * intermediate, device=device).to(torch.bfloat16)
         attention_out = torch.randn(rows, hidden, device=device).to(torch.bfloat16)
-        whole = rows >= WHOLE_ROWS_FROM  # the engine's way at these rows
-        silu_fp8 = rows * (5 * intermediate + 4)
-        cases = [("SiLU-and-mul", "bf16", "", lambda: silu_and_mul(gate_up), 6 * rows * intermediate, True),
-                 ("SiLU-and-mul, two launches", "fp8", 4, lambda: silu_and_mul_fp8(gate_up, whole_rows=False),
-                  silu_fp8, not whole)]
-        for chunk, warps in WHOLE_ROW_CUTS:
-            cases.append((f"SiLU-and-mul, a row a program in chunks of {chunk}", "fp8", warps,
-                          lambda chunk=chunk, warps=warps: silu_and_mul_fp8(gate_up, True, chunk, warps), silu_fp8,
-                          whole and (chunk, warps) == (WHOLE_ROW_CHUNK, WHOLE_ROW_WARPS)))
-        cases.append(("quantize_rows", "fp8", "", lambda: quantize_rows(attention_out), rows * (3 * hidden + 4), True))
-        for kernel, writes, warps, fn, moved, engine in cases:
+        for kernel, writes, fn, moved in (
+                ("SiLU-and-mul", "bf16", lambda: silu_and_mul(gate_up), 6 * rows * intermediate),
+                ("SiLU-and-mul", "fp8", lambda: silu_and_mul_fp8(gate_up), rows * (5 * intermediate + 4)),
+                ("quantize_rows", "fp8", lambda: quantize_rows(attention_out), rows * (3 * hidden + 4))):
             us = time_us(fn)
             floor_us = 1e6 * moved / bandwidth
-            table.add(rows=rows, kernel=kernel, writes=writes, inputs="bf16", num_warps=warps, us=us,
-                      floor_us=floor_us, vs_floor=us / floor_us, note="the engine's" if engine else "")
+            table.add(rows=rows, kernel=kernel, writes=writes, inputs="bf16", num_warps="", us=us, floor_us=floor_us,
+                      vs_floor=us / floor_us, note="the engine's")
     table.write(out, None)
 
 

@@ -3,18 +3,13 @@
 The SiLU is rounded to the activation dtype before the product, as the two separate torch ops round it, so the
 kernel reproduces the reference up to the last bit of the exponential.
 
-`silu_and_mul_fp8` writes the product as the input of an FP8 down projection (kernels/fp8.py). Its result is
-`quantize_rows(silu_and_mul(...))` bit for bit, whichever way it runs: a maximum does not depend on the order it is
-taken in.
-- At a decode step's few rows, in two launches that both spread a row over many programs: the first writes
-  silu(gate) * up in the activation dtype with the largest magnitude of each chunk of it, the second casts each
-  chunk to float8_e4m3fn with the row's scale, the largest of its chunks' over 448. A row a program would leave
-  most of the GPU idle there: at 32 rows of LLaDA-8B's width the two launches take half its time.
-- From WHOLE_ROWS_FROM rows, one program a row in one launch: it passes over the row's columns twice, first for
-  its largest magnitude, then to compute the product again and cast it. The second pass reads the row from L2,
-  where the first left it, so the device's memory sees gate_up once and no float row is written or read back: the
-  two launches move 10 bytes a column of 16-bit activations, this one 5.
-benchmarks/fp8.py's casts section times both ways at several row counts (docs/kernels.md).
+`silu_and_mul_fp8` writes the product as the input of an FP8 down projection (kernels/fp8.py), in two launches that
+both spread a row over many programs: the first writes silu(gate) * up in the activation dtype with the largest
+magnitude of each chunk of it, the second casts each chunk to float8_e4m3fn with the row's scale, the largest of its
+chunks' over 448. Its result is `quantize_rows(silu_and_mul(...))` bit for bit: a maximum does not depend on the
+order it is taken in. A row held whole by one program would make it one launch, but at a decode step's few rows
+that leaves most of the GPU idle: at 32 rows of LLaDA-8B's width the two launches take half its time
+(benchmarks/fp8.py's casts section; docs/kernels.md).
 """
 from __future__ import annotations
 
@@ -22,14 +17,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .fp8_cast import abs_max, cast_to_fp8_range, max_keeping_nan, nan_max, row_scale
+from .fp8_cast import abs_max, cast_to_fp8_range, nan_max, row_scale
 from .pdl import use_pdl, wait_for_previous_kernel
 
 BLOCK = 1024
-# Rows from which silu_and_mul_fp8 takes a row a program: about two programs a multiprocessor of an H100 (132).
-WHOLE_ROWS_FROM = 256
-WHOLE_ROW_CHUNK = 2048  # columns a program holds at once in each pass over its row
-WHOLE_ROW_WARPS = 8
 
 
 @triton.jit
@@ -97,48 +88,11 @@ def _cast_chunks_kernel(h_ptr, amax_ptr, q_ptr, scale_ptr, stride_h, stride_q, s
         tl.store(scale_ptr + row, scale)
 
 
-@triton.jit
-def _silu_and_mul_fp8_rows_kernel(x_ptr, q_ptr, scale_ptr, stride_x, stride_q, size, CHUNK: tl.constexpr,
-                                  USE_PDL: tl.constexpr):
-    """One row a program: silu(gate) * up in the activations' dtype, cast with the row's scale (module note)."""
-    wait_for_previous_kernel(USE_PDL)
-    row = tl.program_id(0).to(tl.int64)
-    dtype = x_ptr.dtype.element_ty
-    amax = tl.zeros([CHUNK], dtype=tl.float32)
-    for start in range(0, size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < size
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
-        amax = max_keeping_nan(amax, tl.abs(silu_times_up(gate, up, dtype).to(tl.float32)))
-    scale = row_scale(nan_max(amax, 0))
-    for start in range(0, size, CHUNK):
-        cols = start + tl.arange(0, CHUNK)
-        mask = cols < size
-        gate = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
-        up = tl.load(x_ptr + row * stride_x + size + cols, mask=mask, other=0.0).to(tl.float32)
-        h = silu_times_up(gate, up, dtype).to(tl.float32)
-        tl.store(q_ptr + row * stride_q + cols, cast_to_fp8_range(h, scale).to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(scale_ptr + row, scale)
-
-
-def silu_and_mul_fp8(gate_up: torch.Tensor, whole_rows: bool | None = None, chunk: int = WHOLE_ROW_CHUNK,
-                     num_warps: int = WHOLE_ROW_WARPS) -> tuple[torch.Tensor, torch.Tensor]:
-    """gate_up: [T, 2 * I] -> (q [T, I] float8_e4m3fn, scale [T] float32): silu(gate) * up cast per row.
-    whole_rows: a row a program in one launch (True) or rows spread over two launches (False); None takes a row a
-    program from WHOLE_ROWS_FROM rows. `chunk` and `num_warps` cut the one-launch way (benchmarks/fp8.py)."""
+def silu_and_mul_fp8(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: [T, 2 * I] -> (q [T, I] float8_e4m3fn, scale [T] float32): silu(gate) * up cast per row."""
     if gate_up.stride(-1) != 1:
         raise ValueError("silu_and_mul_fp8: the feature dimension must be contiguous")
     num_tokens, size = gate_up.shape[0], gate_up.shape[1] // 2
-    if whole_rows if whole_rows is not None else num_tokens >= WHOLE_ROWS_FROM:
-        q = torch.empty(num_tokens, size, dtype=torch.float8_e4m3fn, device=gate_up.device)
-        scale = torch.empty(num_tokens, dtype=torch.float32, device=gate_up.device)
-        if num_tokens:
-            pdl = use_pdl(gate_up)
-            _silu_and_mul_fp8_rows_kernel[(num_tokens,)](
-                gate_up, q, scale, gate_up.stride(0), q.stride(0), size, CHUNK=chunk, USE_PDL=pdl,
-                launch_pdl=pdl, num_warps=num_warps)
-        return q, scale
     h = torch.empty(num_tokens, size, dtype=gate_up.dtype, device=gate_up.device)
     chunk_amax = torch.empty(num_tokens, triton.cdiv(size, BLOCK), dtype=torch.float32, device=gate_up.device)
     _launch(gate_up, h, chunk_amax)

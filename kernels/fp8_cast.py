@@ -25,15 +25,14 @@ _MIN_SCALE = tl.constexpr(MIN_SCALE)
 
 
 @triton.jit
-def max_keeping_nan(a, b):
-    """The elementwise maximum of a and b; NaN where either is NaN."""
+def _max_keeping_nan(a, b):
     return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
 
 
 @triton.jit
 def nan_max(x, axis):
     """The largest value of x along `axis`; NaN where a NaN is among them."""
-    return tl.reduce(x, axis, max_keeping_nan)
+    return tl.reduce(x, axis, _max_keeping_nan)
 
 
 @triton.jit

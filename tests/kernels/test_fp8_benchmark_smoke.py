@@ -54,12 +54,8 @@ def test_smoke_run_times_the_row_writing_kernels_and_marks_the_engines_launch(tm
         (writes, warps) for writes in ("bf16", "fp8") for warps in ("16", "4", "8")]
     for writes in ("bf16", "fp8"):
         assert sum(r["note"] == "the engine's" for r in norms if r["writes"] == writes) == 1
-    others = [(r["kernel"], r["writes"], r["note"]) for r in rows if r not in norms]
-    # At 4 rows the engine's SiLU-and-mul cast is the two launches; each cut of a row a program is timed beside it.
-    assert others == [("SiLU-and-mul", "bf16", "the engine's"), ("SiLU-and-mul, two launches", "fp8", "the engine's"),
-                      *((f"SiLU-and-mul, a row a program in chunks of {chunk}", "fp8", "") for chunk, _ in
-                        ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16))),
-                      ("quantize_rows", "fp8", "the engine's")]
+    others = [(r["kernel"], r["writes"]) for r in rows if r not in norms]
+    assert others == [("SiLU-and-mul", "bf16"), ("SiLU-and-mul", "fp8"), ("quantize_rows", "fp8")]
     for row in rows:
         assert float(row["us"]) > 0
         assert float(row["vs_floor"]) == pytest.approx(float(row["us"]) / float(row["floor_us"]), rel=2e-3,

@@ -507,15 +507,14 @@ def test_norms_with_fp8_rows_give_the_cast_of_their_float_rows_bit_for_bit(dtype
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
 
-@pytest.mark.parametrize("whole_rows", [False, True], ids=["two launches", "a row a program"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
 @pytest.mark.parametrize("shape", [(32, 12288), (1024, 18944)] if FULL_SHAPES else [(5, 80), (6, 2500)], ids=str)
-def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype, shape, whole_rows):
-    """A row spread over chunks of 1024 columns, or passed over twice by one program in chunks of 2048, the last
-    one ragged, gets the scale of its largest value wherever that lies."""
+def test_silu_and_mul_with_fp8_rows_gives_the_cast_of_its_float_rows_bit_for_bit(dtype, shape):
+    """A row spread over chunks of 1024 columns, the last one ragged, gets the scale of its largest value wherever
+    that lies."""
     tokens, inter = shape
     gate_up = randn(tokens, 2 * inter, dtype=dtype, gen=generator(8))
-    q, scale = silu_and_mul_fp8(gate_up, whole_rows=whole_rows)
+    q, scale = silu_and_mul_fp8(gate_up)
     want_q, want_scale = quantize_rows(silu_and_mul(gate_up))
     assert torch.equal(scale, want_scale) and torch.equal(q.view(torch.uint8), want_q.view(torch.uint8))
 
@@ -576,8 +575,8 @@ def assert_cast_like_torch(q: torch.Tensor, scale: torch.Tensor, rows: torch.Ten
 NON_FINITE_ROWS = {1: float("nan"), 2: float("inf"), 3: float("-inf")}  # row -> a value one of its columns holds
 
 
-@pytest.mark.parametrize("writer", ["quantize_rows", "silu_and_mul_fp8", "silu_and_mul_fp8 a row a program",
-                                    "fp8_silu_and_mul", "rmsnorm_fp8", "fused_add_rmsnorm_fp8"])
+@pytest.mark.parametrize("writer", ["quantize_rows", "silu_and_mul_fp8", "fp8_silu_and_mul", "rmsnorm_fp8",
+                                    "fused_add_rmsnorm_fp8"])
 def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
     """A NaN or an infinity in a row is not dropped: the row's scale and values come out as torch's cast gives
     them (a NaN row stays NaN, an infinite magnitude makes an infinite scale), never finite values at full
@@ -586,7 +585,7 @@ def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
     (test_fp8_cast_ir.py checks those on the CPU). The other rows are untouched by their neighbours'."""
     tokens, width = (32, 4096) if FULL_SHAPES else (5, 2500)  # more than two 1024-column chunks of the SiLU
     gen = generator(9)
-    silu = writer.startswith("silu_and_mul_fp8")
+    silu = writer == "silu_and_mul_fp8"
     x = randn(tokens, 2 * width if silu else width, dtype=torch.bfloat16, gen=gen)
     for row, value in NON_FINITE_ROWS.items():
         x[row, x.shape[1] - 3] = value  # in the last chunk (of the SiLU's up half)
@@ -603,7 +602,7 @@ def test_a_row_holding_nan_or_infinity_casts_to_fp8_as_torch_casts_it(writer):
         q, scale = fp8_silu_and_mul(x_q, x_scale, w_q, w_scale, torch.bfloat16)
         rows = silu_and_mul(fp8_rows_linear(x_q, x_scale, w_q, w_scale, None, torch.bfloat16))
     elif silu:
-        q, scale = silu_and_mul_fp8(x, whole_rows=writer.endswith("a row a program"))
+        q, scale = silu_and_mul_fp8(x)
         rows = silu_and_mul(x)
     elif writer == "rmsnorm_fp8":
         q, scale = rmsnorm_fp8(x, weight, 1e-6)
