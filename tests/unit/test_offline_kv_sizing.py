@@ -14,27 +14,17 @@ import gc
 import pytest
 import torch
 
+from families import MODELS, model_settings, write_adapter, write_checkpoint
+
 from diffulex_backend import Diffulex, SamplingParams
 from diffulex_backend.cuda_graph import CUDAGraphForward
-from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
-from diffulex_backend.testing.diffusion_gemma_checkpoint import write_random_diffusion_gemma_checkpoint
+from diffulex_backend.testing.checkpoint import write_random_checkpoint
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="gpu_memory_utilization sizes a GPU's pool only")
 
 ROOM = 3e9  # bytes of KV cache and step memory the test gives the engine beyond what the device holds now
-# The families' shape: head size 64, which the Triton kernels take, so that their fused forward and graphs run.
-SHAPE = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256)
-# family -> (engine settings, sampling settings): each family with the strategy whose step it runs.
-FAMILIES = {
-    "dream_d2f": ("dream", {"decoding_strategy": "d2f"}, {}),
-    "llada2_dmax": ("llada2", {"decoding_strategy": "dmax", "model_name": "llada2_mini"}, {}),
-    "sdar_moe_multi_bd": ("sdar_moe", {}, {}),
-    "fast_dllm_v2": ("fast_dllm_v2", {"decoding_strategy": "fast_dllm_v2", "block_size": 8, "sub_block_size": 4,
-                                      "buffer_size": 1, "accept_threshold": 0.3}, {}),
-    "diffusion_gemma": ("diffusion_gemma", {"model_name": "diffusion_gemma", "decoding_strategy": "diffusion_gemma",
-                                            "block_size": 8, "buffer_size": 1}, {"temperature": 0}),
-    "llada_lora": ("llada", {"lora_modules": "math={adapter}"}, {"lora_name": "math"}),
-}
+# Each family whose step or graph allocates differently, with the strategy whose step it runs (families.MODELS).
+FAMILIES = ("dream_d2f", "llada2_dmax", "sdar_moe_multi_bd", "fast_dllm_v2", "diffusion_gemma", "llada_lora")
 
 
 def device_used(device: torch.device) -> int:
@@ -87,24 +77,18 @@ def test_the_engine_holds_no_more_than_gpu_memory_utilization_allows_at_its_peak
         prompts, SamplingParams(max_tokens=96, ignore_eos=True, seed=1))
 
 
-@pytest.mark.parametrize("name", list(FAMILIES))
+@pytest.mark.parametrize("name", FAMILIES)
 def test_every_family_sizes_its_pool_within_gpu_memory_utilization(tmp_path, name):
-    family, settings, sampling = FAMILIES[name]
-    if family == "diffusion_gemma":
-        checkpoint = write_random_diffusion_gemma_checkpoint(tmp_path / family, seed=1, global_head_dim=128,
-                                                             **SHAPE)
-    else:
-        checkpoint = write_random_checkpoint(tmp_path / family, family, **SHAPE)
-    if "lora_modules" in settings:
-        adapter = write_peft_adapter(tmp_path / "adapter", checkpoint, ["q_proj", "k_proj", "v_proj", "attn_out",
-                                                                        "ff_proj", "up_proj", "ff_out"], rank=4, seed=1)
-        settings = {**settings, "lora_modules": settings["lora_modules"].format(adapter=adapter)}
-    # A byte vocabulary: prompts of 60 to 340 tokens, a third of them beyond one CUDA graph bucket's rows.
+    family, _, request = MODELS[name]
+    checkpoint = write_checkpoint(tmp_path / family, family)
+    adapter = write_adapter(tmp_path / "adapter", checkpoint) if "lora_modules" in MODELS[name][1] else None
+    settings = model_settings(name, adapter)
+    # Within the byte vocabulary: 8 prompts of 60 to 340 tokens.
     prompts = [[(37 * i + n) % 250 + 3 for i in range(60 + 40 * n)] for n in range(8)]
     llm = assert_within_share(
         lambda utilization: Diffulex(str(checkpoint), device="cuda", dtype="bfloat16",
                                      gpu_memory_utilization=utilization, max_num_reqs=8, max_model_len=512,
                                      **settings),
-        prompts, SamplingParams(max_tokens=24, ignore_eos=True, seed=1, **sampling))
+        prompts, SamplingParams(max_tokens=24, ignore_eos=True, seed=1, **request))
     assert isinstance(llm.runner.padded_forward, CUDAGraphForward), (
         f"{name}'s forward replays no CUDA graph, so its capture was not sized")
