@@ -83,11 +83,12 @@ def quantize_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def quantize_rows_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """quantize_rows in torch."""
     x = x.float()
-    # A tensor divisor: torch on CUDA multiplies by the reciprocal of a scalar one, which is not the division the
+    # Tensor divisors: torch on CUDA multiplies by the reciprocal of a scalar one, which is not the division the
     # kernel (and torch on the CPU) rounds.
     amax = x.abs().amax(-1)
     scale = (amax / torch.full_like(amax, FP8_MAX)).clamp_min(MIN_SCALE)
-    return (x / scale[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
+    inverse = torch.ones_like(scale) / scale
+    return (x * inverse[:, None]).clamp(-FP8_MAX, FP8_MAX).to(FP8), scale
 
 
 class Tiles(NamedTuple):

@@ -3,9 +3,11 @@
 too, and makes its scales its own way (kv_store.py).
 
 A row's scale is its largest magnitude over 448 (the largest finite e4m3 value), never below float32's smallest
-normal, so that an all-zero row divides by something; each value is divided by the scale and clamped to ±448.
-The divisions round to nearest, as torch divides, so that a kernel's scale and fp8 values equal the torch
-reference's bit for bit.
+normal, so that an all-zero row has a finite reciprocal; each value is multiplied by the scale's reciprocal and
+clamped to ±448. The scale and its reciprocal are divisions that round to nearest, as torch divides two tensors, and
+a multiply rounds the same everywhere, so that a kernel's scale and fp8 values equal the torch reference's bit for
+bit. One division a row and a multiply a value: a division a value took a cast norm's program about as long again
+as its sums (docs/kernels.md, "FP8 products").
 
 NaN goes through as torch lets it through: a row holding a NaN gets a NaN scale and NaN values, and an infinite
 magnitude an infinite scale. Triton's maximum, minimum and max reduction drop a NaN on a GPU by default, which
@@ -49,6 +51,7 @@ def row_scale(amax):
 
 @triton.jit
 def cast_to_fp8_range(x, scale):
-    """x (float32) over its scale, clamped to ±448, in float32: its fp8 value once converted."""
-    q = tl.maximum(tl.math.div_rn(x, scale), -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
+    """x (float32) times its scale's reciprocal, clamped to ±448, in float32: its fp8 value once converted. `scale`
+    is a row's (or broadcasts over x), so the reciprocal is one division a row."""
+    q = tl.maximum(x * tl.math.div_rn(1.0, scale), -_FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     return tl.minimum(q, _FP8_MAX, propagate_nan=tl.PropagateNan.ALL)

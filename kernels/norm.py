@@ -84,12 +84,12 @@ FEW_ROWS = 128
 
 
 def norm_warps(hidden_size: int, fp8_out: bool, num_rows: int) -> int:
-    """Warps a row. Casting the row costs a second reduction (its largest magnitude) and a rounded division per
-    value: at few rows the cast norm takes twice the float norm's warps, which shorten each program where the float
-    norm gains nothing, and at many rows cost a little more than they save (benchmarks/fp8.py's casts section;
-    docs/kernels.md)."""
+    """Warps a row. Casting the row costs a second reduction (its largest magnitude) and a multiply per value: at
+    few rows the cast norm takes twice the float norm's warps, which shorten each program where the float norm gains
+    nothing, and at many rows half of them, which let more programs share a multiprocessor (benchmarks/fp8.py's
+    casts section; docs/kernels.md)."""
     block = triton.next_power_of_2(hidden_size)
-    per_warp = 256 if fp8_out and num_rows < FEW_ROWS else 512
+    per_warp = (256 if num_rows < FEW_ROWS else 1024) if fp8_out else 512
     return min(16, max(4, block // per_warp))
 
 

@@ -219,9 +219,9 @@ def test_quantize_rows_gives_the_reference_scale_per_token(shape):
         assert torch.equal(q.float(), want_q.float())
     else:
         # Where rounding carries into the next power of two the interpreter's cast is wrong, and it rounds ties
-        # away from zero rather than to even (module note): elsewhere each value is x / scale rounded to e4m3,
+        # away from zero rather than to even (module note): elsewhere each value is x times 1 / scale rounded to e4m3,
         # within half a unit in its last place (2^-4 relative, 2^-10 among the subnormals).
-        exact = x.float() / want_scale[:, None]
+        exact = x.float() * (1 / want_scale[:, None])
         carry = torch.frexp(want_q.float())[1] != torch.frexp(exact)[1]
         assert carry.float().mean() < 0.05  # the comparison still covers nearly every element
         error = (q.float() - exact).abs()[~carry]
