@@ -146,9 +146,8 @@ def num_kv_pages(config: Config, model, device: torch.device, dtype: torch.dtype
     # blocks or a capture's eager run (a capture releases the eager blocks before its eager run), and the sum's
     # margin holds what the steps of many shapes that serving meets cache beyond the one profiled step. Each part
     # is read against the reservation before the profile, so the blocks the profile leaves allocated (the default
-    # stream's cuBLAS workspace) count in each. The runner's sampler and attention kernels load first, so that the
-    # free memory counts their modules.
-    runner_cls.compile_kernels(config, model, device, dtype)
+    # stream's cuBLAS workspace) count in each. The runner's sampler and attention kernels are loaded before this
+    # (build_runner), so the free memory counts their modules.
     torch.cuda.empty_cache()
     reserved = torch.cuda.memory_reserved(device)
     forward_bytes, sampler_bytes = profile_peak_memory(model, config, device, runner_cls)
@@ -208,6 +207,8 @@ def build_runner(config: Config, model, device: torch.device, dtype: torch.dtype
     """This rank's runner for the resolved `config`, over the KV pages every rank has room for (the fewest any
     rank reports over `channel`, under tensor parallelism). Returns (runner, num_pages)."""
     strategy = STRATEGIES.get(config.decoding_strategy)
+    # Before the sizing, whose free memory then counts the loaded modules; once, as no kernel needs it again.
+    strategy.runner_cls.compile_kernels(config, model, device, dtype)
     pages = num_kv_pages(config, model, device, dtype, strategy.runner_cls)
     if channel is not None:  # every rank's cache holds the same pages
         pages = channel.minimum(pages)

@@ -227,13 +227,13 @@ class ModelRunner:
         self.token_merge = self.token_merge_for(config)
         if model.replays_graphs() and not config.enforce_eager and self.kv_cache is not None:
             self.padded_forward = CUDAGraphForward(model, self.kv_cache, config, device, self.token_merge)
-        self.compile_kernels(config, model, device, dtype)
 
     @classmethod
     def compile_kernels(cls, config: Config, model, device: torch.device, dtype: torch.dtype) -> None:
         """Compiles every sampler and attention launch the steps can take, and loads it onto the device, so that
-        none compiles while requests wait; the KV cache's sizing runs this first (model_setup.num_kv_pages), which
-        counts the memory the loaded kernels take. The graphs' forward compiles as the warm-up captures it."""
+        none compiles while requests wait. model_setup.build_runner runs it once, before the KV cache's sizing,
+        which then counts the memory the loaded kernels take. The graphs' forward compiles as the warm-up captures
+        it."""
         if model.fused_kernels:
             from diffulex_kernels.sampling import compile_launches as compile_sampler
 
