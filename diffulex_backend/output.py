@@ -29,6 +29,7 @@ class RequestDelta:
     logprobs: np.ndarray | None = None  # [n] float32
     top_ids: np.ndarray | None = None  # [n, k] int64
     top_logprobs: np.ndarray | None = None  # [n, k] float32
+    error: str | None = None  # with finish_reason ERROR: why the request could not be decoded
 
     def cut(self, keep: int) -> RequestDelta:
         """The delta's first `keep` tokens, ending the request with STOP (a stop string matched in them); the
@@ -58,6 +59,7 @@ class StepOutput:
     logprobs: np.ndarray | None = None  # [n] float32
     top_ids: np.ndarray | None = None  # [n, k] int64, most likely first
     top_logprobs: np.ndarray | None = None  # [n, k] float32
+    error: str | None = None  # with finish_reason ERROR: why the request could not be decoded
 
     @classmethod
     def of(cls, delta: RequestDelta, text: str) -> StepOutput:
@@ -65,7 +67,8 @@ class StepOutput:
         return cls(request_id=delta.request_id, token_ids=delta.token_ids, text=text,
                    finished=delta.finish_reason is not None, finish_reason=delta.finish_reason,
                    num_prompt_tokens=delta.num_prompt_tokens, num_output_tokens=delta.num_output_tokens,
-                   nfe=delta.nfe, logprobs=delta.logprobs, top_ids=delta.top_ids, top_logprobs=delta.top_logprobs)
+                   nfe=delta.nfe, logprobs=delta.logprobs, top_ids=delta.top_ids, top_logprobs=delta.top_logprobs,
+                   error=delta.error)
 
 
 @dataclass
@@ -81,10 +84,12 @@ class RequestOutput:
     finish_time: float | None = None
     logprobs: list[float] | None = None  # per token of token_ids, when the request asked for them
     top_logprobs: list[dict[int, float]] | None = None  # per token: the k most likely tokens, most likely first
+    error: str | None = None  # with finish_reason ERROR: why the request could not be decoded
 
     def add(self, delta: StepOutput) -> None:
         self.token_ids += delta.token_ids
         self.text += delta.text
+        self.error = delta.error
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs.tolist()
         if delta.top_ids is not None:

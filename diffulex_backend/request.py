@@ -31,6 +31,7 @@ class FinishReason(enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the request could not be decoded (its logits were not finite); the delta's error says why
 
 
 class Request:

@@ -11,7 +11,7 @@ On CUDA with the Triton kernels (`model.fused_kernels`):
     runs it: they depend on the plans only, not on the forward's result;
   * the fused sampler scores rows without top-k/top-p in one pass over the logits, and the acceptance rule is
     one launch (diffulex_kernels.accept_tokens) where its torch form is some forty;
-  * the step's one device-to-host sync fetches the accepted tokens.
+  * the step's one device-to-host sync fetches the accepted tokens, with a flag per row whose logits are not finite.
 The next step's scheduling needs those tokens (acceptance decides what the plans feed), so it cannot start
 before the sync.
 """
@@ -67,6 +67,9 @@ class StepResult:
     flops: float  # model FLOPs of the forward
     predictions: Predictions | None = None  # aligned with `tokens`; None unless the runner's strategy wants them
     logprobs: TokenLogprobs | None = None  # None unless a request of the step asks for them
+    # Requests with a predicted row whose logits held NaN or infinities this step, in row order: their tokens are
+    # noise, so the scheduler ends them with an error instead of applying the step to them.
+    non_finite_logits: tuple[str, ...] = ()
     # Page retention: request id -> (indices of its prompt pages to keep, how many prompt pages it has).
     retained_pages: dict[str, tuple[np.ndarray, int]] = dataclasses.field(default_factory=dict)
 
@@ -189,6 +192,24 @@ def token_logprobs(logits: torch.Tensor, result: SampleResult, rows: torch.Tenso
     return [chosen, ids, (values.to(work) - lse[:, None]).to(torch.float32)]
 
 
+def finite_flags(result: SampleResult) -> torch.Tensor:  # [A] int64
+    """0 for each row whose logits hold NaN or +inf (its logsumexp is then NaN or +inf) or are -inf throughout
+    (nothing could be sampled), else 1; int64, so that it rides in read_back as it is. Read from the sampler's
+    logsumexp, which every sampling path computes (the fused kernel, the reference, the ranks' shares), so every
+    path flags the same rows."""
+    return result.logsumexp.isfinite().to(torch.int64)
+
+
+def requests_of_rows(rows: np.ndarray, blocks: list[tuple[SeqPlan, LogitBlock, int]]) -> tuple[str, ...]:
+    """The ids of the requests whose predicted blocks (each with its offset into the step's rows) hold `rows`
+    ([R], ascending), once each, in row order."""
+    if not rows.size:
+        return ()
+    starts = np.array([at for _, _, at in blocks])
+    owners = np.searchsorted(starts, rows, side="right") - 1
+    return tuple(dict.fromkeys(blocks[i][0].request_id for i in owners.tolist()))
+
+
 def read_back(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """The tensors on the host, in one device-to-host copy: int64 tensors as they are and float tensors as their
     float32 bits, in one int64 buffer. Float tensors come back as float32."""
@@ -274,8 +295,8 @@ class ModelRunner:
             hidden = self.forward(batch, lora_batch(plans))  # queued on the device; the host goes on below
         self._save_carry(plans, hidden)
         blocks = [(p, b) for p in plans for b in p.blocks]
-        no_tokens = (torch.zeros(0, dtype=torch.int64), None, None)
-        tokens, predictions, logprobs = self._predict(plans, blocks, hidden) if blocks else no_tokens
+        no_tokens = (torch.zeros(0, dtype=torch.int64), np.zeros(0, dtype=np.int64), None, None)
+        tokens, non_finite_rows, predictions, logprobs = self._predict(plans, blocks, hidden) if blocks else no_tokens
         offsets, at = [], 0
         for plan, block in blocks:
             offsets.append((plan, block, at))
@@ -284,7 +305,8 @@ class ModelRunner:
         retained = self.choose_retained_pages(measuring) if measuring else {}
         flops = self.forward_flops(plans) + self.forward_flops(measuring)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens, flops=flops,
-                          predictions=predictions, logprobs=logprobs, retained_pages=retained)
+                          predictions=predictions, logprobs=logprobs, retained_pages=retained,
+                          non_finite_logits=requests_of_rows(non_finite_rows, offsets))
 
     @staticmethod
     def profile_sampler(model, hidden: torch.Tensor) -> None:
@@ -382,9 +404,10 @@ class ModelRunner:
             row += p.num_tokens
 
     def _predict(self, plans: list[SeqPlan], blocks: list[tuple[SeqPlan, LogitBlock]],
-                 hidden: torch.Tensor) -> tuple[torch.Tensor, Predictions | None, TokenLogprobs | None]:
-        """Sample every predicted position, then apply the acceptance rule; returns host tokens (and predictions
-        where the strategy asks for them, and log-probabilities where a request does)."""
+                 hidden: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, Predictions | None, TokenLogprobs | None]:
+        """Sample every predicted position, then apply the acceptance rule; returns host tokens, the rows whose
+        logits are not finite (ascending), and predictions where the strategy asks for them and log-probabilities
+        where a request does."""
         # Host side first: none of it waits for the forward. Values are gathered per block (segment), then
         # repeated per predicted position in one call per dtype.
         logit_rows, carry = self.logit_rows(plans)
@@ -457,13 +480,13 @@ class ModelRunner:
         )
         with step_range("accept", self.device):
             tokens, top = self.accept(batch, logits, blocks)
-        wanted = [tokens]
+        wanted = [tokens, finite_flags(result)]
         if top is not None:
             wanted += [top[0], top[1]]
         if logprob_rows is not None:
             wanted += token_logprobs(logits, result, logprob_rows, top_n)
         host = read_back(wanted)  # the step's one device-to-host sync
-        predictions = Predictions(host[1], host[2]) if top is not None else None
+        predictions = Predictions(host[2], host[3]) if top is not None else None
         logprobs = None
         if logprob_rows is not None:
             rows = host_logprob_rows.numpy()
@@ -471,7 +494,7 @@ class ModelRunner:
             logprobs = TokenLogprobs(np.zeros(len(tokens), np.float32), np.zeros((len(tokens), top_n), np.int64),
                                      np.zeros((len(tokens), top_n), np.float32))
             logprobs.chosen[rows], logprobs.top_ids[rows], logprobs.top_logprobs[rows] = chosen, top_ids, top_logprobs
-        return host[0], predictions, logprobs
+        return host[0], np.flatnonzero(host[1].numpy() == 0), predictions, logprobs
 
     def samples_over_shards(self, blocks: list[tuple[SeqPlan, LogitBlock]], exact_rows: bool = False) -> bool:
         """Under tensor parallelism, a step whose rows are all greedy samples from each rank's share of the logits:

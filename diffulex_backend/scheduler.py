@@ -102,18 +102,23 @@ class Scheduler:
     # ---- after the forward --------------------------------------------------------------------------------
     def update_from_output(self, sched: SchedulerOutput, result: "StepResult") -> list[RequestDelta]:
         """Apply a forward's result to the requests of its plan: their cache bookkeeping, the tokens it decided,
-        and the blocks that became final. Returns a delta per request that committed tokens, in plan order; the
-        requests whose delta finishes them are finished here."""
+        and the blocks that became final. Returns a delta per request that committed tokens, in plan order, after
+        an error delta per request whose logits were not finite; the requests whose delta finishes them are finished
+        here."""
         running = {req.request_id: req for req in self.running}
-        reqs = [running[plan.request_id] for plan in sched.plans]
-        for plan, req in zip(sched.plans, reqs):
+        # A request whose logits were not finite ends before anything of its step is applied: its tokens are noise,
+        # and its pages go back to the pool without being offered to the prefix cache.
+        deltas = [self._fail_non_finite(running.pop(request_id)) for request_id in result.non_finite_logits]
+        plans = [plan for plan in sched.plans if plan.request_id in running]
+        reqs = [running[plan.request_id] for plan in plans]
+        for plan, req in zip(plans, reqs):
             req.after_forward(plan)
             self.kv_cache.register_prefix(req)
         for request_id, (kept, num_context_pages) in result.retained_pages.items():
-            self.kv_cache.keep_pages(running[request_id], kept, num_context_pages)
+            if request_id in running:
+                self.kv_cache.keep_pages(running[request_id], kept, num_context_pages)
         self._write_tokens(running, result)
-        deltas = []
-        for plan, req in zip(sched.plans, reqs):
+        for plan, req in zip(plans, reqs):
             if not plan.blocks:
                 continue
             old_end = req.committed_end
@@ -126,7 +131,9 @@ class Scheduler:
         log-probability records keep of the step's predictions."""
         tokens = result.tokens.numpy()
         for plan, block, at in result.blocks:
-            req, new = running[plan.request_id], tokens[at:at + block.end - block.start]
+            req, new = running.get(plan.request_id), tokens[at:at + block.end - block.start]
+            if req is None:  # ended by this step: its logits were not finite
+                continue
             record = self.logprob_records.get(plan.request_id)
             if record is not None:
                 record.update(block.start - req.gen_start, req.tokens[block.start:block.end], new,
@@ -160,6 +167,13 @@ class Scheduler:
                             num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
                             nfe=req.nfe, **logprobs)
 
+    def _fail_non_finite(self, req: Request) -> RequestDelta:
+        """End a request whose logits were not finite this step, with an error delta that says so."""
+        self.finish(req, FinishReason.ERROR)
+        return RequestDelta(request_id=req.request_id, token_ids=[], finish_reason=FinishReason.ERROR,
+                            num_prompt_tokens=req.num_prompt_tokens, num_output_tokens=req.num_output_tokens,
+                            nfe=req.nfe, error=non_finite_message(req.params.lora_name))
+
     def stop_at(self, req: Request, delta: RequestDelta, keep: int) -> RequestDelta:
         """A stop string ends the request after the first `keep` tokens of its delta (the text side matches stop
         strings): the rest of the delta is not output. Returns the delta cut there."""
@@ -181,3 +195,11 @@ class Scheduler:
         self.logprob_records.pop(req.request_id, None)
         self.released.append(req.request_id)
         req.status, req.finish_reason, req.finish_time = RequestStatus.FINISHED, reason, time.monotonic()
+
+
+def non_finite_message(lora_name: str | None) -> str:
+    """Why a request whose logits held NaN or infinities ends: the values of its adapter, or of the model itself,
+    overflow somewhere in its forward."""
+    adapter = "" if lora_name is None else f" under adapter {lora_name!r}"
+    return (f"decoding failed: the model's logits for this request hold NaN or infinite values{adapter}, so its "
+            "tokens would be noise")

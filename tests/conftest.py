@@ -6,11 +6,11 @@ the engine parameters pointed at the checkpoint. `diffulex` (small blocks, so sh
 blocks) is loaded at start. `diffulex_readme` (the shipped settings), `diffulex_llada2` (a tiny MoE model,
 picked by model_name), `diffulex_fast_dllm_v2` (Fast-dLLM v2's family and strategy), `diffulex_diffucoder`, `diffulex_dream_reasoner` and
 `diffulex_stable_diffcoder` (families picked by model_name, or detected, each with its own default strategy),
-`diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (a LoRA
-adapter chosen per request), `diffulex_dmax` (DMax's soft parallel decoding), `diffulex_tensor_parallel` (one
-engine over two ranks), `diffulex_data_parallel` (two instances, so two engines, on two GPUs where there are),
-`diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses), `diffulex_corrupt_*` (weights or
-an adapter that are not finite), `diffulex_host_inputs` and
+`diffulex_unknown_key` (a config.json key no family lists), `diffulex_lora` (LoRA adapters chosen per
+request, one of which overflows every forward it takes part in), `diffulex_dmax` (DMax's soft parallel decoding),
+`diffulex_tensor_parallel` (one engine over two ranks), `diffulex_data_parallel` (two instances, so two engines,
+on two GPUs where there are), `diffulex_bad_path`, `diffulex_bad_*` (a setting of each class the load refuses),
+`diffulex_corrupt_*` (weights or an adapter that are not finite), `diffulex_host_inputs` and
 `diffulex_device_inputs` (the Python backend's FORCE_CPU_ONLY_INPUT_TENSORS, taken and refused), `diffulex_failing`
 (an engine that fails at every step) and `diffulex_dying_*` (a thread of the engine loop that ends;
 tests/server/dying_thread_model.py) are loaded by the tests that need them, which is why the
@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest  # noqa: E402
+from families import write_adapter, write_overflowing_adapter  # noqa: E402
 from triton_server import (  # noqa: E402
     BAD_SETTINGS, DATA_PARALLEL_SETTINGS, FAST_DLLM_V2_SETTINGS, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TEST_SETTINGS,
     TritonServer, TENSOR_PARALLEL_SETTINGS, add_model, data_parallel_group)
@@ -77,8 +78,15 @@ def unknown_key_checkpoint(tmp_path_factory, checkpoint) -> Path:
 @pytest.fixture(scope="session")
 def math_adapter(tmp_path_factory, checkpoint) -> Path:
     """A PEFT LoRA adapter of the session checkpoint, on every attention and MLP projection."""
-    return write_peft_adapter(tmp_path_factory.mktemp("adapters") / "math", checkpoint,
-                              ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"], rank=4, seed=1)
+    return write_adapter(tmp_path_factory.mktemp("adapters") / "math", checkpoint)
+
+
+@pytest.fixture(scope="session")
+def served_lora_modules(tmp_path_factory, checkpoint, math_adapter) -> str:
+    """The adapters `diffulex_lora` registers: 'math', and 'huge', which the model loads and whose requests' logits
+    overflow to NaN."""
+    huge = write_overflowing_adapter(tmp_path_factory.mktemp("adapters") / "huge", checkpoint)
+    return f"math={math_adapter},huge={huge}"
 
 
 # Weights no family can load, each with the words its refusal must hold: model name -> (settings, words).
@@ -145,7 +153,7 @@ def engine(checkpoint) -> Diffulex:
 
 @pytest.fixture(scope="session")
 def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpoint, coder_and_reasoner_checkpoints,
-           unknown_key_checkpoint, math_adapter, missing_checkpoint, corrupt_models):
+           unknown_key_checkpoint, served_lora_modules, missing_checkpoint, corrupt_models):
     repository = tmp_path_factory.mktemp("model_repository")
     add_model(repository, "diffulex", model=checkpoint, **TEST_SETTINGS)
     add_model(repository, "diffulex_readme", model=checkpoint)
@@ -157,7 +165,7 @@ def server(tmp_path_factory, checkpoint, llada2_checkpoint, fast_dllm_v2_checkpo
         add_model(repository, f"diffulex_{name}", model=path, decoding_strategy="",
                   **({} if name == "stable_diffcoder" else {"model_name": name}), **TEST_SETTINGS)
     add_model(repository, "diffulex_unknown_key", model=unknown_key_checkpoint, **TEST_SETTINGS)
-    add_model(repository, "diffulex_lora", model=checkpoint, lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
+    add_model(repository, "diffulex_lora", model=checkpoint, lora_modules=served_lora_modules, **TEST_SETTINGS)
     add_model(repository, "diffulex_dmax", model=checkpoint, decoding_strategy="dmax", **TEST_SETTINGS)
     add_model(repository, "diffulex_data_parallel", model=checkpoint,
               instance_group=data_parallel_group(torch.cuda.device_count())[0], **DATA_PARALLEL_SETTINGS)

@@ -3,11 +3,17 @@ head size 64 (the Triton kernels' smallest, so that on a GPU the fused forward a
 engine settings and request parameters each model is served with."""
 from pathlib import Path
 
+import torch
+from safetensors.torch import load_file, save_file
+
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
 from diffulex_backend.testing.diffusion_gemma_checkpoint import write_random_diffusion_gemma_checkpoint
 
 SHAPE = dict(hidden_size=128, num_layers=2, num_heads=2, num_kv_heads=1, head_dim=64, intermediate_size=256)
 ADAPTER_MODULES = ["q_proj", "k_proj", "v_proj", "attn_out", "ff_proj", "up_proj", "ff_out"]
+# Every value of an overflowing adapter: finite in float32 and bfloat16, so a model loads it, but a forward under it
+# overflows (A · x, then times B, passes their largest value, 3.4e38), so its requests' logits are NaN.
+ENORMOUS = 1e30
 
 # model -> (family, engine settings, request parameters beyond greedy decoding)
 MODELS = {
@@ -45,6 +51,13 @@ def write_checkpoint(directory: Path, family: str) -> Path:
 def write_adapter(directory: Path, checkpoint: Path) -> Path:
     """A rank-4 adapter over every projection of a LLaDA checkpoint, for the models whose settings name one."""
     return write_peft_adapter(directory, checkpoint, ADAPTER_MODULES, rank=4, seed=1)
+
+
+def write_overflowing_adapter(directory: Path, checkpoint: Path) -> Path:
+    """write_adapter's adapter with every value ENORMOUS."""
+    weights = write_adapter(directory, checkpoint) / "adapter_model.safetensors"
+    save_file({key: torch.full_like(tensor, ENORMOUS) for key, tensor in load_file(weights).items()}, weights)
+    return directory
 
 
 def model_settings(name: str, adapter: Path | None) -> dict:

@@ -45,7 +45,8 @@ class ErrorClass(enum.Enum):
 UNAVAILABLE_MARKERS = ("the server is shutting down", "the model is being unloaded", "request for unknown model",
                        "the engine failed", "can no longer serve", "could not start", "stub process is not healthy",
                        "failed to connect", "is not ready", "model is unavailable")
-INTERNAL_MARKERS = ("preparing the request failed", "building the response failed")
+# How the model's own faults on one request begin: preparing it, decoding it (logits not finite), answering it.
+INTERNAL_MARKERS = ("preparing the request failed", "decoding failed", "building the response failed")
 # How the model's refusals of a request's inputs, parameters and prompt begin (diffulex_backend.serving).
 REQUEST_FAULTS = ("input '", "request parameters", "sampling parameter '", "prompt ", "request needs up to ")
 # An exception's own text ("RuntimeError: ..."): something failed inside; the model's refusals are sentences.

@@ -11,12 +11,12 @@ request's incremental detokenizer turns them into text and matches its stop stri
 drives the device.
 
 Requests arrive prepared (engine.prepare_request, on Triton's thread), so what could fail for one request alone
-has been checked. A request that cannot join the engine, or whose response cannot be built or sent, ends with an
-INTERNAL error and is aborted in the engine; the others carry on. An exception from `engine.step_deltas()` cannot be
-pinned on one request: it fails the loop, every open request ends with an INTERNAL error, new requests are
-refused with UNAVAILABLE, and `on_failure` is told (the model's watchdog then reloads it). While requests are
-open, the response thread also asks `server_is_leaving` twice a second: once the server shuts down or unloads the
-model, every open request ends with UNAVAILABLE at once instead of being cut off.
+has been checked. A request that cannot join the engine, whose logits turn out not finite (the engine ends it), or
+whose response cannot be built or sent, ends with an INTERNAL error and leaves the engine; the others carry on. An
+exception from `engine.step_deltas()` cannot be pinned on one request: it fails the loop, every open request ends
+with an INTERNAL error, new requests are refused with UNAVAILABLE, and `on_failure` is told (the model's watchdog
+then reloads it). While requests are open, the response thread also asks `server_is_leaving` twice a second: once the
+server shuts down or unloads the model, every open request ends with UNAVAILABLE at once instead of being cut off.
 
 A thread that ends without being told to (an exception in its set-up, an error that escapes its loop) fails the
 loop the same way, with the cause `THREAD_DEATH`: a model whose threads are gone must never look ready. Whichever

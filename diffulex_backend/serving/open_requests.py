@@ -5,6 +5,7 @@ The decoding thread hands over token ids only, so the text is made here, off the
 stop string that matches ends the request's stream at once, with the tokens through the match, and aborts the
 request in the engine. The decoding thread takes the abort between two steps, so the request runs one step more
 when this thread keeps up with it, more when it trails; those steps' tokens find no open request and are not sent.
+A request the engine could not decode (its logits were not finite) ends with INTERNAL and the engine's words.
 """
 from __future__ import annotations
 
@@ -87,6 +88,11 @@ class OpenRequests:
             if delta.finish_reason is not None:  # it finished before the abort arrived: no Aborted event comes
                 del self._requests[delta.request_id]
                 self._end_with_error(request.stream, ErrorKind.CANCELLED, "the request was cancelled")
+            return 0
+        if delta.error is not None:  # the engine could not decode it, and has freed its pages
+            del self._requests[delta.request_id]
+            logger.error("request %s failed: %s", delta.request_id, delta.error)
+            self._end_with_error(request.stream, ErrorKind.INTERNAL, delta.error)
             return 0
         try:
             output = self._with_text(request, delta)

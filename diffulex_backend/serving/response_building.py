@@ -10,7 +10,8 @@ every response, aligned with `output_ids`: `log_probs` and, in TensorRT-LLM's sh
 beam) and `cum_log_probs` (their sum over all tokens so far); with `logprobs` k > 0 also `top_log_probs` and
 `top_log_prob_ids`, the k most likely tokens at each position, most likely first. Where fewer than k tokens could be
 sampled (the others banned, by `min_tokens` or the mask), the rest come with a log-probability of minus infinity,
-sent as LOGPROB_FLOOR, as OpenAI and vLLM send it: JSON has no infinity, and the generate endpoint writes JSON.
+sent as LOGPROB_FLOOR, as OpenAI and vLLM send it: JSON has no infinity, and the generate endpoint writes JSON. NaN
+and +inf are never sent: the engine ends a request whose logits hold them with an error before it responds.
 
 Arrays carry the batch dimension of a batched model: a string output has shape [1, 1].
 """
@@ -71,13 +72,13 @@ class ResponseAssembler:
             "output_ids": np.array([token_ids], dtype=np.int32).reshape(1, len(token_ids)),
         }
         if logprobs is not None:
-            logprobs = logprobs.astype(np.float32).reshape(1, -1)  # [1, tokens]
+            logprobs = sendable_logprobs(logprobs).reshape(1, -1)  # [1, tokens]
             self._cum_log_prob += float(logprobs.sum(dtype=np.float64))
             arrays["log_probs"] = logprobs
             arrays["output_log_probs"] = logprobs.reshape(1, 1, -1)  # [batch, beam, tokens]
             arrays["cum_log_probs"] = np.array([[self._cum_log_prob]], dtype=np.float32)  # [batch, beam]
         if top_ids is not None:
-            arrays["top_log_probs"] = np.maximum(top_logprobs.astype(np.float32), LOGPROB_FLOOR)[None]  # [1, tokens, k]
+            arrays["top_log_probs"] = sendable_logprobs(top_logprobs)[None]  # [1, tokens, k]
             arrays["top_log_prob_ids"] = top_ids.astype(np.int32)[None]
         if not output.finished:
             return arrays
@@ -91,3 +92,14 @@ class ResponseAssembler:
         if self.request.return_nfe:
             arrays["nfe"] = np.array([[output.nfe]], dtype=np.uint32)
         return arrays
+
+
+def sendable_logprobs(values: np.ndarray) -> np.ndarray:
+    """Log-probabilities as float32 a response may carry: -inf (a token that could not be sampled) as LOGPROB_FLOOR.
+    Raises ValueError on NaN or +inf, which no log-probability of a request still decoding can be: the response is
+    then not built, and the request ends with an error rather than a body JSON cannot hold."""
+    floored = np.maximum(values.astype(np.float32), LOGPROB_FLOOR)  # keeps NaN and +inf
+    if not np.isfinite(floored).all():
+        raise ValueError(f"log-probabilities hold NaN or +inf: {np.count_nonzero(~np.isfinite(floored))} of "
+                         f"{floored.size}")
+    return floored

@@ -1,5 +1,6 @@
 """The fused sampler picks the reference's tokens and reports the reference's confidences; with the engine's
-caller, rows with top-k/top-p follow the reference's filter, which is checked against hand-computed sets."""
+caller, rows with top-k/top-p follow the reference's filter, which is checked against hand-computed sets. Rows whose
+logits are not finite are flagged alike by every path."""
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 import diffulex_kernels
-from diffulex_backend.runner import sample
+from diffulex_backend.runner import finite_flags, sample
 from diffulex_backend.sampling import Confidence, _filter_top_k_top_p, row_keys, sample_reference
 from diffulex_kernels import sampling as kernel_sampling
 from diffulex_kernels.sampling import SamplerLaunch, SamplerOutput, chunk_layout, compiled_variant, plan_sampler_launch
@@ -219,6 +220,35 @@ def test_greedy_rows_merged_over_ranks_shares_match_the_reference_on_whole_rows(
     assert_same_result(out, ref)
     assert out.tokens[0] == boundary - 1 and out.tokens[1] == 5 and out.tokens[2] != mask
     assert torch.equal(current_logit, whole.gather(1, current[:, None]).squeeze(1))  # -inf for the mask token
+
+
+def rows_with_non_finite_logits(vocab: int, dtype: torch.dtype) -> tuple[torch.Tensor, list[int]]:
+    """Random rows, some of them poisoned, and the finite flag each should get: a row with a NaN, with a +inf, or -inf
+    throughout (nothing could be sampled) is not finite; one with a -inf among finite values (a banned token) is."""
+    logits, _, _, _ = make_rows(NUM_ROWS, vocab, dtype, seed=21)
+    logits[1, vocab - 2] = float("nan")
+    logits[2, 7] = float("inf")
+    logits[3] = float("-inf")
+    logits[4, 11] = float("-inf")
+    return logits, [1, 0, 0, 0] + [1] * (NUM_ROWS - 4)
+
+
+@pytest.mark.parametrize("launch", [None, CHUNKED], ids=["default", "chunked"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_rows_whose_logits_are_not_finite_are_flagged_by_the_kernel_as_by_the_reference(dtype, launch):
+    logits, expected = rows_with_non_finite_logits(VOCABS[1], dtype)
+    _, temperature, keys, kinds = make_rows(NUM_ROWS, VOCABS[1], dtype, seed=21)
+    out = run_kernel(logits, temperature, keys, kinds, launch=launch)
+    assert finite_flags(out).tolist() == expected
+    assert finite_flags(sample_reference(logits, temperature, keys, kinds)).tolist() == expected
+
+
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_rows_whose_logits_are_not_finite_are_flagged_when_merged_over_ranks_shares(ranks):
+    logits, expected = rows_with_non_finite_logits(1001, torch.float32)
+    kinds = cycled([int(k) for k in Confidence], NUM_ROWS)
+    out, _ = shard_merge(logits, torch.zeros(NUM_ROWS, dtype=torch.int64, device=DEVICE), kinds, ranks, mask=500)
+    assert finite_flags(out).tolist() == expected
 
 
 def test_shard_chunks_depend_on_the_sizes_alone():

@@ -5,6 +5,7 @@ import json
 
 import pytest
 
+from diffulex_backend.scheduler import non_finite_message
 from diffulex_client.openai_front.adapter import MAX_CHOICES, SEED_MODULUS, completion_prompts, triton_requests
 from diffulex_client.openai_front.errors import OpenAIError
 from diffulex_client.openai_front.schemas import ChatCompletionRequest, CompletionRequest
@@ -92,6 +93,7 @@ def test_bounds_are_400s_naming_the_field(fields, param):
     ("the engine failed and this model can no longer serve: RuntimeError: x", ErrorClass.UNAVAILABLE),
     ("Request for unknown model: 'diffulex' is not found", ErrorClass.UNAVAILABLE),
     ("building the response failed: KeyError: 'x'", ErrorClass.INTERNAL),
+    (non_finite_message("huge"), ErrorClass.INTERNAL),
     ("RuntimeError: CUDA error", ErrorClass.INTERNAL),
 ])
 def test_triton_errors_are_sorted_into_the_requests_fault_unavailability_and_internal_faults(message, kind):

@@ -8,7 +8,7 @@ import pytest
 from diffulex_backend import FinishReason, SamplingParams, StepOutput
 from diffulex_backend.serving.engine_settings import engine_settings
 from diffulex_backend.serving.request_parsing import BadRequest, parse_request
-from diffulex_backend.serving.response_building import ResponseAssembler
+from diffulex_backend.serving.response_building import LOGPROB_FLOOR, ResponseAssembler
 
 
 def text(value: str) -> np.ndarray:  # a STRING input as Triton hands it to a batched model: [1, 1]
@@ -323,3 +323,35 @@ def test_a_whole_response_gathers_the_logprobs_and_a_request_that_did_not_ask_ge
     assert "top_log_probs" not in arrays
     plain = ResponseAssembler(parse_request({"text_input": text("hi")}), prompt_text=lambda: "hi")
     assert not {"log_probs", "cum_log_probs"} & set(plain.add(step("c", [99], finished=True, total=1)))
+
+
+def all_finite(arrays: dict[str, np.ndarray]) -> bool:
+    return all(np.isfinite(array).all() for name, array in arrays.items() if array.dtype.kind == "f")
+
+
+@pytest.mark.parametrize("stream", [True, False])
+def test_a_token_that_could_not_be_sampled_is_sent_at_the_floor_and_no_array_holds_infinity(stream):
+    request = parse_request({"text_input": text("hi"), "stream": flag(stream),
+                             "sampling_parameters": text('{"logprobs": 2}')})
+    assembler = ResponseAssembler(request, prompt_text=lambda: "hi")
+    first = assembler.add(with_logprobs(step("a", [97], total=1), [-0.5], [[(97, -0.5), (3, float("-inf"))]]))
+    last = assembler.add(with_logprobs(step("b", [98], finished=True, total=2), [float("-inf")],
+                                       [[(98, float("-inf")), (4, float("-inf"))]]))
+    arrays = [first, last] if stream else [last]
+    assert all(all_finite(a) for a in arrays)
+    assert last["top_log_probs"].tolist()[0][-1] == [LOGPROB_FLOOR, LOGPROB_FLOOR]
+    assert last["log_probs"].tolist()[0][-1] == LOGPROB_FLOOR
+    assert last["cum_log_probs"].tolist() == [[-0.5 + LOGPROB_FLOOR]]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")])
+@pytest.mark.parametrize("field", ["logprobs", "top_logprobs"])
+def test_a_log_probability_that_is_nan_or_plus_infinity_is_never_put_in_a_response(field, value):
+    """The engine ends such a request with an error before it answers; should one reach the response anyway, the
+    response is not built (the request then ends with INTERNAL) rather than written as JSON no client can read."""
+    request = parse_request({"text_input": text("hi"), "stream": flag(True),
+                             "sampling_parameters": text('{"logprobs": 1}')})
+    output = with_logprobs(step("a", [97], total=1), [-0.5], [[(97, -0.5)]])
+    getattr(output, field)[0] = value
+    with pytest.raises(ValueError, match="log-probabilities hold NaN or \\+inf: 1 of 1"):
+        ResponseAssembler(request, prompt_text=lambda: "hi").add(output)

@@ -23,6 +23,8 @@ PROMPTS = ["12+34=", "the quick brown fox", "hello", "diffusion models decode in
 GREEDY = {"max_tokens": 12, "temperature": 0}  # three blocks of 4
 ALL_COUNTS = {"return_finish_reason": True, "return_num_input_tokens": True, "return_num_output_tokens": True,
               "return_nfe": True}
+NON_FINITE_ERROR = ("decoding failed: the model's logits for this request hold NaN or infinite values under adapter "
+                    "'huge', so its tokens would be noise")
 
 
 # ---- generate and streaming -------------------------------------------------------------------------------
@@ -295,8 +297,9 @@ def test_fast_dllm_v2_streams_a_response_per_block_with_per_request_overrides(se
         wait_for(lambda: model_state(client, "diffulex_fast_dllm_v2") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 
 
-def test_a_request_picks_its_lora_adapter_by_name_and_an_unknown_one_is_refused(server, checkpoint, math_adapter):
-    reference_engine = Diffulex(str(checkpoint), lora_modules=f"math={math_adapter}", **TEST_SETTINGS)
+def test_a_request_picks_its_lora_adapter_by_name_and_an_unknown_one_is_refused(server, checkpoint,
+                                                                               served_lora_modules):
+    reference_engine = Diffulex(str(checkpoint), lora_modules=served_lora_modules, **TEST_SETTINGS)
     (with_adapter,) = reference(reference_engine, [PROMPTS[2]], **GREEDY, lora_name="math")
     (without,) = reference(reference_engine, [PROMPTS[2]], **GREEDY)
     assert with_adapter.token_ids != without.token_ids
@@ -310,6 +313,35 @@ def test_a_request_picks_its_lora_adapter_by_name_and_an_unknown_one_is_refused(
         status, payload = post(f"{server.http_url}/v2/models/diffulex_lora/generate",
                                {"text_input": "hi", "sampling_parameters": json.dumps({"lora_name": "poetry"})})
         assert status == 400 and "'poetry'" in json.loads(payload)["error"] and "math" in json.loads(payload)["error"]
+        client.unload_model("diffulex_lora")
+        wait_for(lambda: model_state(client, "diffulex_lora") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
+
+
+def test_a_request_whose_adapter_overflows_ends_with_an_error_and_the_model_serves_on(server, checkpoint,
+                                                                                     served_lora_modules):
+    reference_engine = Diffulex(str(checkpoint), lora_modules=served_lora_modules, **TEST_SETTINGS)
+    expected = {name: reference(reference_engine, [PROMPTS[2]], **GREEDY, lora_name=name)[0] for name in ("math", None)}
+    url = f"{server.http_url}/v2/models/diffulex_lora/generate"
+
+    def body(lora_name):
+        params = {**GREEDY, **({"lora_name": lora_name} if lora_name else {})}
+        return {"text_input": PROMPTS[2], "exclude_input_in_output": True, "sampling_parameters": json.dumps(params)}
+
+    with grpcclient.InferenceServerClient(server.grpc_url) as client:
+        client.load_model("diffulex_lora")
+        with ThreadPoolExecutor(2) as pool:  # the failing request beside one that decodes
+            failing, served = pool.submit(post, url, body("huge")), pool.submit(post, url, body("math"))
+            (status, payload), (served_status, served_payload) = failing.result(), served.result()
+        # Triton 2.51's generate endpoint answers a model's error with 400, whatever its kind (INTERNAL here).
+        assert (status, json.loads(payload)["error"]) == (400, NON_FINITE_ERROR)
+        assert served_status == 200 and ids(json.loads(served_payload)["output_ids"]) == expected["math"].token_ids
+        with pytest.raises(InferenceServerException) as caught:
+            grpc_stream(server, grpc_inputs(PROMPTS[2], {**GREEDY, "lora_name": "huge"}, stream=True),
+                        model="diffulex_lora")
+        assert caught.value.message() == NON_FINITE_ERROR
+        for lora_name, want in expected.items():
+            assert ids(generate(server, body(lora_name), model="diffulex_lora")["output_ids"]) == want.token_ids
+        wait_for(lambda: metrics(server, "diffulex_lora")["diffulex_kv_pages_used"] == 0)
         client.unload_model("diffulex_lora")
         wait_for(lambda: model_state(client, "diffulex_lora") == ("UNAVAILABLE", "unloaded"), timeout_s=60)
 

@@ -1,6 +1,6 @@
 """LoRA adapters in PEFT's layout: merged at load and applied per request give the same tokens, a mixed batch
-equals each request run alone, the prefix cache never crosses adapters, and every bad adapter or request is
-refused with the file and key at fault."""
+equals each request run alone, the prefix cache never crosses adapters, every bad adapter or request is refused with
+the file and key at fault, and a request whose adapter overflows at run time fails alone."""
 from __future__ import annotations
 
 import json
@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend import Diffulex, FinishReason, SamplingParams
 from diffulex_backend.cuda_graph import PaddedForward
 from diffulex_backend.layers.lora import LoraBatch, LoraSegments, LoraStack, add_lora, segment_table
 from diffulex_backend.loader import load_model
@@ -20,7 +20,8 @@ from diffulex_backend.plan import RequestSampling, SeqPlan
 from diffulex_backend.sampling import Confidence
 from diffulex_backend.serving.engine_settings import engine_settings
 from diffulex_backend.testing.checkpoint import write_peft_adapter, write_random_checkpoint
-from engine_driver import run_requests, tiny_engine
+from engine_driver import Stream, run_requests, step_checked, tiny_engine
+from families import write_overflowing_adapter
 
 # Every attention and MLP projection, under each family's own module names.
 TARGETS = {
@@ -317,3 +318,42 @@ def test_unreadable_adapter_files_are_refused(llada_checkpoint, llada_model, tmp
     (directory / "adapter_config.json").write_text("{")
     with pytest.raises(LoraError, match="adapter_config.json: not valid JSON"):
         load_adapter(directory, llada_model, "a", max_rank=4)
+
+
+NON_FINITE_ERROR = ("decoding failed: the model's logits for this request hold NaN or infinite values under adapter "
+                    "'huge', so its tokens would be noise")
+
+
+@pytest.fixture(scope="module")
+def overflowing_engine(llada_checkpoint, tmp_path_factory) -> Diffulex:
+    """A float32 engine whose adapter 'huge' loads and overflows every forward it takes part in. No prefix cache: a
+    request run alone and the same request in a batch then compute the same forwards."""
+    adapter = write_overflowing_adapter(tmp_path_factory.mktemp("adapters") / "huge", llada_checkpoint)
+    return tiny_engine(llada_checkpoint, dtype="float32", lora_modules=f"huge={adapter}", enable_prefix_caching=False)
+
+
+def test_a_request_whose_adapter_overflows_fails_alone_in_its_batch_and_frees_its_pages(overflowing_engine):
+    llm = overflowing_engine
+    (alone,) = run_requests(llm, ["a request without an adapter"], PARAMS)
+    failing = llm.add_request("a request under the adapter", with_lora("huge"))
+    healthy = llm.add_request("a request without an adapter", PARAMS)
+    streams = {failing: Stream(failing), healthy: Stream(healthy)}
+    while llm.has_unfinished_requests():
+        for delta in step_checked(llm):
+            streams[delta.request_id].deltas.append(delta)
+            if delta.request_id == failing:
+                assert {plan.request_id for plan in llm.last_schedule.plans} == {failing, healthy}  # one batch
+                # Its pages are back in the pool at once: only the other request holds any.
+                assert llm.metrics().kv_pages_used == len(llm.requests[healthy].page_table) > 0
+    (error,) = streams[failing].deltas
+    assert (error.token_ids, error.finished, error.finish_reason) == ([], True, FinishReason.ERROR)
+    assert error.error == NON_FINITE_ERROR
+    assert streams[healthy].token_ids == alone.token_ids
+    assert streams[healthy].finish_reason == alone.finish_reason == FinishReason.LENGTH
+    assert llm.metrics().kv_pages_used == 0
+
+
+def test_generate_returns_the_failed_requests_error_beside_the_others_outputs(overflowing_engine):
+    failed, served = overflowing_engine.generate(["under the adapter", "without"], [with_lora("huge"), PARAMS])
+    assert (failed.finish_reason, failed.error, failed.token_ids) == (FinishReason.ERROR, NON_FINITE_ERROR, [])
+    assert (served.finish_reason, served.error, len(served.token_ids)) == (FinishReason.LENGTH, None, 12)
