@@ -44,8 +44,10 @@ EXPOSE 8000 8001 8002 9000
 # NGC's entrypoint stays; the command is the launcher `make serve` uses: tritonserver, and the OpenAI front beside
 # it, stopped with it. Explicit model control lets the model's watchdog reload it when its stub dies
 # (docs/reliability.md). Run with `docker run --init` so that an init process reaps the watchdog once it has done
-# its work. In a pod, run the front as a sidecar instead (deploy/).
+# its work. The launcher kills a server still running 5 s past its exit timeout, which an open gRPC stream can hold
+# (docs/reliability.md); `docker stop` kills the container 10 s after its signal unless given `-t 35` or more.
+# In a pod, run the front as a sidecar instead (deploy/).
 CMD ["python3", "/opt/diffulex-triton/tools/serve.py", "--model-repository", "/models", "--openai-port", "9000", \
      "--grpc-port", "8001", "--", \
      "tritonserver", "--model-repository", "/models", "--model-control-mode=explicit", "--load-model=diffulex", \
-     "--grpc-port", "8001", "--http-max-input-size", "4194304"]
+     "--grpc-port", "8001", "--http-max-input-size", "4194304", "--exit-timeout-secs", "30"]

@@ -43,6 +43,11 @@ OPENAI_PORT ?= 9000
 # in front). gRPC refuses large messages itself.
 TRITON_HTTP_ADDRESS ?= 127.0.0.1
 
+# How long tritonserver waits, once stopped, for open connections and requests, and for its models to unload.
+# Past it, an open gRPC stream still holds Triton 2.51 for ever, so tools/serve.py kills a server that has not exited
+# 5 s later (docs/reliability.md, "Shutdown and unload finish").
+EXIT_TIMEOUT_SECS ?= 30
+
 # Explicit model control lets the model's watchdog reload it when its stub dies (docs/reliability.md).
 # tools/serve.py runs the front beside the server, forwards SIGINT/SIGTERM to the server and stops the front with it.
 serve: setup
@@ -50,7 +55,8 @@ serve: setup
 		--model-repository $(MODEL_REPOSITORY) -- \
 		$(BIN)/tritonserver --model-repository $(MODEL_REPOSITORY) \
 		--model-control-mode=explicit --load-model=diffulex --http-address $(TRITON_HTTP_ADDRESS) \
-		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT)
+		--http-port $(HTTP_PORT) --grpc-port $(GRPC_PORT) --metrics-port $(METRICS_PORT) \
+		--exit-timeout-secs $(EXIT_TIMEOUT_SECS)
 
 # Without a GPU the Triton kernels run under Triton's interpreter. It must be on before the first kernel is
 # defined, and the first test module to import the kernels may lie outside tests/kernels.

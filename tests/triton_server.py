@@ -1,6 +1,7 @@
-"""The test suites' tritonserver: the project's launcher (diffulex_client.perf.tritonserver), the served test
-model's settings, and model repositories built from the shipped model."""
+"""The test suites' tritonserver: the project's launcher (diffulex_client.perf.tritonserver), the one `make serve`
+runs (tools/serve.py), the served test model's settings, and model repositories built from the shipped model."""
 
+import importlib.util
 import re
 import shutil
 from pathlib import Path
@@ -12,8 +13,8 @@ from diffulex_client.perf.tritonserver import (
 
 __all__ = ["BAD_SETTINGS", "LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S",
            "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS",
-           "TritonServer", "add_model", "data_parallel_group", "free_ports", "with_backend_parameters",
-           "with_instance_group", "with_parameters"]
+           "TritonServer", "add_model", "data_parallel_group", "free_ports", "serve_launcher",
+           "with_backend_parameters", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same. On a GPU the KV cache has a fixed size (sized from free memory, the first engine on
@@ -53,6 +54,15 @@ BAD_SETTINGS = {
 }
 
 SHIPPED_MODEL = Path(__file__).resolve().parents[1] / "model_repository" / "diffulex"
+SERVE_LAUNCHER = Path(__file__).resolve().parents[1] / "tools" / "serve.py"
+
+
+def serve_launcher():
+    """tools/serve.py, the launcher of `make serve` and of the Docker image, as a module: its stop bound's settings."""
+    spec = importlib.util.spec_from_file_location("serve", SERVE_LAUNCHER)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def data_parallel_group(num_gpus: int) -> tuple[str, set[tuple[str, str]]]:

@@ -1,7 +1,8 @@
 """The manifests in deploy/: valid for the Kubernetes API (its strict schemas, bundled with kubernetes-validate, so
 nothing is fetched) and for KServe's InferenceService, and serving the way docs/scaling.md says: tritonserver
 loads the model under explicit model control (so the model's watchdog can reload it), on tritonserver's ports,
-with probes on Triton's health endpoints and a startup probe long enough for the engine's warm-up."""
+with probes on Triton's health endpoints, a startup probe long enough for the engine's warm-up, and a grace period
+that outlasts the exit timeout."""
 
 import copy
 from pathlib import Path
@@ -13,6 +14,7 @@ import yaml
 
 from diffulex_backend.serving.server_watch import explicit_model_control, http_endpoint, server_options
 from diffulex_client.openai_front.cli import build_parser
+from triton_server import serve_launcher
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 # The oldest and the newest Kubernetes release whose schemas kubernetes-validate bundles.
@@ -186,6 +188,17 @@ def test_probes_ask_tritons_health_endpoints_and_the_startup_probe_outlasts_the_
     assert window(probes["readiness"]) <= MAX_READINESS_WINDOW_S
     # Liveness restarts the container: it must not fire while a reload or a long step keeps the server busy.
     assert window(probes["liveness"]) > window(probes["readiness"])
+
+
+@pytest.mark.parametrize("way", ["kubernetes", "kserve"])
+def test_the_grace_period_leaves_the_exit_timeout_and_then_ends_a_server_that_open_grpc_streams_hold(way):
+    pod = served_pods()[way]
+    launcher = serve_launcher()
+    exit_timeout = float(server_options(triton_container(pod)["args"]).get("exit-timeout-secs",
+                                                                            launcher.TRITON_EXIT_TIMEOUT_S))
+    # tritonserver stops within its exit timeout; past it, a gRPC stream held open keeps Triton 2.51 running for ever,
+    # and the kubelet's SIGKILL at the end of the grace period ends it, leaving the margin that tools/serve.py leaves.
+    assert pod["terminationGracePeriodSeconds"] >= exit_timeout + launcher.EXIT_MARGIN_S
 
 
 @pytest.mark.parametrize("way", ["kubernetes", "kserve"])
