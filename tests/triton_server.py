@@ -9,12 +9,12 @@ from pathlib import Path
 import torch
 
 from diffulex_client.perf.tritonserver import (
-    LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports)
+    LAUNCHER, LOOPBACK, SHUTDOWN_TIMEOUT_S, STARTUP_TIMEOUT_S, TritonServer, free_ports, wait_until_ready)
 
 __all__ = ["BAD_SETTINGS", "LAUNCHER", "LOOPBACK", "SHIPPED_MODEL", "SHUTDOWN_TIMEOUT_S", "STARTUP_TIMEOUT_S",
            "TEST_SETTINGS", "DATA_PARALLEL_SETTINGS", "FAST_DLLM_V2_SETTINGS", "TENSOR_PARALLEL_SETTINGS",
-           "TritonServer", "add_model", "data_parallel_group", "free_ports", "serve_launcher",
-           "with_backend_parameters", "with_instance_group", "with_parameters"]
+           "SERVE_LAUNCHER", "TritonServer", "add_model", "data_parallel_group", "free_ports", "serve_launcher",
+           "wait_until_ready", "with_backend_parameters", "with_instance_group", "with_parameters"]
 
 # The served test model's engine settings: small blocks, so that short outputs span several. The in-process
 # reference engine uses the same. On a GPU the KV cache has a fixed size (sized from free memory, the first engine on

@@ -15,6 +15,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 LAUNCHER = Path(sys.executable).parent / "tritonserver"
@@ -34,6 +35,24 @@ def free_ports(count: int) -> list[int]:
     finally:
         for sock in sockets:
             sock.close()
+
+
+def wait_until_ready(http_url: str, process: subprocess.Popen, log_tail: Callable[[], str],
+                     timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Until the health endpoint of the tritonserver at `http_url` says ready. `process` runs it (the server, or a
+    launcher of it): RuntimeError, with `log_tail()`, once it has exited or the time has run out."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"tritonserver exited with {process.returncode}:\n{log_tail()}")
+        try:
+            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"tritonserver was not ready within {timeout_s:.0f} s:\n{log_tail()}")
 
 
 class LoggedProcess:
@@ -81,16 +100,5 @@ class TritonServer(LoggedProcess):
                          log_path)
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"tritonserver exited with {self.process.returncode}:\n{self.log_tail()}")
-            try:
-                with urllib.request.urlopen(f"{self.http_url}/v2/health/ready", timeout=2) as response:
-                    if response.status == 200:
-                        return
-            except (urllib.error.URLError, ConnectionError):
-                pass
-            time.sleep(0.5)
-        raise RuntimeError(f"tritonserver was not ready within {timeout_s:.0f} s:\n{self.log_tail()}")
+        wait_until_ready(self.http_url, self.process, self.log_tail, timeout_s)
 

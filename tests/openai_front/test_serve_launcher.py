@@ -9,8 +9,6 @@ import signal
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -19,10 +17,10 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 from front_requests import DEMO_CHECKPOINT
 from processes import alive, live_children
-from triton_server import LAUNCHER, STARTUP_TIMEOUT_S, add_model, free_ports, serve_launcher
+from triton_server import (LAUNCHER, SERVE_LAUNCHER, STARTUP_TIMEOUT_S, add_model, free_ports, serve_launcher,
+                          wait_until_ready)
 
 ROOT = Path(__file__).resolve().parents[2]
-SERVE = ROOT / "tools" / "serve.py"
 
 
 def test_the_launcher_serves_openai_beside_tritonserver_and_stops_both(tmp_path):
@@ -30,7 +28,7 @@ def test_the_launcher_serves_openai_beside_tritonserver_and_stops_both(tmp_path)
     add_model(repository, "diffulex", model=DEMO_CHECKPOINT)
     http, grpc, metrics, openai_port = free_ports(4)
     launcher = subprocess.Popen(
-        [sys.executable, str(SERVE), "--openai-port", str(openai_port), "--openai-host", "127.0.0.1",
+        [sys.executable, str(SERVE_LAUNCHER), "--openai-port", str(openai_port), "--openai-host", "127.0.0.1",
          "--grpc-port", str(grpc), "--model-repository", str(repository), "--",
          str(LAUNCHER), "--model-repository", str(repository), "--model-control-mode=explicit",
          "--load-model=diffulex", "--http-address", "127.0.0.1", "--grpc-address", "127.0.0.1",
@@ -68,20 +66,6 @@ def make_serve_command(**variables) -> list[str]:
                             capture_output=True, text=True).stdout
     (line,) = [line for line in recipe.replace("\\\n", " ").splitlines() if "tools/serve.py" in line]
     return shlex.split(line)
-
-
-def wait_ready(http_url: str, launcher: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        assert launcher.poll() is None, log.read_text()[-4000:]
-        try:
-            with urllib.request.urlopen(f"{http_url}/v2/health/ready", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError):
-            pass
-        assert time.monotonic() < deadline, log.read_text()[-4000:]
-        time.sleep(0.5)
 
 
 def held_streams(stack: ExitStack, grpc_url: str) -> None:
@@ -122,7 +106,7 @@ def test_make_serve_exits_within_its_exit_timeout_and_margin_while_grpc_streams_
     launcher = subprocess.Popen(argv, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT)
     started = {launcher.pid}
     try:
-        wait_ready(f"http://127.0.0.1:{http}", launcher, log)
+        wait_until_ready(f"http://127.0.0.1:{http}", launcher, lambda: log.read_text()[-4000:])
         with ExitStack() as stack:
             held_streams(stack, f"127.0.0.1:{grpc}")
             started |= descendants(launcher.pid)
