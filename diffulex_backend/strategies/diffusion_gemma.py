@@ -22,7 +22,8 @@ On a GPU the forward is the torch modules with the Triton attention kernel, repl
 fits a bucket (cuda_graph.py; the canvas rows and their self-conditioning input are the graph's row inputs, and a
 canvas's random start tokens are written over the batch's ids on the device); elsewhere, or with enforce_eager, it
 runs eagerly. The sampler is batched over every canvas of the step on the device, with one device-to-host copy at
-its end.
+its end. A canvas with a row whose entropy is not finite (its logits hold NaN) ends its request with an error, as the
+other strategies end one whose logits are not finite (scheduler.py).
 """
 from __future__ import annotations
 
@@ -117,7 +118,9 @@ def row_statistics(model: DiffusionGemmaModel, hidden: torch.Tensor, temperature
     gumbel = -torch.log(-torch.log(uniform_noise(keys, scaled.shape[-1])))
     log_probs = torch.log_softmax(scaled, dim=-1)
     probs = log_probs.exp()
-    return RowStatistics((scaled + gumbel.to(work)).argmax(-1), scaled.argmax(-1), -(probs * log_probs).sum(-1),
+    # A token of probability 0 (a -inf logit no cap bounds) adds nothing to the entropy, as in the kernel; NaN stays.
+    entropy = -torch.where(probs == 0, 0, probs * log_probs).sum(-1)
+    return RowStatistics((scaled + gumbel.to(work)).argmax(-1), scaled.argmax(-1), entropy,
                          model.soft_embeddings(probs))
 
 
@@ -287,15 +290,17 @@ class DiffusionGemmaRunner(ModelRunner):
         for plan, block in blocks:
             offsets.append((plan, block, at))
             at += block.end - block.start
-        with step_range("sample", self.device):  # DiffusionGemma's sampler decides the tokens itself: no accept
-            tokens, outcome = self._denoise(plans, blocks, hidden) if blocks else (torch.zeros(0, dtype=torch.int64),
-                                                                                   None)
+        tokens, outcome, non_finite = torch.zeros(0, dtype=torch.int64), None, ()
+        if blocks:
+            with step_range("sample", self.device):  # DiffusionGemma's sampler decides the tokens itself: no accept
+                tokens, outcome, non_finite = self._denoise(plans, blocks, hidden)
         return StepResult(tokens=tokens, blocks=offsets, num_tokens=batch.num_tokens,
-                          flops=self.forward_flops(plans), predictions=outcome)
+                          flops=self.forward_flops(plans), predictions=outcome, non_finite_logits=non_finite)
 
     def _denoise(self, plans: list[CanvasPlan], blocks: list[tuple[CanvasPlan, LogitBlock]], hidden: torch.Tensor
-                 ) -> tuple[torch.Tensor, CanvasOutcome]:
-        """One sampler step for every canvas of the batch, on the device; one sync at the end."""
+                 ) -> tuple[torch.Tensor, CanvasOutcome, tuple[str, ...]]:
+        """One sampler step for every canvas of the batch, on the device; one sync at the end. Returns the tokens,
+        the outcome, and the requests whose canvas has a row of non-finite logits."""
         s, size, vocab = self.schedule, self.config.block_size, self.model.arch.vocab_size
         rows, first = [], 0
         for p in plans:
@@ -328,8 +333,13 @@ class DiffusionGemmaRunner(ModelRunner):
         tokens = torch.where(ended.repeat_interleave(size), argmax, canvas)
         for i, (p, _) in enumerate(blocks):
             self.soft[p.request_id] = soft[i * size:(i + 1) * size]
-        host = torch.stack([tokens, argmax, ended.repeat_interleave(size).long()]).cpu()  # the step's one sync
-        return host[0], CanvasOutcome(argmax=host[1].numpy(), ended=host[2].numpy().astype(bool))
+        # A row's entropy is NaN exactly when its capped, tempered logits hold NaN, or +inf where no cap bounds them
+        # (tests/kernels/test_diffusion_gemma_sampler.py): such a canvas's tokens would be noise.
+        finite = entropy.isfinite().all(-1)  # [S]
+        per_row = torch.stack([ended, finite]).long().repeat_interleave(size, dim=1)
+        host = torch.cat([torch.stack([tokens, argmax]), per_row]).cpu()  # the step's one sync
+        failed = tuple(blocks[i][0].request_id for i in np.flatnonzero(host[3, ::size].numpy() == 0))
+        return host[0], CanvasOutcome(argmax=host[1].numpy(), ended=host[2].numpy().astype(bool)), failed
 
 
 def validate_diffusion_gemma(config: Config) -> None:

@@ -92,3 +92,35 @@ def test_the_statistics_and_the_distribution_are_those_of_the_capped_tempered_sc
     assert probs.data_ptr() == raw.data_ptr() and probs.dtype == dtype  # over the logits, in their dtype
     tolerance = {torch.bfloat16: 1e-2, torch.float16: 1e-3, torch.float32: 1e-5}[dtype]  # one rounding to the dtype
     assert relative_error(probs, log_probs.exp()) < tolerance
+
+
+@pytest.mark.parametrize("launch", [None, SamplerLaunch(block_v=512, num_warps=4, num_chunks=3)],
+                         ids=["planned", "three chunks"])
+@pytest.mark.parametrize("cap", [30.0, None], ids=["capped", "uncapped"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
+def test_a_row_whose_logits_are_not_finite_gets_a_non_finite_entropy_as_in_the_reference(launch, cap, dtype):
+    """The runner ends a canvas whose entropy is not finite: a row holding a NaN gets one, and so do +inf and a row
+    of -inf where no cap bounds them; a cap maps infinities to its bounds, whose rows are finite."""
+    gen = generator(13)
+    raw = (randn(ROWS, VOCAB, dtype=torch.float32, gen=gen) * 4).to(dtype)
+    raw[1, VOCAB - 2] = float("nan")
+    raw[2, 7] = float("inf")
+    raw[3] = float("-inf")
+    raw[4, 11] = float("-inf")
+    temps = torch.linspace(0.8, 0.4, ROWS, device=DEVICE)
+    keys = row_keys(torch.full((ROWS,), 13, device=DEVICE), torch.arange(ROWS, device=DEVICE),
+                    torch.zeros(ROWS, dtype=torch.int64, device=DEVICE))
+    stats = canvas_statistics(raw, temps, keys, cap, launch=launch)
+    log_probs = torch.log_softmax(scores_reference(raw, temps, cap), -1)
+    reference = -torch.where(log_probs.exp() == 0, 0, log_probs.exp() * log_probs).sum(-1)
+    expected = [True, False, cap is not None, cap is not None] + [True] * (ROWS - 4)
+    assert stats.entropy.isfinite().tolist() == reference.isfinite().tolist() == expected
+
+
+@pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])
+def test_a_hidden_row_of_nan_gives_that_row_alone_a_non_finite_entropy(model, use_kernel):
+    hidden, temps, keys = rows(model, 3)
+    hidden[2] = float("nan")
+    with torch.inference_mode():
+        stats = strategy.row_statistics(model, hidden, temps, keys, use_kernel=use_kernel)
+    assert (~stats.entropy.isfinite()).nonzero().flatten().tolist() == [2]

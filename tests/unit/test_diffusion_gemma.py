@@ -15,13 +15,14 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from diffulex_backend import Diffulex, SamplingParams
+from diffulex_backend import Diffulex, FinishReason, SamplingParams
 from diffulex_backend.loader import CheckpointError, detect_model_name
 from diffulex_backend.refusal import Refusal
 from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID
 from diffulex_backend.testing.diffusion_gemma_checkpoint import (
     TINY, TINY_SCHEDULE, write_random_diffusion_gemma_checkpoint)
 from engine_driver import run_one_at_a_time, run_requests
+from families import ENORMOUS
 
 CANVAS = TINY["canvas_length"]
 SETTINGS = dict(model_name="diffusion_gemma", block_size=CANVAS, page_size=4, max_model_len=128,
@@ -342,6 +343,26 @@ def test_a_canvas_ends_once_its_argmax_repeats_for_stability_threshold_steps(tmp
     # The prompt is fed with the first canvas's first step, and each committed canvas with the next one's: every
     # forward is a denoising step.
     assert out.nfe == 2 * (stability + 1)
+
+
+def test_requests_of_a_checkpoint_whose_forward_overflows_end_with_an_error_and_no_tokens(checkpoint, tmp_path):
+    """Finite weights that overflow float32 in a forward (layer 0's gate and up projections ENORMOUS): every canvas's
+    logits are NaN. Each request ends at its first sampler step with the error and no tokens, where it would
+    otherwise stream the argmax of noise, and its pages are back in the pool."""
+    path = tmp_path / "overflowing"
+    shutil.copytree(checkpoint, path)
+    weights = load_file(path / "model.safetensors")
+    for name in ("model.decoder.layers.0.mlp.gate_proj.weight", "model.decoder.layers.0.mlp.up_proj.weight"):
+        weights[name] = torch.full_like(weights[name], ENORMOUS)
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = engine(str(path), dtype="float32")
+    streams = run_requests(llm, PROMPTS[:2], SamplingParams(max_tokens=2 * CANVAS, seed=3, ignore_eos=True))
+    for stream in streams:
+        (delta,) = stream.deltas
+        assert (delta.token_ids, delta.finish_reason) == ([], FinishReason.ERROR)
+        assert delta.error == ("decoding failed: the model's logits for this request hold NaN or infinite values, so "
+                               "its tokens would be noise")
+    assert llm.metrics().kv_pages_used == 0
 
 
 # --- refusals ---------------------------------------------------------------------------------------------------
