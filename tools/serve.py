@@ -103,8 +103,8 @@ def main() -> int:
         parser.error("the tritonserver command's --exit-timeout-secs must be a number of seconds")
 
     tokenizer = args.tokenizer or checkpoint_of(args.model_repository, args.model)
-    # Sessions of their own: a terminal's Ctrl-C reaches this launcher alone, which hands it to the server once
-    # (a second SIGINT makes tritonserver skip its graceful shutdown).
+    # Sessions of their own: a terminal's Ctrl-C reaches this launcher alone, so the server gets each signal once,
+    # from it, and not a second time from the terminal's process group.
     server = subprocess.Popen(command, start_new_session=True)
     front_command = [sys.executable, "-m", "diffulex_client.openai_front", "--triton-url",
                      f"localhost:{args.grpc_port}", "--model", args.model, "--host", args.openai_host,
