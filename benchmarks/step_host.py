@@ -14,8 +14,9 @@ forward's call (its input copy and graph replay queued), each the median over th
     allocator.
 
 Beside them, `build_batch` and `host_buffer` alone, each call after the device has finished, and the step's wall
-time in each setting. Where the batch is built twice, `host_buffer`'s median is over both builds' calls. It writes
-step_host.csv and step_host.md to --out.
+time in each setting. `host_buffer`'s median is over every call in the steps: the build's, the first build's too
+where the batch is built twice, and a graph's padded copy of the batch where its layout is not the bucket's. It
+writes step_host.csv and step_host.md to --out.
 
     python benchmarks/step_host.py --out DIR                          # GPU: LLaDA-8B, fp8 weights, batch 1
     python benchmarks/step_host.py --out DIR --quantization none --batch 8
@@ -108,17 +109,6 @@ def settings(runner, build, times: HostTimes) -> dict:
     }
 
 
-def alone_us(fn, device: torch.device, reps: int) -> float:
-    """Median host time of fn, each call after the device has finished."""
-    times = []
-    for _ in range(reps + 2):
-        bench.synchronize(device)
-        began = time.perf_counter()
-        fn()
-        times.append(1e6 * (time.perf_counter() - began))
-    return statistics.median(times[2:])
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=pathlib.Path, required=True)
@@ -153,9 +143,10 @@ def main() -> None:
         size = build(plans).layout.size
         with torch.inference_mode():
             table.add(round=0, setting="alone, the device idle", step_ms="",
-                      build_batch_us=alone_us(lambda: build(plans), device, 50),
-                      host_buffer_us=alone_us(lambda: new_buffer(size, runner.pin_memory), device, 50),
+                      build_batch_us=1e3 * bench.host_ms(lambda: build(plans), device, 50),
+                      host_buffer_us=1e3 * bench.host_ms(lambda: new_buffer(size, runner.pin_memory), device, 50),
                       forward_call_us="")
+            # Timed for the rest of the run, which ends with the process.
             runner.build_batch = times.wrap("build_batch", build)
             runner.forward = times.wrap("forward_call", call)
             forward_batch.host_buffer = times.wrap("host_buffer", new_buffer)

@@ -300,7 +300,7 @@ class DiffusionGemmaRunner(ModelRunner):
     def _denoise(self, plans: list[CanvasPlan], blocks: list[tuple[CanvasPlan, LogitBlock]], hidden: torch.Tensor
                  ) -> tuple[torch.Tensor, CanvasOutcome, tuple[str, ...]]:
         """One sampler step for every canvas of the batch, on the device; one sync at the end. Returns the tokens,
-        the outcome, and the requests whose canvas has a row of non-finite logits."""
+        the outcome, and the requests whose canvas has a row whose entropy is not finite."""
         s, size, vocab = self.schedule, self.config.block_size, self.model.arch.vocab_size
         rows, first = [], 0
         for p in plans:
@@ -333,8 +333,9 @@ class DiffusionGemmaRunner(ModelRunner):
         tokens = torch.where(ended.repeat_interleave(size), argmax, canvas)
         for i, (p, _) in enumerate(blocks):
             self.soft[p.request_id] = soft[i * size:(i + 1) * size]
-        # A row's entropy is NaN exactly when its capped, tempered logits hold NaN, or +inf where no cap bounds them
-        # (tests/kernels/test_diffusion_gemma_sampler.py): such a canvas's tokens would be noise.
+        # A row's entropy is not finite exactly when its capped, tempered logits hold NaN, or, where no cap bounds
+        # them, +inf or -inf throughout (tests/kernels/test_diffusion_gemma_sampler.py): such a canvas's tokens would
+        # be noise. A cap maps infinities to its bounds, and a -inf among finite logits is a token never drawn.
         finite = entropy.isfinite().all(-1)  # [S]
         per_row = torch.stack([ended, finite]).long().repeat_interleave(size, dim=1)
         host = torch.cat([torch.stack([tokens, argmax]), per_row]).cpu()  # the step's one sync

@@ -97,11 +97,13 @@ def test_the_statistics_and_the_distribution_are_those_of_the_capped_tempered_sc
 @pytest.mark.parametrize("launch", [None, SamplerLaunch(block_v=512, num_warps=4, num_chunks=3)],
                          ids=["planned", "three chunks"])
 @pytest.mark.parametrize("cap", [30.0, None], ids=["capped", "uncapped"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=str)
-def test_a_row_whose_logits_are_not_finite_gets_a_non_finite_entropy_as_in_the_reference(launch, cap, dtype):
-    """The runner ends a canvas whose entropy is not finite: a row holding a NaN gets one, and so do +inf and a row
-    of -inf where no cap bounds them; a cap maps infinities to its bounds, whose rows are finite."""
+def test_the_entropy_is_not_finite_for_the_same_rows_in_the_kernel_and_the_torch_sampler(model, monkeypatch, launch,
+                                                                                          cap):
+    """The runner ends a canvas whose entropy is not finite. Both samplers give a row holding a NaN a non-finite
+    entropy, and so a row with +inf or one of -inf throughout where no cap bounds them; a cap maps infinities to its
+    bounds, and a -inf among finite logits is a token never drawn: those rows' entropies are finite."""
     gen = generator(13)
+    dtype = model.embed_tokens.weight.dtype
     raw = (randn(ROWS, VOCAB, dtype=torch.float32, gen=gen) * 4).to(dtype)
     raw[1, VOCAB - 2] = float("nan")
     raw[2, 7] = float("inf")
@@ -110,11 +112,15 @@ def test_a_row_whose_logits_are_not_finite_gets_a_non_finite_entropy_as_in_the_r
     temps = torch.linspace(0.8, 0.4, ROWS, device=DEVICE)
     keys = row_keys(torch.full((ROWS,), 13, device=DEVICE), torch.arange(ROWS, device=DEVICE),
                     torch.zeros(ROWS, dtype=torch.int64, device=DEVICE))
-    stats = canvas_statistics(raw, temps, keys, cap, launch=launch)
-    log_probs = torch.log_softmax(scores_reference(raw, temps, cap), -1)
-    reference = -torch.where(log_probs.exp() == 0, 0, log_probs.exp() * log_probs).sum(-1)
+    kernel = canvas_statistics(raw, temps, keys, cap, launch=launch).entropy
+    # The torch sampler over the same logits, capped as the model's compute_logits caps them.
+    capped = raw if cap is None else (torch.tanh(raw.float() / cap) * cap).to(dtype)
+    monkeypatch.setattr(model, "compute_logits", lambda hidden: capped)
+    hidden = randn(ROWS, model.arch.hidden_size, dtype=dtype, gen=gen)
+    with torch.inference_mode():
+        reference = strategy.row_statistics(model, hidden, temps, keys, use_kernel=False).entropy
     expected = [True, False, cap is not None, cap is not None] + [True] * (ROWS - 4)
-    assert stats.entropy.isfinite().tolist() == reference.isfinite().tolist() == expected
+    assert kernel.isfinite().tolist() == reference.isfinite().tolist() == expected
 
 
 @pytest.mark.parametrize("use_kernel", [True, False], ids=["kernel", "reference"])

@@ -21,13 +21,16 @@ from diffulex_backend.refusal import Refusal
 from diffulex_backend.testing.checkpoint import EOS_TOKEN_ID
 from diffulex_backend.testing.diffusion_gemma_checkpoint import (
     TINY, TINY_SCHEDULE, write_random_diffusion_gemma_checkpoint)
-from engine_driver import run_one_at_a_time, run_requests
+from diffulex_backend.strategies import diffusion_gemma as strategy
+from engine_driver import Stream, drain, run_one_at_a_time, run_requests
 from families import ENORMOUS
 
 CANVAS = TINY["canvas_length"]
 SETTINGS = dict(model_name="diffusion_gemma", block_size=CANVAS, page_size=4, max_model_len=128,
                 max_num_batched_tokens=64, dtype="float64", device="cpu")
 PROMPTS = ["the quick brown fox jumps", "ab", "a prompt long enough to cross the window twice", "xyz!"]
+NON_FINITE_ERROR = ("decoding failed: the model's logits for this request hold NaN or infinite values, so its tokens "
+                    "would be noise")
 
 
 @pytest.fixture(scope="module")
@@ -359,9 +362,36 @@ def test_requests_of_a_checkpoint_whose_forward_overflows_end_with_an_error_and_
     streams = run_requests(llm, PROMPTS[:2], SamplingParams(max_tokens=2 * CANVAS, seed=3, ignore_eos=True))
     for stream in streams:
         (delta,) = stream.deltas
-        assert (delta.token_ids, delta.finish_reason) == ([], FinishReason.ERROR)
-        assert delta.error == ("decoding failed: the model's logits for this request hold NaN or infinite values, so "
-                               "its tokens would be noise")
+        assert (delta.token_ids, delta.finish_reason, delta.error) == ([], FinishReason.ERROR, NON_FINITE_ERROR)
+    assert llm.metrics().kv_pages_used == 0
+
+
+def test_a_canvas_whose_entropy_is_not_finite_ends_its_own_request_and_no_other(checkpoint, monkeypatch):
+    """With one row of the second canvas of a step of two given a NaN entropy (as a NaN in its logits gives it),
+    that canvas's request ends with the error and no tokens; the request of the first canvas decodes the tokens it
+    decodes alone, and every page is back in the pool."""
+    params = [SamplingParams(max_tokens=2 * CANVAS, seed=7 + i, ignore_eos=True) for i in range(2)]
+    alone = [s.token_ids for s in run_one_at_a_time(engine(checkpoint), PROMPTS[:2], params)]
+    sampled = strategy.chunked_row_statistics
+
+    def second_of_two_poisoned(model, hidden, *args):
+        stats = sampled(model, hidden, *args)
+        if hidden.shape[0] == 2 * CANVAS:
+            stats.entropy[CANVAS + 3] = float("nan")
+        return stats
+
+    monkeypatch.setattr(strategy, "chunked_row_statistics", second_of_two_poisoned)
+    llm = engine(checkpoint)
+    ids = [llm.add_request(prompt, p) for prompt, p in zip(PROMPTS[:2], params)]
+    deltas = llm.step()
+    plans = llm.last_schedule.plans
+    assert len(plans) == 2 and all(plan.blocks for plan in plans)  # both canvases in the first step
+    failed, kept = plans[1].request_id, plans[0].request_id
+    assert [(d.request_id, d.token_ids, d.finish_reason, d.error) for d in deltas] == [
+        (failed, [], FinishReason.ERROR, NON_FINITE_ERROR)]
+    stream = Stream(kept)
+    drain(llm, {kept: stream})
+    assert stream.token_ids == alone[ids.index(kept)] and stream.finish_reason == FinishReason.LENGTH
     assert llm.metrics().kv_pages_used == 0
 
 
