@@ -91,7 +91,7 @@ class Request:
         self.num_dropped_pages = 0
         self.prefix_hashes: list[int] | None = None  # filled by the KV cache manager
         self.num_registered_pages = 0
-        self.nfe = 0
+        self.nfe = 0  # forwards it took part in, counted by the scheduler for every strategy
         # Forwards that predicted tokens: the step in the noise key. Not nfe, which also counts prefill
         # chunks, whose number depends on what else shared the token budget.
         self.num_predict_steps = 0

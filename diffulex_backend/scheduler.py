@@ -106,6 +106,8 @@ class Scheduler:
         an error delta per request whose logits were not finite; the requests whose delta finishes them are finished
         here."""
         running = {req.request_id: req for req in self.running}
+        for plan in sched.plans:  # every request of the plan took part in the forward, one that fails in it too
+            running[plan.request_id].nfe += 1
         # A request whose logits were not finite ends before anything of its step is applied: its tokens are noise,
         # and its pages go back to the pool without being offered to the prefix cache.
         deltas = [self._fail_non_finite(running.pop(request_id)) for request_id in result.non_finite_logits]

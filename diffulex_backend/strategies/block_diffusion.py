@@ -78,7 +78,6 @@ class BlockDiffusionRequest(Request):
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.num_cached = max(self.num_cached, min(plan.end, self.committed_end))
-        self.nfe += 1
         if plan.blocks:
             self.steps_in_block += 1
             self.num_predict_steps += 1

@@ -194,7 +194,6 @@ class DiffusionGemmaRequest(Request):
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.num_cached = max(self.num_cached, min(plan.end, self.committed_end))
-        self.nfe += 1
         if plan.blocks:
             self.num_predict_steps += 1
 

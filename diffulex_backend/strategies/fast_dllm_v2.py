@@ -111,7 +111,6 @@ class FastDLLMv2Request(Request):
 
     def after_forward(self, plan: SeqPlan) -> None:
         self.num_cached = max(self.num_cached, plan.start + int(np.count_nonzero(plan.cache_index >= 0)))
-        self.nfe += 1
         if plan.blocks:
             self.steps_in_block += 1
             self.num_predict_steps += 1

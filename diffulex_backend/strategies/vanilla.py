@@ -33,7 +33,6 @@ class FullAttentionRequest(Request):
                               block_ids=np.zeros(self.seq_len, dtype=np.int32), blocks=[self.current_block()])
 
     def after_forward(self, plan: SeqPlan) -> None:
-        self.nfe += 1
         self.num_predict_steps += 1
         self.steps_in_block += 1
 

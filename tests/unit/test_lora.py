@@ -338,8 +338,11 @@ def test_a_request_whose_adapter_overflows_fails_alone_in_its_batch_and_frees_it
     failing = llm.add_request("a request under the adapter", with_lora("huge"))
     healthy = llm.add_request("a request without an adapter", PARAMS)
     streams = {failing: Stream(failing), healthy: Stream(healthy)}
+    forwards_of_failing = 0
     while llm.has_unfinished_requests():
-        for delta in step_checked(llm):
+        deltas = step_checked(llm)
+        forwards_of_failing += failing in {plan.request_id for plan in llm.last_schedule.plans}
+        for delta in deltas:
             streams[delta.request_id].deltas.append(delta)
             if delta.request_id == failing:
                 assert {plan.request_id for plan in llm.last_schedule.plans} == {failing, healthy}  # one batch
@@ -348,6 +351,7 @@ def test_a_request_whose_adapter_overflows_fails_alone_in_its_batch_and_frees_it
     (error,) = streams[failing].deltas
     assert (error.token_ids, error.finished, error.finish_reason) == ([], True, FinishReason.ERROR)
     assert error.error == NON_FINITE_ERROR
+    assert error.nfe == forwards_of_failing  # the forward that failed it counts
     assert streams[healthy].token_ids == alone.token_ids
     assert streams[healthy].finish_reason == alone.finish_reason == FinishReason.LENGTH
     assert llm.metrics().kv_pages_used == 0
