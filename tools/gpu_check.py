@@ -19,7 +19,7 @@ check within its time limit, these run on CI's CPU only: request parsing and the
 hostile requests, perf_analyzer, genai-perf).
 On a machine of several GPUs the sections are shared out, longest first, and the GPUs run their shares at once,
 each section in a process that sees its GPU alone; each section's `seconds` is about what it took on two H200s
-sharing them. One after another the four take about 930 s on one H200 (docs/gpu-check.md), more than the time
+sharing them. One after another the four take about 850 s on one H200 (docs/gpu-check.md), more than the time
 limit allows: on one GPU they run as two or three commands of a few sections each (--only). A section that needs
 two GPUs runs after the shares, seeing the first two.
 
