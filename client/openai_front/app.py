@@ -16,6 +16,7 @@ import re
 import time
 import uuid
 from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
 from http import HTTPStatus
 
 from fastapi import FastAPI, Request
@@ -61,6 +62,10 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
     template = chat_template or ChatTemplate.load(settings.tokenizer, settings.chat_template)
     names = TokenNames(template.tokenizer)
     created = int(time.time())
+    # Rendering and tokenizing a conversation takes seconds for a prompt of a megabyte: it runs off the event loop,
+    # which goes on serving every other request meanwhile. One thread, because a tokenizer is not made to be called
+    # from several at once.
+    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -72,6 +77,7 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
         try:
             yield
         finally:
+            tokenizing.shutdown(wait=False, cancel_futures=True)
             await watch.stop()
             await client.close()
 
@@ -105,7 +111,8 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
     async def chat_completions(request: Request):
         body = await _parsed(request, ChatCompletionRequest)
         _check_request(body, settings.model)
-        requests = triton_requests(body, [template.prompt_ids(body.messages)])
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(tokenizing, template.prompt_ids, body.messages)
+        requests = triton_requests(body, [prompt_ids])
         return await _answer(request, body, requests, settings.model, names, chat=True)
 
     return RequestGuard(app, settings.max_body_bytes, settings.api_key)

@@ -42,12 +42,12 @@ async def generate(client: grpcclient_aio.InferenceServerClient, model: str, req
     pumps = [asyncio.create_task(pump(r, s)) for r, s in zip(requests, streams)]
     ended = asyncio.create_task(open_request.ended.wait())
     unfinished = len(requests)
+    arrival: asyncio.Task | None = None
     try:
         while unfinished:
             arrival = asyncio.create_task(arrivals.get())
             done, _ = await asyncio.wait({arrival, ended}, return_when=asyncio.FIRST_COMPLETED)
             if arrival not in done:
-                arrival.cancel()
                 raise open_request.error
             request, item = arrival.result()
             if isinstance(item, TritonStreamError):
@@ -56,6 +56,10 @@ async def generate(client: grpcclient_aio.InferenceServerClient, model: str, req
                 unfinished -= 1
             yield ChoiceResponse(request, item)
     finally:
+        # The wait for the next arrival is still pending when the request ends from outside or the handler is
+        # cancelled (its client left); cancelled here, it leaves no task behind.
+        if arrival is not None:
+            arrival.cancel()
         ended.cancel()
         for task in pumps:
             task.cancel()

@@ -6,16 +6,23 @@ import json
 import socket
 import subprocess
 import sys
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
 import pytest
+import uvicorn
 from front_requests import (
-    API_KEY, DEMO_CHECKPOINT, error_in, error_of, generation_tokens, kv_pages_used, post, wait_for_kv_pages_used)
+    API_KEY, DEMO_CHECKPOINT, DEMO_MODEL, error_in, error_of, generation_tokens, kv_pages_used, post,
+    wait_for_kv_pages_used)
 
 from diffulex_backend import SamplingParams
+from diffulex_client.openai_front.app import create_app
+from diffulex_client.openai_front.chat_template import ChatTemplate
 from diffulex_client.openai_front.cli import API_KEY_VARIABLE, build_parser
+from diffulex_client.openai_front.settings import FrontSettings
 
 # About a second of decoding for the test model: long enough to leave in the middle of it.
 LONG = {"model": "diffulex", "prompt": "hello", "max_tokens": 500, "ignore_eos": True, "temperature": 0}
@@ -76,15 +83,21 @@ def test_errors_before_parsing_come_in_openais_shape(front):
     assert (error["param"], error["message"]) == ("model", "model: Field required")
 
 
-def test_a_client_that_leaves_a_stream_frees_its_kv_pages(front, server):
+def test_a_client_that_leaves_a_stream_frees_its_kv_pages_and_leaves_no_task_behind(front, server):
     assert wait_for_kv_pages_used(server, 0) == 0
     sent_before = generation_tokens(server)
-    with httpx.stream("POST", f"{front.url}/v1/completions", json={**LONG, "stream": True},
-                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
-        lines = response.iter_lines()
-        assert next(lines).startswith("data: ")
-    assert wait_for_kv_pages_used(server, 0) == 0
-    assert generation_tokens(server) - sent_before < LONG["max_tokens"]  # cancelled, not run to its end
+    log_before = front.log_path.read_text(errors="replace")
+    for _ in range(3):
+        with httpx.stream("POST", f"{front.url}/v1/completions", json={**LONG, "stream": True},
+                          headers={"Authorization": f"Bearer {API_KEY}"}, timeout=60) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        assert wait_for_kv_pages_used(server, 0) == 0
+    assert generation_tokens(server) - sent_before < 3 * LONG["max_tokens"]  # cancelled, not run to their ends
+    # The handler's wait for the next response is cancelled with it: asyncio reports a task destroyed while
+    # pending in the front's log otherwise.
+    logged = front.log_path.read_text(errors="replace").removeprefix(log_before)
+    assert "Task was destroyed but it is pending" not in logged, logged[-3000:]
 
 
 def test_a_client_that_leaves_a_whole_completion_frees_its_kv_pages(front, server):
@@ -192,3 +205,56 @@ def test_a_client_that_stops_reading_a_stream_and_then_leaves_frees_its_kv_pages
     # The next client is served whole.
     after = post(front, "/v1/completions", {**LONG, "max_tokens": 8}, API_KEY)
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
+
+
+class HeldTemplate(ChatTemplate):
+    """The demo checkpoint's chat template, whose tokenizing of a conversation waits until the test releases it, as
+    a conversation of a megabyte keeps it busy for seconds."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.entered, self.released = threading.Event(), threading.Event()
+
+    def prompt_ids(self, messages):
+        self.entered.set()
+        assert self.released.wait(60), "never released"
+        return super().prompt_ids(messages)
+
+
+def test_a_conversation_being_tokenized_holds_up_no_other_request(server, demo_front):
+    """While one chat's conversation is rendered and tokenized, the front answers /health and completions at once,
+    and the chat is answered when its tokenizing ends. On the event loop the tokenizing held up every request."""
+    template = HeldTemplate.load(DEMO_CHECKPOINT, None)
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    settings = FrontSettings(triton_url=server.grpc_url, model=DEMO_MODEL, port=port)
+    front = uvicorn.Server(uvicorn.Config(create_app(settings, template), host="127.0.0.1", port=port,
+                                          log_level="warning"))
+    thread = threading.Thread(target=front.run)
+    thread.start()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 30
+        while not front.started:
+            assert time.monotonic() < deadline and thread.is_alive(), "the front never started"
+            time.sleep(0.05)
+        with ThreadPoolExecutor(1) as pool:
+            chat = pool.submit(httpx.post, f"{url}/v1/chat/completions", timeout=60, json={
+                "model": DEMO_MODEL, "messages": [{"role": "user", "content": "12+34="}], "max_tokens": 8,
+                "ignore_eos": True})
+            try:
+                assert template.entered.wait(30), "the chat never reached its tokenizing"
+                assert httpx.get(f"{url}/health", timeout=10).json()["status"] == "ready"
+                completion = httpx.post(f"{url}/v1/completions", timeout=60, json={
+                    "model": DEMO_MODEL, "prompt": "12+34=", "max_tokens": 8, "ignore_eos": True})
+                assert completion.status_code == 200 and completion.json()["usage"]["completion_tokens"] == 8
+                assert not chat.done()
+            finally:
+                template.released.set()
+            answer = chat.result()
+        assert answer.status_code == 200, answer.text
+        assert answer.json()["usage"]["completion_tokens"] == 8
+    finally:
+        front.should_exit = True
+        thread.join(30)
