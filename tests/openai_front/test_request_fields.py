@@ -124,6 +124,10 @@ WRONG_TYPES_COMPLETION = [
     ("prompt", 5, "prompt"), ("stop", [1], "stop"), ("stream_options", {"include_usage": "yes"},
                                                     "stream_options.include_usage"),
     ("logit_bias", {"5": True}, "logit_bias.5"),
+    # The model's own settings, which the model would convert from a string (as Triton's request parameters send
+    # them).
+    ("min_tokens", "5", "min_tokens"), ("ignore_eos", " YES ", "ignore_eos"),
+    ("accept_threshold", "0.5", "accept_threshold"),
 ]
 WRONG_TYPES_CHAT = [
     ("logprobs", 1, "logprobs"), ("top_logprobs", True, "top_logprobs"),
@@ -201,6 +205,25 @@ def test_a_model_refusal_names_the_field_at_fault(front, fields, param, code):
     assert response.status_code == 400, response.text
     error = error_in(response.text)
     assert (error["param"], error["code"]) == (param, code), error
+
+
+@pytest.mark.parametrize("fields, param", [
+    ({"stop": "x" * 70_000}, "stop"),
+    ({"stop": ["y" * 1100] * 64}, "stop"),
+    ({"stop_token_ids": [[[[[[[[[1]]]]]]]]]}, "stop_token_ids"),
+    ({"lora_name": "a", "stop_token_ids": [7] * 25_000}, "stop_token_ids"),
+], ids=lambda value: str(value)[:60])
+def test_sampling_parameters_too_large_or_too_deep_for_the_model_name_their_field(front, fields, param):
+    """The model takes its sampling parameters as one JSON input of at most 65536 characters and 8 levels; the
+    front refuses a request past either bound by the field that takes it there, where the model's refusal would
+    name its input."""
+    response = post(front, "/v1/completions", {**COMPLETION, **fields}, API_KEY)
+    assert response.status_code == 400, response.text
+    error = error_in(response.text)
+    assert error["param"] == param and error["message"].startswith(param), error
+    assert "sampling_parameters" not in error["message"]
+    # Within the bounds the same field reaches the model.
+    assert post(front, "/v1/completions", {**COMPLETION, "stop": "x" * 100}, API_KEY).status_code == 200
 
 
 def test_a_chat_too_long_for_the_model_names_its_messages(demo_front):
