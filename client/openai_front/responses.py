@@ -7,7 +7,8 @@ Log-probabilities come with the model's responses, aligned with their tokens, wh
 token is named by its text as the tokenizer decodes it alone, or `token_id:N` (as vLLM's
 --return-tokens-as-token-ids writes it) when the front runs without --tokenizer. Its `bytes` are the token's own
 (token_bytes.py), and a completion's `text_offset` counts the characters its choice's bytes make before it, so that a
-token inside a character shares that character's offset; without --tokenizer a name's bytes stand for the token's.
+token inside a character shares that character's offset; a special token (EOS), which the text leaves out, adds
+none. Without --tokenizer a name's bytes stand for the token's.
 """
 
 from __future__ import annotations
@@ -42,9 +43,26 @@ class TokenNames:
         self._tokenizer = tokenizer
         self._names: dict[int, str] = {}
         self._bytes = None if tokenizer is None else TokenBytes(tokenizer)
+        # The model's text leaves these out (it decodes with skip_special_tokens).
+        self._special = frozenset() if tokenizer is None else frozenset(tokenizer.all_special_ids)
 
     def bytes_of(self, token_id: int) -> bytes:
         return self(token_id).encode("utf-8") if self._bytes is None else self._bytes(token_id)
+
+    def text_bytes_of(self, token_id: int) -> bytes:
+        """The bytes the token adds to the choice's text: none for a special token, which the text leaves out."""
+        return b"" if token_id in self._special else self.bytes_of(token_id)
+
+    def row(self, alternatives) -> dict[str, float]:
+        """A completion's top-logprobs row, name -> log-probability. Tokens whose texts are the same (byte tokens
+        that each decode to U+FFFD) share one name, which keeps the most likely one's: such a row holds fewer
+        names than it has alternatives."""
+        named: dict[str, float] = {}
+        for token_id, logprob in alternatives:
+            name = self(token_id)
+            if name not in named or logprob > named[name]:
+                named[name] = logprob
+        return named
 
     def __call__(self, token_id: int) -> str:
         if self._tokenizer is None:
@@ -94,9 +112,9 @@ class LogprobsFormat:
         offsets = []
         for token_id in run.token_ids:
             offsets.append(characters)
-            characters += len(decoder.decode(self.names.bytes_of(token_id)))
+            characters += len(decoder.decode(self.names.text_bytes_of(token_id)))
         self.texts[index] = characters, decoder
-        top = None if run.top is None else [{self.names(t): lp for t, lp in row} for row in run.top]
+        top = None if run.top is None else [self.names.row(row) for row in run.top]
         return CompletionLogprobs(text_offset=offsets, token_logprobs=run.logprobs,
                                   tokens=[self.names(t) for t in run.token_ids], top_logprobs=top)
 

@@ -55,6 +55,24 @@ def test_a_completion_without_logprobs_has_none(client):
     assert completion.choices[0].logprobs is None
 
 
+def test_a_completions_offsets_and_top_rows_follow_its_text_with_a_tokenizer(demo_client):
+    """With the demo's tokenizer: the EOS token, which the text leaves out, adds nothing to the offsets, so none
+    points past the text; and alternatives whose texts are the same (byte tokens that decode to U+FFFD) share a name
+    that keeps the most likely one's log-probability, so each row's values fall in the order of the model's."""
+    completion = demo_client.completions.create(model="diffulex_openai_demo", prompt="12+34=", max_tokens=8,
+                                                temperature=0, logprobs=20, extra_body={"ignore_eos": True})
+    choice = completion.choices[0]
+    logprobs = choice.logprobs
+    assert "<|endoftext|>" in logprobs.tokens and "<|endoftext|>" not in choice.text  # the case at hand
+    texts = ["" if token == "<|endoftext|>" else token for token in logprobs.tokens]
+    assert "".join(texts) == choice.text
+    assert logprobs.text_offset == [len("".join(texts[:i])) for i in range(len(texts))]
+    assert all(offset <= len(choice.text) for offset in logprobs.text_offset)
+    rows = [list(row.values()) for row in logprobs.top_logprobs]
+    assert any(len(row) < 20 for row in rows)  # some row holds alternatives of the same text
+    assert all(row == sorted(row, reverse=True) for row in rows), rows
+
+
 def test_chat_logprobs_are_per_token_with_top_logprobs(demo_client):
     body = dict(model="diffulex_openai_demo", messages=[{"role": "user", "content": "1+2="}], max_tokens=8,
                 temperature=0)
