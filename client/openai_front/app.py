@@ -125,7 +125,7 @@ async def _parsed(request: Request, schema: type[BaseModel]):
     try:
         parsed = schema.model_validate_json(raw)
     except ValidationError as err:
-        raise _validation_error(err.errors()) from None
+        raise _validation_error(err.errors(), _json_value(raw)) from None
     # Parsed once more for its keys alone: the schema's parser keeps a repeated key's last value, which would answer
     # a question the client asked twice, two ways, by one of them. Its depth is the schema parser's, far under
     # Python's recursion limit.
@@ -140,11 +140,20 @@ def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
     return dict(pairs)
 
 
-def _validation_error(problems) -> OpenAIError:
+def _json_value(raw: bytes):
+    """The body as JSON, or None where it is not JSON that Python's parser reads."""
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError):
+        return None
+
+
+def _validation_error(problems, body=None) -> OpenAIError:
     """The 400 of the first problem: its field's path as `param` (`messages[0].role`), and, where the field takes
-    one of several forms (`prompt`), the forms it may take, since each form's own message tells only half."""
+    one of several forms (`prompt`), the forms it may take, since each form's own message tells only half. `body`,
+    the request's JSON where it has been read, tells the client's own keys from the forms' names."""
     problem = problems[0] if problems else {"loc": (), "msg": "invalid request"}
-    path, forms = _field_path(problem.get("loc", ()))
+    path, forms = _field_path(problem.get("loc", ()), body)
     message = f"{path}: {problem.get('msg')}" if path else str(problem.get("msg"))
     if forms:  # each form pydantic tried for this field is a problem of its own, the form at the same place
         place = tuple(problem["loc"]).index(forms[0])
@@ -157,19 +166,23 @@ def _validation_error(problems) -> OpenAIError:
     return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=path or None)
 
 
-def _field_path(location) -> tuple[str, list[str]]:
+def _field_path(location, body=None) -> tuple[str, list[str]]:
     """A validation error's location as the field's path (`messages[0].content`), and the forms of a field of
-    several that pydantic names in it (`str`, `list[int]`), which are not fields."""
-    path, forms = "", []
+    several that pydantic names in it (`str`, `list[int]`), which are not fields. A key of the client's object
+    (`logit_bias`'s, `metadata`'s) that reads like a form's name is a key: the body, followed along the location,
+    holds it."""
+    path, forms, node = "", [], body
     for part in location:
         if part == "body":
             continue
         if isinstance(part, int):
             path += f"[{part}]"
-        elif UNION_FORM.fullmatch(str(part)):
-            forms.append(str(part))
-        else:
+            node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
+        elif (isinstance(node, dict) and part in node) or not UNION_FORM.fullmatch(str(part)):
             path += f".{part}" if path else str(part)
+            node = node.get(part) if isinstance(node, dict) else None
+        else:
+            forms.append(str(part))
     return path, forms
 
 

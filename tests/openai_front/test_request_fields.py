@@ -123,7 +123,7 @@ WRONG_TYPES_COMPLETION = [
     ("stream", "yes", "stream"), ("logprobs", True, "logprobs"), ("prompt", [True, False], "prompt"),
     ("prompt", 5, "prompt"), ("stop", [1], "stop"), ("stream_options", {"include_usage": "yes"},
                                                     "stream_options.include_usage"),
-    ("logit_bias", {"5": True}, "logit_bias.5"),
+    ("logit_bias", {"5": True}, "logit_bias.5"), ("logit_bias", {"int": "x"}, "logit_bias.int"),
     # The model's own settings, which the model would convert from a string (as Triton's request parameters send
     # them).
     ("min_tokens", "5", "min_tokens"), ("ignore_eos", " YES ", "ignore_eos"),
@@ -134,6 +134,7 @@ WRONG_TYPES_CHAT = [
     ("max_completion_tokens", True, "max_completion_tokens"), ("messages", [{"role": "user", "content": 5}],
                                                               "messages[0].content"),
     ("messages", [{"content": "hi"}], "messages[0].role"), ("parallel_tool_calls", 0, "parallel_tool_calls"),
+    ("metadata", {"str": 5}, "metadata.str"),
 ]
 
 
