@@ -21,9 +21,10 @@ from http import HTTPStatus
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from diffulex_backend.serving.request_parsing import repeated_key
 
@@ -319,6 +320,13 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, err: RequestValidationError):
         return _validation_error(err.errors()).response()
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_left(request: Request, err: ClientDisconnect):
+        # The client closed its connection before its body came whole: no one is left to answer, and nothing of
+        # the server's went wrong, so one line says so where the handler of the unexpected logged two tracebacks.
+        log.info("the client closed the connection before its request body on %s came whole", request.url.path)
+        return Response(status_code=HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(Exception)
     async def unexpected_error(request: Request, err: Exception):

@@ -207,6 +207,22 @@ def test_a_client_that_stops_reading_a_stream_and_then_leaves_frees_its_kv_pages
     assert after.status_code == 200 and after.json()["usage"]["completion_tokens"] == 8
 
 
+def test_a_client_that_leaves_while_sending_its_body_gets_one_line_of_log_and_no_error(front):
+    """A client that declares 100 bytes of body, sends 9 and closes: the front logs one line that says so, no
+    error and no traceback (which a client could repeat to flood the log), and serves on."""
+    log_before = front.log_path.read_text(errors="replace")
+    with socket.create_connection(("127.0.0.1", front.port), timeout=10) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                     b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\":")
+    deadline = time.monotonic() + 10
+    while "before its request body" not in front.log_path.read_text(errors="replace").removeprefix(log_before):
+        assert time.monotonic() < deadline, front.log_tail()
+        time.sleep(0.05)
+    assert post(front, "/v1/completions", {**LONG, "max_tokens": 4}, API_KEY).status_code == 200
+    logged = front.log_path.read_text(errors="replace").removeprefix(log_before)
+    assert "ERROR" not in logged and "Traceback" not in logged, logged[-3000:]
+
+
 class HeldTemplate(ChatTemplate):
     """The demo checkpoint's chat template, whose tokenizing of a conversation waits until the test releases it, as
     a conversation of a megabyte keeps it busy for seconds."""
