@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS
+from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, _json_depth
 
 from .errors import bad_request
 from .refusals import EXTRA_SAMPLING_FIELDS
@@ -138,27 +138,18 @@ def triton_requests(request: CompletionRequest | ChatCompletionRequest,
 
 
 def check_fits_the_model(sampling: dict) -> None:
-    """The model takes its sampling parameters as one JSON object of bounded size and depth; past either bound this
-    names the field that takes it there, which the model, seeing one input, cannot. The seed's digits are counted
-    in."""
+    """The model takes its sampling parameters as one JSON object of bounded size and depth, measured as the model
+    measures them; past either bound this names the field that takes it there, which the model, seeing one input,
+    cannot. The largest seed's digits are counted in."""
     for name, value in sampling.items():
-        if 1 + _depth(value) > MAX_JSON_DEPTH:
-            raise bad_request(f"{name}: nested {_depth(value)} levels deep; the model takes its sampling parameters "
-                              f"at most {MAX_JSON_DEPTH} deep, the object that holds them included", param=name)
+        if _json_depth(json.dumps({name: value})) > MAX_JSON_DEPTH:
+            raise bad_request(f"{name}: nested too deep; the model takes its sampling parameters at most "
+                              f"{MAX_JSON_DEPTH} levels deep, the object that holds them included", param=name)
     size = len(json.dumps({**sampling, "seed": SEED_MODULUS - 1}))
     if size > MAX_PARAMETERS_CHARS:
         name = max(sampling, key=lambda key: len(json.dumps(sampling[key])))
         raise bad_request(f"{name}: too large; the model takes at most {MAX_PARAMETERS_CHARS} characters of "
                           f"sampling parameters as JSON, and these come to {size}", param=name)
-
-
-def _depth(value) -> int:
-    """The nesting of lists and objects in a JSON value: 0 for a scalar."""
-    if isinstance(value, list):
-        return 1 + max(map(_depth, value), default=0)
-    if isinstance(value, dict):
-        return 1 + max(map(_depth, value.values()), default=0)
-    return 0
 
 
 def _tensor(name: str, datatype: str, array: np.ndarray) -> grpcclient.InferInput:

@@ -63,10 +63,6 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
     template = chat_template or ChatTemplate.load(settings.tokenizer, settings.chat_template)
     names = TokenNames(template.tokenizer)
     created = int(time.time())
-    # Rendering and tokenizing a conversation takes seconds for a prompt of a megabyte: it runs off the event loop,
-    # which goes on serving every other request meanwhile. One thread, because a tokenizer is not made to be called
-    # from several at once.
-    tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -74,7 +70,10 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
         watch = ReadinessWatch(client, settings.model, settings.triton_url)
         await watch.poll()
         watch.start()
-        app.state.client, app.state.watch = client, watch
+        # Rendering and tokenizing a conversation takes seconds for a prompt of a megabyte: it runs in this thread,
+        # off the event loop, which serves every other request meanwhile. One chat waits for the one before it.
+        tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="chat-template")
+        app.state.client, app.state.watch, app.state.tokenizing = client, watch, tokenizing
         try:
             yield
         finally:
@@ -112,7 +111,8 @@ def create_app(settings: FrontSettings, chat_template: ChatTemplate | None = Non
     async def chat_completions(request: Request):
         body = await _parsed(request, ChatCompletionRequest)
         _check_request(body, settings.model)
-        prompt_ids = await asyncio.get_running_loop().run_in_executor(tokenizing, template.prompt_ids, body.messages)
+        prompt_ids = await asyncio.get_running_loop().run_in_executor(request.app.state.tokenizing,
+                                                                      template.prompt_ids, body.messages)
         requests = triton_requests(body, [prompt_ids])
         return await _answer(request, body, requests, settings.model, names, chat=True)
 
@@ -126,7 +126,10 @@ async def _parsed(request: Request, schema: type[BaseModel]):
     try:
         parsed = schema.model_validate_json(raw)
     except ValidationError as err:
-        raise _validation_error(err.errors(), _json_value(raw)) from None
+        problems = err.errors()
+        # The body tells a key of the client's from a form's name, where a name in the location reads like one.
+        forms_named = any(UNION_FORM.fullmatch(str(part)) for problem in problems for part in problem["loc"])
+        raise _validation_error(problems, _json_value(raw) if forms_named else None) from None
     # Parsed once more for its keys alone: the schema's parser keeps a repeated key's last value, which would answer
     # a question the client asked twice, two ways, by one of them. Its depth is the schema parser's, far under
     # Python's recursion limit.
@@ -154,7 +157,7 @@ def _validation_error(problems, body=None) -> OpenAIError:
     one of several forms (`prompt`), the forms it may take, since each form's own message tells only half. `body`,
     the request's JSON where it has been read, tells the client's own keys from the forms' names."""
     problem = problems[0] if problems else {"loc": (), "msg": "invalid request"}
-    path, forms = _field_path(problem.get("loc", ()), body)
+    path, forms = _field_path(problem.get("loc", ()), body, problems)
     message = f"{path}: {problem.get('msg')}" if path else str(problem.get("msg"))
     if forms:  # each form pydantic tried for this field is a problem of its own, the form at the same place
         place = tuple(problem["loc"]).index(forms[0])
@@ -167,24 +170,32 @@ def _validation_error(problems, body=None) -> OpenAIError:
     return OpenAIError(HTTPStatus.BAD_REQUEST, message, param=path or None)
 
 
-def _field_path(location, body=None) -> tuple[str, list[str]]:
+def _field_path(location, body=None, problems=()) -> tuple[str, list[str]]:
     """A validation error's location as the field's path (`messages[0].content`), and the forms of a field of
-    several that pydantic names in it (`str`, `list[int]`), which are not fields. A key of the client's object
-    (`logit_bias`'s, `metadata`'s) that reads like a form's name is a key: the body, followed along the location,
-    holds it."""
+    several that pydantic names in it (`str`, `list[int]`), which are not fields. A name that reads like a form's is
+    a key of the client's object (`logit_bias`'s "int") where the body, followed along the location, holds it and
+    every other problem at that place names a key of it too: a field of several forms gets a problem for each form,
+    and not every form's name is a key of the object given for it."""
     path, forms, node = "", [], body
-    for part in location:
+    for place, part in enumerate(location):
         if part == "body":
             continue
         if isinstance(part, int):
             path += f"[{part}]"
             node = node[part] if isinstance(node, list) and 0 <= part < len(node) else None
-        elif (isinstance(node, dict) and part in node) or not UNION_FORM.fullmatch(str(part)):
+        elif not UNION_FORM.fullmatch(str(part)) or _keys_of(node, location[:place], problems):
             path += f".{part}" if path else str(part)
             node = node.get(part) if isinstance(node, dict) else None
         else:
             forms.append(str(part))
     return path, forms
+
+
+def _keys_of(node, place: tuple, problems) -> bool:
+    """Whether every problem at `place` names a key of `node` there."""
+    named = {problem["loc"][len(place)] for problem in problems
+             if tuple(problem["loc"][:len(place)]) == tuple(place) and len(problem["loc"]) > len(place)}
+    return isinstance(node, dict) and bool(named) and named <= node.keys()
 
 
 def _check_model(name: str, served: str) -> None:
@@ -323,9 +334,9 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(ClientDisconnect)
     async def client_left(request: Request, err: ClientDisconnect):
-        # The client closed its connection before its body came whole: no one is left to answer, and nothing of
+        # The client closed its connection before its request was read: no one is left to answer, and nothing of
         # the server's went wrong, so one line says so where the handler of the unexpected logged two tracebacks.
-        log.info("the client closed the connection before its request body on %s came whole", request.url.path)
+        log.info("the client closed the connection before its request on %s was read", request.url.path)
         return Response(status_code=HTTPStatus.BAD_REQUEST)
 
     @app.exception_handler(Exception)

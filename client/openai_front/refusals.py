@@ -29,9 +29,9 @@ OPENAI_SAMPLING_FIELDS = ("max_tokens", "temperature", "top_p", "seed", "stop", 
 EXTRA_SAMPLING_FIELDS = tuple(name for name in SamplingParams.field_names() if name not in OPENAI_SAMPLING_FIELDS)
 
 NO_TOOLS = "tools and function calling are not supported by this server"
-# The model's settings that take a JSON number or boolean. The model converts a string given for one, as Triton's
-# request parameters and TensorRT-LLM's clients send them; in JSON "5" is not 5, so the front refuses it.
-NOT_A_STRING = {bool: "true or false", int: "an integer", float: "a number"}
+# What a setting of each of these types takes, in words. The model converts a string given for such a setting, as
+# Triton's request parameters and TensorRT-LLM's clients send them; in JSON "5" is not 5, so the front refuses it.
+KIND_WORDS = {bool: "true or false", int: "an integer", float: "a number"}
 
 
 def _absent(value) -> bool:
@@ -98,7 +98,7 @@ def refuse_unsupported(request: BaseModel) -> None:
                               code="unknown_parameter")
         if not _finite(value):  # JSON's 1e400 reads as infinity, which the model's JSON cannot carry
             raise bad_request(f"'{name}' must hold finite numbers only", param=name)
-        if isinstance(value, str) and (kind := NOT_A_STRING.get(FIELD_TYPES[name])) is not None:
+        if isinstance(value, str) and (kind := KIND_WORDS.get(FIELD_TYPES[name])) is not None:
             raise bad_request(f"{name}: must be {kind}, not a string", param=name)
 
 

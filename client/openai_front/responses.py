@@ -43,8 +43,10 @@ class TokenNames:
         self._tokenizer = tokenizer
         self._names: dict[int, str] = {}
         self._bytes = None if tokenizer is None else TokenBytes(tokenizer)
-        # The model's text leaves these out (it decodes with skip_special_tokens).
-        self._special = frozenset() if tokenizer is None else frozenset(tokenizer.all_special_ids)
+        # The model's text leaves these out: it decodes with skip_special_tokens, which drops the named special
+        # tokens and every added token marked special.
+        self._special = frozenset() if tokenizer is None else frozenset(tokenizer.all_special_ids) | {
+            token_id for token_id, token in tokenizer.added_tokens_decoder.items() if token.special}
 
     def bytes_of(self, token_id: int) -> bytes:
         return self(token_id).encode("utf-8") if self._bytes is None else self._bytes(token_id)

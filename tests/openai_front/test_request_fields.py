@@ -124,6 +124,7 @@ WRONG_TYPES_COMPLETION = [
     ("prompt", 5, "prompt"), ("stop", [1], "stop"), ("stream_options", {"include_usage": "yes"},
                                                     "stream_options.include_usage"),
     ("logit_bias", {"5": True}, "logit_bias.5"), ("logit_bias", {"int": "x"}, "logit_bias.int"),
+    ("prompt", {"str": "x"}, "prompt"), ("stop", {"str": "x"}, "stop"),
     # The model's own settings, which the model would convert from a string (as Triton's request parameters send
     # them).
     ("min_tokens", "5", "min_tokens"), ("ignore_eos", " YES ", "ignore_eos"),

@@ -215,7 +215,7 @@ def test_a_client_that_leaves_while_sending_its_body_gets_one_line_of_log_and_no
         sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
                      b"Authorization: Bearer " + API_KEY.encode() + b"\r\nContent-Length: 100\r\n\r\n{\"model\":")
     deadline = time.monotonic() + 10
-    while "before its request body" not in front.log_path.read_text(errors="replace").removeprefix(log_before):
+    while "before its request on" not in front.log_path.read_text(errors="replace").removeprefix(log_before):
         assert time.monotonic() < deadline, front.log_tail()
         time.sleep(0.05)
     assert post(front, "/v1/completions", {**LONG, "max_tokens": 4}, API_KEY).status_code == 200
