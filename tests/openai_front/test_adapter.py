@@ -6,6 +6,7 @@ import json
 import pytest
 
 from diffulex_backend.scheduler import non_finite_message
+from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, _json_depth
 from diffulex_client.openai_front.adapter import MAX_CHOICES, SEED_MODULUS, completion_prompts, triton_requests
 from diffulex_client.openai_front.errors import OpenAIError
 from diffulex_client.openai_front.schemas import ChatCompletionRequest, CompletionRequest
@@ -76,6 +77,31 @@ def test_bounds_are_400s_naming_the_field(fields, param):
     with pytest.raises(OpenAIError) as caught:
         triton_requests(request, completion_prompts(request))
     assert (caught.value.status, caught.value.param) == (400, param)
+
+
+def test_sampling_parameters_at_the_models_bounds_pass_and_one_past_them_are_refused_by_their_field():
+    """Depth: the model takes 8 levels, the object that holds the parameters included. Size: 65536 characters of
+    JSON with the largest seed; every copy's JSON, whatever its seed, then fits."""
+    def nested(depth):
+        return [nested(depth - 1)] if depth > 1 else [1]
+
+    for depth, refused in ((7, False), (8, True)):
+        request = completion(stop_token_ids=nested(depth))  # the object is the 8th or 9th level
+        if refused:
+            with pytest.raises(OpenAIError) as caught:
+                triton_requests(request, completion_prompts(request))
+            assert (caught.value.status, caught.value.param) == (400, "stop_token_ids")
+        else:
+            (choice,) = triton_requests(request, completion_prompts(request))
+            assert _json_depth(choice.sampling_json()) == MAX_JSON_DEPTH
+    base = len(json.dumps({"stop": [""], "seed": SEED_MODULUS - 1}))
+    fitting = completion(stop="x" * (MAX_PARAMETERS_CHARS - base), n=3, seed=SEED_MODULUS - 2)
+    assert all(len(choice.sampling_json()) <= MAX_PARAMETERS_CHARS
+               for choice in triton_requests(fitting, completion_prompts(fitting)))
+    past = completion(stop="x" * (MAX_PARAMETERS_CHARS - base + 1))
+    with pytest.raises(OpenAIError) as caught:
+        triton_requests(past, completion_prompts(past))
+    assert (caught.value.status, caught.value.param) == (400, "stop")
 
 
 @pytest.mark.parametrize("message, kind", [

@@ -4,6 +4,7 @@ given a decision here and in the front."""
 
 import json
 import typing
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 from front_requests import API_KEY, error_in, post
@@ -11,7 +12,8 @@ from openai.types import completion_create_params
 from openai.types.chat import completion_create_params as chat_create_params
 
 from diffulex_backend import SamplingParams
-from diffulex_client.openai_front.refusals import EXTRA_SAMPLING_FIELDS
+from diffulex_backend.serving.request_parsing import FIELD_TYPES
+from diffulex_client.openai_front.refusals import EXTRA_SAMPLING_FIELDS, KIND_WORDS
 
 BASE = {"model": "diffulex", "max_tokens": 4, "temperature": 0}
 COMPLETION = {**BASE, "prompt": "hello"}
@@ -159,6 +161,23 @@ def test_a_field_of_several_forms_names_them_all(front):
     error = error_in(response.text)
     assert error["param"] == "prompt"
     assert error["message"] == "prompt must take one of the forms str, list[str], list[int], list[list[int]]"
+
+
+STRING_REFUSED = sorted(name for name in EXTRA_SAMPLING_FIELDS if FIELD_TYPES[name] in KIND_WORDS)
+
+
+@pytest.mark.parametrize("name", STRING_REFUSED)
+def test_every_model_setting_of_a_number_or_boolean_refuses_a_string_beside_a_request_that_is_served(front, name):
+    """The class of the rows above: each of the model's settings that takes a number or a boolean refuses its value
+    as a string, which the model would convert, and a request sent with it is served."""
+    good = {**COMPLETION, "max_tokens": 4}
+    with ThreadPoolExecutor(2) as pool:
+        served = pool.submit(post, front, "/v1/completions", good, API_KEY)
+        refused = post(front, "/v1/completions", {**COMPLETION, name: "1"}, API_KEY)
+        assert served.result().status_code == 200
+    assert refused.status_code == 400, refused.text
+    error = error_in(refused.text)
+    assert error["param"] == name and error["message"].startswith(f"{name}: must be "), error
 
 
 @pytest.mark.parametrize("body", [
