@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, _json_depth
+from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, json_depth
 
 from .errors import bad_request
 from .refusals import EXTRA_SAMPLING_FIELDS
@@ -142,7 +142,7 @@ def check_fits_the_model(sampling: dict) -> None:
     measures them; past either bound this names the field that takes it there, which the model, seeing one input,
     cannot. The largest seed's digits are counted in."""
     for name, value in sampling.items():
-        if _json_depth(json.dumps({name: value})) > MAX_JSON_DEPTH:
+        if json_depth(json.dumps({name: value})) > MAX_JSON_DEPTH:
             raise bad_request(f"{name}: nested too deep; the model takes its sampling parameters at most "
                               f"{MAX_JSON_DEPTH} levels deep, the object that holds them included", param=name)
     size = len(json.dumps({**sampling, "seed": SEED_MODULUS - 1}))

@@ -179,7 +179,7 @@ FIELD_TYPES = field_types(SamplingParams)
 def _parse_json_object(raw: str, source: str) -> dict:
     if len(raw) > MAX_PARAMETERS_CHARS:
         raise BadRequest(f"{source} has {len(raw)} characters; at most {MAX_PARAMETERS_CHARS} are accepted")
-    if _json_depth(raw) > MAX_JSON_DEPTH:
+    if json_depth(raw) > MAX_JSON_DEPTH:
         raise BadRequest(f"{source} is nested more than {MAX_JSON_DEPTH} levels deep")
     try:
         values = json.loads(raw, parse_constant=_refuse_constant, object_pairs_hook=_unique_keys)
@@ -214,7 +214,7 @@ def _refuse_constant(name: str):
     raise ValueError(f"{name} is not a number a sampling parameter can take")
 
 
-def _json_depth(raw: str) -> int:
+def json_depth(raw: str) -> int:
     """The deepest nesting of arrays and objects, counted without parsing (brackets inside strings do not count),
     so that nesting too deep for the parser is refused before it recurses."""
     depth = deepest = 0

@@ -6,7 +6,7 @@ import json
 import pytest
 
 from diffulex_backend.scheduler import non_finite_message
-from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, _json_depth
+from diffulex_backend.serving.request_parsing import MAX_JSON_DEPTH, MAX_PARAMETERS_CHARS, json_depth
 from diffulex_client.openai_front.adapter import MAX_CHOICES, SEED_MODULUS, completion_prompts, triton_requests
 from diffulex_client.openai_front.errors import OpenAIError
 from diffulex_client.openai_front.schemas import ChatCompletionRequest, CompletionRequest
@@ -93,7 +93,7 @@ def test_sampling_parameters_at_the_models_bounds_pass_and_one_past_them_are_ref
             assert (caught.value.status, caught.value.param) == (400, "stop_token_ids")
         else:
             (choice,) = triton_requests(request, completion_prompts(request))
-            assert _json_depth(choice.sampling_json()) == MAX_JSON_DEPTH
+            assert json_depth(choice.sampling_json()) == MAX_JSON_DEPTH
     base = len(json.dumps({"stop": [""], "seed": SEED_MODULUS - 1}))
     fitting = completion(stop="x" * (MAX_PARAMETERS_CHARS - base), n=3, seed=SEED_MODULUS - 2)
     assert all(len(choice.sampling_json()) <= MAX_PARAMETERS_CHARS
