@@ -35,6 +35,7 @@ from diffulex_backend.attention import store_kv as store_kv_reference  # noqa: E
 from diffulex_backend.sampling import row_keys, sample_reference  # noqa: E402
 from diffulex_kernels.attention import AttentionLaunch, plan_launch  # noqa: E402
 from diffulex_kernels.device import multiprocessor_count  # noqa: E402
+from diffulex_kernels.kv_store import pack_fp8_rows  # noqa: E402
 from diffulex_kernels.sampling import SamplerLaunch, plan_sampler_launch  # noqa: E402
 
 
@@ -144,23 +145,23 @@ def randn(*shape: int, device: torch.device, dtype=torch.bfloat16) -> torch.Tens
     return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
 
 
-def attention_inputs(model: ModelShape, batch: int, context: int, device: torch.device):
-    """`batch` requests, each feeding one block of BLOCK_LEN tokens over `context` cached tokens; the
+def attention_inputs(model: ModelShape, batch: int, context: int, device: torch.device, block_len: int = BLOCK_LEN):
+    """`batch` requests, each feeding one block of `block_len` tokens over `context` cached tokens; the
     block's K/V are stored (the committed-block case, the most bytes)."""
-    pages_per_seq = triton.cdiv(context + BLOCK_LEN, PAGE_SIZE)
+    pages_per_seq = triton.cdiv(context + block_len, PAGE_SIZE)
     num_pages = batch * pages_per_seq
     page_tables = torch.randperm(num_pages).view(batch, pages_per_seq).to(torch.int32)
-    positions = context + torch.arange(BLOCK_LEN)
+    positions = context + torch.arange(block_len)
     slots = page_tables[:, positions // PAGE_SIZE].long() * PAGE_SIZE + positions % PAGE_SIZE
-    num_tokens = batch * BLOCK_LEN
-    cu = tuple(range(0, num_tokens + 1, BLOCK_LEN))
+    num_tokens = batch * block_len
+    cu = tuple(range(0, num_tokens + 1, block_len))
     meta = AttentionMetadata(
         cu_seqlens_q=torch.tensor(cu, dtype=torch.int32, device=device),
         context_lens=torch.full((batch,), context, dtype=torch.int32, device=device),
         page_tables=page_tables.to(device),
         slot_mapping=slots.reshape(-1).to(device),
         block_ids=torch.full((num_tokens,), context, dtype=torch.int32, device=device),
-        max_seqlen_q=BLOCK_LEN,
+        max_seqlen_q=block_len,
         max_context_len=context,
         cu_seqlens_q_host=cu,
         context_lens_host=(context,) * batch,
@@ -180,7 +181,7 @@ def attention_inputs(model: ModelShape, batch: int, context: int, device: torch.
         + 4 * token_bytes * model.kv_heads  # read in-forward k, v; store them into the cache
         + 2 * batch * context * model.kv_heads * d * element  # read the cached context
     )
-    flops = 4 * model.heads * d * num_tokens * (context + BLOCK_LEN)
+    flops = 4 * model.heads * d * num_tokens * (context + block_len)
     return tensors, meta, bytes_moved, flops
 
 
@@ -235,6 +236,35 @@ def sweep_attention_launches(models, batches, context, device, grid: dict[str, t
                     "paged_attention sweep", f"{model.name} b{batch} ctx{context}", ms, math.nan, math.nan,
                     bytes_moved, flops,
                     note=("default " if launch == base else "") + launch_label(launch),
+                ))
+            del t
+    return rows
+
+
+def attention_key_tiles(models, cases, device) -> list[Row]:
+    """Each case's planned launch over bf16 rows and over FP8 rows (kv_cache_dtype fp8), beside the same launch with
+    key tiles of the other width (64 and 128 keys): where the plan's key tiles stand against the alternative, split
+    and unsplit. A case is (batch, context, block length); the in-forward keys are stored beforehand, as the fused
+    forward stores them."""
+    rows = []
+    for model in models:
+        scale = model.head_dim**-0.5
+        for batch, context, block_len in cases:
+            t, meta, bytes_moved, flops = attention_inputs(model, batch, context, device, block_len)
+            base = plan_launch(t["query"], t["key"], meta)
+            other = dataclasses.replace(base, block_n=128 if base.block_n == 64 else 64)
+            for rows_name, caches in (("bf16 rows", (t["k_cache"], t["v_cache"])),
+                                      ("FP8 rows", (pack_fp8_rows(t["k_cache"]), pack_fp8_rows(t["v_cache"])))):
+                def call(launch, caches=caches):
+                    return diffulex_kernels.paged_attention(t["query"], t["key"], t["value"], *caches, meta, scale,
+                                                            launch=launch, kv_stored=True)
+                other_ms = time_graph_ms(lambda: call(other))
+                planned_ms = time_graph_ms(lambda: call(base))
+                rows.append(Row(
+                    "paged_attention key tiles", f"{model.name} b{batch} ctx{context} block{block_len} {rows_name}",
+                    planned_ms, math.nan, math.nan, bytes_moved, flops,
+                    note=f"planned {launch_label(base)}; {other.block_n} keys {other_ms:.4f} ms "
+                         f"({planned_ms / other_ms:.3f} of it)",
                 ))
             del t
     return rows
@@ -390,7 +420,8 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
-SECTIONS = ("attention", "store_kv", "sampler", "acceptance", "rmsnorm", "attention_sweep", "sampler_sweep")
+SECTIONS = ("attention", "store_kv", "sampler", "acceptance", "rmsnorm", "attention_sweep", "attention_key_tiles",
+            "sampler_sweep")
 
 
 def main() -> None:
@@ -409,11 +440,15 @@ def main() -> None:
         sweep_grid = {"block_m": (), "block_n": (32,), "num_warps": (4,), "num_stages": (2,)}
         sampler_grid = {"block_v": (256,), "num_warps": (4,), "num_chunks": (1, 3)}
         sampler_rows = (2,)
+        key_tile_cases = [(1, 40, 32), (2, 40, 16)]
     else:
         models, batches, contexts, sweep_batches = FULL_MODELS, [1, 8, 32, 64], [512, 2048], [1, 64]
         sweep_grid = {"block_m": (128, 256), "block_n": (32, 64), "num_warps": (4, 8), "num_stages": (2,)}
         sampler_grid = {"block_v": (4096, 8192), "num_warps": (4, 8), "num_chunks": (1, 2, 4, 8, 16, 32)}
         sampler_rows = (8, 32, 128, 256)
+        # Split launches (batch 1 to 4) and unsplit ones (batch 8 and 32), 32- and 16-token blocks.
+        key_tile_cases = [(1, 2048, 32), (1, 32768, 32), (2, 4096, 32), (4, 4096, 32), (4, 16384, 32),
+                          (1, 8192, 16), (4, 4096, 16), (8, 4096, 32), (32, 2048, 32)]
 
     ceilings = measure_ceilings(device, args.smoke)
     header = device_header(device, ceilings)
@@ -425,6 +460,7 @@ def main() -> None:
         "acceptance": lambda: bench_acceptance(batches, device),
         "rmsnorm": lambda: bench_rmsnorm(models, batches, device),
         "attention_sweep": lambda: sweep_attention_launches(models, sweep_batches, contexts[-1], device, sweep_grid),
+        "attention_key_tiles": lambda: attention_key_tiles(models[:2], key_tile_cases, device),
         "sampler_sweep": lambda: sweep_sampler_launches(models[0], sampler_rows, device, sampler_grid),
     }
     rows = []

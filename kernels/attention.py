@@ -11,7 +11,7 @@ A sliding window (DiffusionGemma's sliding layers) hides from a query of block i
 before b - window. Every row's block id is at least the sequence's context length, so the program starts its context
 loop at context_len - window + 1: pages wholly outside the window are never read.
 
-Head sizes up to 128 take tiles of up to 128 rows by 64 keys (128 keys for an unsplit tile of up to 32 rows); 256
+Head sizes up to 128 take tiles of up to 128 rows by 64 keys (128 keys for a tile of up to 32 rows, split or not); 256
 and 512 (Gemma's two) take narrower tiles, so that a program's accumulator stays in registers and its K/V buffers in
 shared memory.
 
@@ -381,7 +381,7 @@ class TileLimits:
     block_n: int
     num_stages: int
     wide_warps: bool  # every launch runs 8 warps (head sizes past 128)
-    long_keys: bool  # unsplit launches of up to 32 rows take key tiles of twice block_n (`launch`)
+    long_keys: bool  # launches of up to 32 rows take key tiles of twice block_n (`launch`)
 
     @staticmethod
     def of(head_dim: int, element_size: int) -> "TileLimits":
@@ -395,9 +395,10 @@ class TileLimits:
         # 128-row tiles run split programs with 8 warps (short programs); unsplit launches run 4 warps, which
         # leaves room for more programs per multiprocessor.
         num_warps = 8 if self.wide_warps or (num_splits > 1 and block_m >= 128) else 4
-        # An unsplit program streams a whole context, and each key tile pays a fixed cost (the accumulator's rescale,
-        # the row reductions) that a tile of 32 rows barely covers: 128 keys halve it (docs/kernels.md).
-        long = self.long_keys and num_splits == 1 and block_m <= 32
+        # Each key tile pays a fixed cost (the accumulator's rescale, the row reductions; over FP8 rows the scales'
+        # loads too) that a tile of up to 32 rows barely covers: 128 keys halve it, in a split program's chunk as in
+        # an unsplit program's whole context (docs/kernels.md). Wider tiles keep block_n: their registers are full.
+        long = self.long_keys and block_m <= 32
         return AttentionLaunch(block_m, 2 * self.block_n if long else self.block_n, num_splits, num_warps,
                                self.num_stages)
 

@@ -329,10 +329,10 @@ def test_wide_gqa_group_takes_one_256_row_tile_unless_split():
     assert plan_launch(query.float(), key.float(), meta).block_m == 16
 
 
-def test_unsplit_tiles_of_32_rows_take_128_keys():
-    """A key tile's fixed cost (the accumulator's rescale, the row reductions) takes 128 keys to cover where an
-    unsplit program has up to 32 rows (LLaDA's 32-token block of one head, or a 16-token block), in both half types
-    and at head sizes 64 and 128. Split programs, short by design, keep 64; so do wider tiles."""
+def test_tiles_of_up_to_32_rows_take_128_keys_split_or_not():
+    """A key tile's fixed cost (the accumulator's rescale, the row reductions) takes 128 keys to cover where a
+    program has up to 32 rows (LLaDA's 32-token block of one head, or a 16-token block), unsplit or split, in both
+    half types and at head sizes 64 and 128. Wider tiles keep 64."""
     def plan(heads: int, kv_heads: int, num_splits: int, head_dim: int = 128,
              dtype: torch.dtype = torch.bfloat16, tokens: int = 32) -> AttentionLaunch:
         query = torch.empty(tokens, heads, head_dim, dtype=dtype)
@@ -348,8 +348,9 @@ def test_unsplit_tiles_of_32_rows_take_128_keys():
     assert shape(plan(32, 32, 1, dtype=torch.float16)) == (32, 128, 4)
     assert shape(plan(32, 32, 1, head_dim=64)) == (32, 128, 4)
     assert shape(plan(32, 32, 1, tokens=16)) == (16, 128, 4)  # a 16-token block: 16-row tiles
-    assert shape(plan(32, 32, 4, tokens=16)) == (16, 64, 4)
-    assert shape(plan(32, 32, 4)) == (32, 64, 4)
+    assert shape(plan(32, 32, 4, tokens=16)) == (16, 128, 4)
+    assert shape(plan(32, 32, 4)) == (32, 128, 4)
+    assert shape(plan(32, 32, 4, head_dim=64)) == (32, 128, 4)
     assert shape(plan(64, 32, 1)) == (64, 64, 4)
     assert shape(plan(32, 32, 1, head_dim=256)) == (32, 32, 8)  # Gemma's wide heads: no longer tiles
     assert shape(plan(28, 7, 1)) == (128, 64, 4)
