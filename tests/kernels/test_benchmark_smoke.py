@@ -6,7 +6,7 @@ import pytest
 from benchmark_smoke import csv_rows, run_smoke
 
 KERNELS = [
-    "paged_attention", "paged_attention sweep", "store_kv", "sample_and_confidence", "sample_and_confidence sweep",
+    "paged_attention", "paged_attention sweep", "paged_attention key tiles", "store_kv", "sample_and_confidence", "sample_and_confidence sweep",
     "accept_tokens", "rmsnorm", "fused_add_rmsnorm",
 ]
 
